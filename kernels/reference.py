@@ -1,0 +1,420 @@
+"""Pure-PyTorch oracle for minference-fx sparse attention.
+
+Every Triton kernel is tested against this file, so it favours being obviously
+right over being fast. It does two things:
+
+1. ``build_index`` turns a :class:`~minference_fx.plan.LayerPlan` and the
+   current Q/K into a :class:`SparseIndex`: for each (batch, query head, query
+   tile) a list of 64-key tiles plus a list of single leftover key columns.
+2. ``sparse_attention_reference`` runs exact attention over the keys that the
+   index lists *and* the base mask allows (causal, padding, documents, sliding
+   window), chunked over query rows so that 16K tokens fit in CPU memory.
+
+Conventions
+-----------
+* Query row ``i`` sits at absolute position ``pos_i`` (``q_offset + i`` unless
+  ``q_positions`` is given); key ``j`` sits at position ``j``.
+* ``BLOCK`` is the index granularity for both query tiles and key tiles.
+* Only approximation is in which tiles/columns are listed; inside them the
+  arithmetic is exact fp32.
+* Ties in every top-k are broken towards the lower index (stable sort), so the
+  GPU builders have a rule they can reproduce.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+BLOCK = 64
+
+# MInference's fixed minima for the vertical-slash estimate.
+VS_LAST_Q = 64
+VS_FORCED_COLUMNS = 30  # attention sinks
+VS_FORCED_DIAGONALS = 100  # local band
+VS_MIN_COLUMNS = 30
+VS_MIN_DIAGONALS = 50
+
+
+@dataclasses.dataclass
+class SparseIndex:
+    """Which keys each (batch, query head, query tile) reads, before the base mask.
+
+    All tensors are int32 on the device of q. ``M = ceil(Sq / BLOCK)``.
+
+    Attributes
+    ----------
+    tile_count : ``[B, Hq, M]`` number of valid entries in ``tile_index``.
+    tile_index : ``[B, Hq, M, T]`` key-tile numbers, ascending, padded with -1.
+    col_count : ``[B, Hq, M]`` number of valid entries in ``col_index``.
+    col_index : ``[B, Hq, M, C]`` key positions, ascending, padded with -1; a
+        column never lies inside a listed tile of the same (b, h, m).
+    """
+
+    tile_count: torch.Tensor
+    tile_index: torch.Tensor
+    col_count: torch.Tensor
+    col_index: torch.Tensor
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def query_positions(sq: int, q_offset: int, q_positions, device) -> torch.Tensor:
+    """Absolute position of every query row.
+
+    Parameters
+    ----------
+    sq : number of query rows.
+    q_offset : position of row 0 when ``q_positions`` is None (keys already cached).
+    q_positions : optional int tensor ``[Sq]`` (like HF ``cache_position``); wins over ``q_offset``.
+    device : device of the result.
+
+    Returns
+    -------
+    LongTensor ``[Sq]``.
+    """
+    if q_positions is None:
+        return torch.arange(sq, device=device, dtype=torch.long) + int(q_offset)
+    q_positions = torch.as_tensor(q_positions)
+    if q_positions.shape != (sq,):
+        raise ValueError(f"q_positions must have shape [{sq}], got {list(q_positions.shape)}")
+    return q_positions.to(device=device, dtype=torch.long)
+
+
+def base_allowed(pos: torch.Tensor, skv: int, key_mask=None, doc_ids=None, window: int = 0) -> torch.Tensor:
+    """The base set A: which keys each query row may read regardless of the pattern.
+
+    Parameters
+    ----------
+    pos : LongTensor ``[R]``, absolute positions of the rows asked about.
+    skv : number of keys.
+    key_mask : optional bool ``[B, Skv]``, True where a key may be read.
+    doc_ids : optional int ``[B, Skv]``; a row reads only keys of its own document,
+        the row's document being ``doc_ids[b, pos]`` (so ``0 <= pos < Skv`` is required).
+    window : 0 for none, else key ``j`` needs ``pos - j < window``.
+
+    Returns
+    -------
+    bool ``[B, 1, R, Skv]`` (``B`` is 1 when neither mask is given; it broadcasts).
+    """
+    j = torch.arange(skv, device=pos.device)
+    allowed = j[None, :] <= pos[:, None]  # [R, Skv]
+    if window:
+        allowed = allowed & (pos[:, None] - j[None, :] < window)
+    allowed = allowed[None]
+    if key_mask is not None:
+        allowed = allowed & key_mask.to(device=pos.device, dtype=torch.bool)[:, None, :]
+    if doc_ids is not None:
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= skv):
+            raise ValueError(f"doc_ids needs every query position in [0, {skv}), got [{int(pos.min())}, {int(pos.max())}]")
+        doc_ids = doc_ids.to(pos.device)
+        allowed = allowed & (doc_ids[:, pos][:, :, None] == doc_ids[:, None, :])
+    return allowed[:, None]
+
+
+def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    # A row with nothing allowed must give zeros, not the NaN of softmax(all -inf).
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(scores - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _tile_bounds(pos: torch.Tensor, m_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # q_positions may be arbitrary, so a tile's span is min/max, not first/last row.
+    # The rows past Sq in the last tile repeat its last real row, so they change no min/max.
+    rows = torch.clamp(torch.arange(m_tiles * BLOCK, device=pos.device), max=pos.numel() - 1)
+    tiled = pos[rows].view(m_tiles, BLOCK)
+    return tiled.amin(-1), tiled.amax(-1)
+
+
+def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries along the last dim, ties to the lower index."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _stable_topk_mask(scores: torch.Tensor, k) -> torch.Tensor:
+    """bool mask of the ``k`` (int, or a tensor per leading row) largest entries, ties to the lower index."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    limit = k if isinstance(k, int) else k[..., None]
+    rank_ok = (torch.arange(scores.shape[-1], device=scores.device) < limit).expand_as(order)
+    return torch.zeros_like(rank_ok).scatter(-1, order, rank_ok)
+
+
+# --------------------------------------------------------------------------- per-pattern index
+
+
+def _a_shape_tiles(lo, hi, n_tiles, skv, sink, window):
+    n_start = torch.arange(n_tiles, device=lo.device) * BLOCK
+    n_end = torch.clamp(n_start + BLOCK - 1, max=skv - 1)
+    w_lo, w_hi = (lo - window + 1)[:, None], hi[:, None]
+    in_window = (w_lo <= w_hi) & (n_end[None] >= w_lo) & (n_start[None] <= w_hi)
+    return (n_start[None] < sink) | in_window
+
+
+def _vertical_slash(q_h, k_g, pos, lo, hi, n_tiles, v_budget, s_budget, scale, key_mask, doc_ids, window):
+    """Tile mask ``[B, M, N]`` and leftover-column mask ``[B, M, Skv]`` of one head."""
+    B, sq, _ = q_h.shape
+    skv = k_g.shape[1]
+    dev = q_h.device
+    last_q = min(VS_LAST_Q, sq)
+    est_pos = pos[sq - last_q :]
+    scores = torch.einsum("bqd,bkd->bqk", q_h[:, sq - last_q :].float(), k_g.float()) * scale
+    allowed = base_allowed(est_pos, skv, key_mask, doc_ids, window)[:, 0]
+    prob = _masked_softmax(scores, allowed.expand_as(scores))  # [B, last_q, Skv]
+
+    vertical = prob.sum(dim=1)
+    vertical[:, :VS_FORCED_COLUMNS] = float("inf")
+
+    j = torch.arange(skv, device=dev)
+    delta = est_pos[:, None] - j[None, :]  # [last_q, Skv]
+    on_diag = (delta >= 0) & (delta < skv)
+    slash = torch.zeros(B, skv, device=dev, dtype=torch.float32)
+    slash.scatter_add_(1, delta.clamp(0, skv - 1).reshape(1, -1).expand(B, -1), (prob * on_diag).reshape(B, -1))
+    slash[:, :VS_FORCED_DIAGONALS] = float("inf")
+
+    n_cols = min(max(v_budget, VS_MIN_COLUMNS), skv)
+    n_diags = min(max(s_budget, VS_MIN_DIAGONALS), skv)
+    col_sel = _stable_topk_mask(vertical, n_cols)  # [B, Skv]
+    deltas = _stable_topk(slash, n_diags)  # [B, S']
+
+    # Diagonal delta crosses tile m at keys [lo-delta, hi-delta]; mark the key
+    # tiles it touches with a +1/-1 difference array so that any span works
+    # (arbitrary q_positions can make a tile's span wider than 64).
+    k_lo = (lo[None, :, None] - deltas[:, None, :]).clamp(min=0)  # [B, M, S']
+    k_hi = (hi[None, :, None] - deltas[:, None, :]).clamp(max=skv - 1)
+    hit = k_lo <= k_hi
+    ones = hit.to(torch.int32)
+    diff = torch.zeros(B, lo.numel(), n_tiles + 1, device=dev, dtype=torch.int32)
+    diff.scatter_add_(2, torch.where(hit, k_lo // BLOCK, n_tiles), ones)
+    diff.scatter_add_(2, torch.where(hit, k_hi // BLOCK + 1, n_tiles), -ones)
+    tiles = diff.cumsum(-1)[..., :n_tiles] > 0
+
+    covered = tiles.repeat_interleave(BLOCK, dim=-1)[..., :skv]
+    cols = col_sel[:, None, :] & ~covered & (j[None, :] <= hi[:, None])[None]
+    return tiles, cols
+
+
+def _block_sparse(q_h, k_g, lo, hi, n_tiles, k_budget):
+    """Tile mask ``[B, M, N]`` of one block-sparse head."""
+    B, sq, D = q_h.shape
+    skv = k_g.shape[1]
+    m_tiles = lo.numel()
+
+    def pool(x, tiles):
+        # Mean over the rows a tile really has, so a short last tile is not diluted.
+        n = x.shape[1]
+        x = torch.nn.functional.pad(x.float(), (0, 0, 0, tiles * BLOCK - n)).view(B, tiles, BLOCK, D).sum(2)
+        counts = torch.clamp(n - torch.arange(tiles, device=x.device) * BLOCK, max=BLOCK)
+        return x / counts[None, :, None]
+
+    score = pool(q_h, m_tiles) @ pool(k_g, n_tiles).transpose(1, 2)  # [B, M, N]
+    n = torch.arange(n_tiles, device=q_h.device)
+    allowed = n[None] * BLOCK <= hi[:, None]  # [M, N]
+    diagonal = (n[None] >= (lo // BLOCK)[:, None]) & (n[None] <= (hi // BLOCK)[:, None])
+    forced = allowed & ((n[None] == 0) | diagonal)
+    score = torch.where(forced, float("inf"), torch.where(allowed, score, float("-inf")))
+    k_eff = torch.maximum(torch.clamp(allowed.sum(-1), max=k_budget), forced.sum(-1))  # [M]
+    return _stable_topk_mask(score, k_eff[None].expand(B, -1))
+
+
+def _pack(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[..., L]`` -> (count int32 ``[...]``, ascending int32 ``[..., capacity]`` padded -1)."""
+    length = mask.shape[-1]
+    count = mask.sum(-1)
+    capacity = max(capacity, int(count.max()) if count.numel() else 0)
+    key = torch.where(mask, torch.arange(length, device=mask.device), length)
+    take = min(capacity, length)
+    idx = torch.topk(key, take, dim=-1, largest=False, sorted=True).values if take else key[..., :0]
+    idx = torch.where(idx < length, idx, -1)
+    idx = torch.nn.functional.pad(idx, (0, capacity - take), value=-1)
+    return count.to(torch.int32), idx.to(torch.int32)
+
+
+def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
+    """(tiles, columns) a head needs at most when query positions are contiguous."""
+    p, a, b = head.pattern, head.budget_a, head.budget_b
+    if p is Pattern.DENSE:
+        return n_tiles, 0
+    if p is Pattern.A_SHAPE:
+        # window span of a full tile is b + 63 keys, touching at most ceil(b/64) + 2 tiles
+        return min(n_tiles, _cdiv(a, BLOCK) + _cdiv(b, BLOCK) + 2), 0
+    if p is Pattern.VERTICAL_SLASH:
+        # each diagonal is a 64-wide unaligned range: at most two tiles
+        return min(n_tiles, 2 * min(max(b, VS_MIN_DIAGONALS), skv)), min(max(a, VS_MIN_COLUMNS), skv)
+    # block sparse: tile 0 plus up to two diagonal tiles are forced beyond k
+    return min(n_tiles, max(a, 3)), 0
+
+
+def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_positions=None, q_offset=0, window=0) -> SparseIndex:
+    """Build the sparse index of one attention call.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, Sq, D]``.
+    k : ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+    plan : one :class:`HeadPlan` per query head.
+    scale : softmax scale (used by the vertical-slash estimate).
+    key_mask, doc_ids, q_positions, q_offset, window : see :func:`base_allowed`
+        and :func:`query_positions`; they shape the vertical-slash estimate only.
+
+    Returns
+    -------
+    SparseIndex with ``M = ceil(Sq / BLOCK)``. No listed tile starts after
+    ``pos_hi(m)`` and no column exceeds it: such keys can never be read, so even
+    DENSE and A-shape sink tiles are clipped there.
+    """
+    B, Hq, sq, _ = q.shape
+    Hkv, skv = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if len(plan.heads) != Hq:
+        raise ValueError(f"plan has {len(plan.heads)} heads, the call has {Hq} query heads")
+    group = Hq // Hkv
+    dev = q.device
+    pos = query_positions(sq, q_offset, q_positions, dev)
+    m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
+    lo, hi = _tile_bounds(pos, m_tiles)
+    reachable = torch.arange(n_tiles, device=dev)[None] * BLOCK <= hi[:, None]  # [M, N]
+
+    tile_masks, col_masks = [], []
+    for h, head in enumerate(plan.heads):
+        q_h, k_g = q[:, h], k[:, h // group]
+        cols = torch.zeros(B, m_tiles, skv, dtype=torch.bool, device=dev)
+        if head.pattern is Pattern.DENSE:
+            tiles = reachable[None].expand(B, -1, -1)
+        elif head.pattern is Pattern.A_SHAPE:
+            tiles = (_a_shape_tiles(lo, hi, n_tiles, skv, head.budget_a, head.budget_b) & reachable)[None].expand(B, -1, -1)
+        elif head.pattern is Pattern.VERTICAL_SLASH:
+            tiles, cols = _vertical_slash(
+                q_h, k_g, pos, lo, hi, n_tiles, head.budget_a, head.budget_b, scale, key_mask, doc_ids, window
+            )
+        elif head.pattern is Pattern.BLOCK_SPARSE:
+            tiles = _block_sparse(q_h, k_g, lo, hi, n_tiles, head.budget_a)
+        else:  # pragma: no cover - Pattern is closed
+            raise ValueError(f"unknown pattern {head.pattern}")
+        tile_masks.append(tiles)
+        col_masks.append(cols)
+
+    caps = [_capacity(head, n_tiles, skv) for head in plan.heads]
+    tile_count, tile_index = _pack(torch.stack(tile_masks, 1), max(c[0] for c in caps))
+    col_count, col_index = _pack(torch.stack(col_masks, 1), max(c[1] for c in caps))
+    return SparseIndex(tile_count, tile_index, col_count, col_index)
+
+
+def index_to_mask(index: SparseIndex, rows, skv: int) -> torch.Tensor:
+    """Expand an index to the keys each query row's pattern lists (no base mask).
+
+    Parameters
+    ----------
+    index : a :class:`SparseIndex`.
+    rows : ``slice`` or ``range`` of query rows (step 1), e.g. ``range(512, 1024)``.
+    skv : number of keys.
+
+    Returns
+    -------
+    bool ``[B, Hq, len(rows), Skv]``.
+    """
+    r0, r1 = (rows.start or 0), rows.stop
+    if r1 is None:
+        r1 = index.tile_index.shape[2] * BLOCK
+    if (rows.step or 1) != 1:
+        raise ValueError("rows must be contiguous (step 1)")
+    n_tiles = _cdiv(skv, BLOCK)
+    B, Hq = index.tile_index.shape[:2]
+    if r1 <= r0:
+        return torch.zeros(B, Hq, 0, skv, dtype=torch.bool, device=index.tile_index.device)
+    m0, m1 = r0 // BLOCK, _cdiv(r1, BLOCK)
+
+    def scatter(idx, length):
+        # -1 padding goes to a spare slot that is dropped afterwards
+        idx = idx[:, :, m0:m1].long()
+        if idx.numel() and int(idx.max()) >= length:
+            raise ValueError(f"index entry {int(idx.max())} out of range [0, {length})")
+        slot = torch.where(idx >= 0, idx, length)
+        out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool, device=idx.device)
+        return out.scatter_(-1, slot, True)[..., :length]
+
+    tiles = scatter(index.tile_index, n_tiles).repeat_interleave(BLOCK, dim=-1)[..., :skv]
+    per_tile = tiles | scatter(index.col_index, skv)  # [B, Hq, m1-m0, Skv]
+    row_tile = torch.arange(r0, r1, device=per_tile.device) // BLOCK - m0
+    return per_tile[:, :, row_tile]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def sparse_attention_reference(
+    q, k, v, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_positions=None, q_offset=0, window=0,
+    index: SparseIndex | None = None, rows_per_chunk: int = 512,
+) -> torch.Tensor:
+    """Exact attention over the keys in ``index`` that the base mask allows.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, Sq, D]``; k, v : ``[B, Hkv, Skv, D]``; any strides, fp32/fp16/bf16.
+    plan : one head plan per query head.
+    scale : softmax scale.
+    key_mask : optional bool ``[B, Skv]`` (True = may be read).
+    doc_ids : optional int ``[B, Skv]`` packed-document ids.
+    q_positions : optional int ``[Sq]``; else positions are ``q_offset + i``.
+    window : sliding window (0 = none).
+    index : a prebuilt index; built from q/k when None.
+    rows_per_chunk : query rows per step; memory is ``O(B * group * rows_per_chunk * Skv)``.
+
+    Returns
+    -------
+    ``[B, Hq, Sq, D]`` contiguous, dtype of q. Math in fp32; a row that may read
+    no key is exactly 0.
+    """
+    B, Hq, sq, D = q.shape
+    Hkv, skv = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must agree in [B, Hkv, Skv]")
+    group = Hq // Hkv
+    if index is None:
+        index = build_index(
+            q, k, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_positions=q_positions, q_offset=q_offset, window=window
+        )
+    if tuple(index.tile_index.shape[:3]) != (B, Hq, _cdiv(sq, BLOCK)):
+        raise ValueError(f"index is for {list(index.tile_index.shape[:3])} (B, Hq, M), the call needs {[B, Hq, _cdiv(sq, BLOCK)]}")
+    pos = query_positions(sq, q_offset, q_positions, q.device)
+    kf, vf = k.float(), v.float()
+    out = torch.empty(B, Hq, sq, v.shape[-1], dtype=torch.float32, device=q.device)
+    for r0 in range(0, sq, max(1, rows_per_chunk)):
+        r1 = min(sq, r0 + rows_per_chunk)
+        # Keys past the chunk's last position are never readable: skip them (halves causal work).
+        kmax = max(0, min(skv, int(pos[r0:r1].max()) + 1))
+        if kmax == 0:
+            out[:, :, r0:r1] = 0
+            continue
+        base = base_allowed(pos[r0:r1], skv, key_mask, doc_ids, window)[..., :kmax]  # [B|1, 1, R, kmax]
+        allowed = index_to_mask(index, range(r0, r1), skv)[..., :kmax] & base  # [B, Hq, R, kmax]
+        for g in range(Hkv):
+            heads = slice(g * group, (g + 1) * group)
+            scores = q[:, heads, r0:r1].float() @ kf[:, g : g + 1, :kmax].transpose(-1, -2) * scale
+            prob = _masked_softmax(scores, allowed[:, heads])
+            out[:, heads, r0:r1] = prob @ vf[:, g : g + 1, :kmax]
+    return out.to(q.dtype)
+
+
+def dense_attention_reference(
+    q, k, v, *, scale, key_mask=None, doc_ids=None, q_positions=None, q_offset=0, window=0, rows_per_chunk: int = 512
+) -> torch.Tensor:
+    """Exact attention over the base mask alone (every head DENSE); same arguments as the sparse one."""
+    plan = LayerPlan(tuple(HeadPlan(Pattern.DENSE) for _ in range(q.shape[1])))
+    return sparse_attention_reference(
+        q, k, v, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_positions=q_positions,
+        q_offset=q_offset, window=window, rows_per_chunk=rows_per_chunk,
+    )

@@ -1,0 +1,34 @@
+"""minference-fx: a torch.compile backend for fast long-context prefill.
+
+``torch.compile(model, backend="minference")`` rewrites every causal attention
+it understands into ``minference::sparse_attention`` (dynamic sparse attention
+per head) and leaves the rest dense, with a report saying why.
+"""
+from .backend import minference_backend, recent_reports
+from .config import (
+    ConfigError,
+    ConfigMismatchError,
+    SemanticConfig,
+    default_config,
+    import_minference_best_pattern,
+    load_config,
+)
+from .inspection import inspect
+from .op import sparse_attention
+from .plan import HeadPlan, LayerPlan, Pattern
+
+__all__ = [
+    "ConfigError",
+    "ConfigMismatchError",
+    "HeadPlan",
+    "LayerPlan",
+    "Pattern",
+    "SemanticConfig",
+    "default_config",
+    "import_minference_best_pattern",
+    "inspect",
+    "load_config",
+    "minference_backend",
+    "recent_reports",
+    "sparse_attention",
+]

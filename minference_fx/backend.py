@@ -1,0 +1,138 @@
+"""The ``minference`` torch.compile backend.
+
+``minference_backend`` is the target of the ``torch_dynamo_backends`` entry
+point; it is a plain function on purpose (registering it again under the same
+name would make torch raise "duplicate name: minference").
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import re
+
+import torch
+import torch.fx as fx
+
+from . import passes
+from .config import ConfigMismatchError, HeadEntry, SemanticConfig
+from .options import BackendOptions, Inner
+from .plan import HeadPlan, LayerPlan, Pattern
+from .report import Report
+
+log = logging.getLogger("minference_fx")
+try:  # lets TORCH_LOGS=+minference_fx turn this logger on
+    torch._logging._internal.register_log("minference_fx", "minference_fx")
+except Exception:  # a torch without the private registry still logs through logging
+    pass
+
+DEFAULT_HEAD = HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096)
+DEFAULT_MIN_SPARSE_LEN = 8192
+
+# Recent reports, newest last; inspect() and the CLI read them.
+_REPORTS: collections.deque[Report] = collections.deque(maxlen=64)
+
+_LAYER_PARAM = re.compile(r"layers_modules_(\d+)_")
+
+
+def recent_reports() -> list[Report]:
+    return list(_REPORTS)
+
+
+def _head_count(site) -> tuple[int, int, int]:
+    q = site.query.meta["example_value"]
+    k = site.key.meta["example_value"]
+    return q.shape[1], k.shape[1], q.shape[-1]
+
+
+def _model_layer_count(gm: fx.GraphModule, sites) -> int:
+    """Layers of the traced model, from its parameter names (placeholders) and the sites."""
+    indices = [int(m.group(1)) for n in gm.graph.nodes if n.op == "placeholder" for m in [_LAYER_PARAM.search(n.name)] if m]
+    indices += [s.layer for s in sites if s.layer is not None]
+    return max(indices) + 1 if indices else 0
+
+
+def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_offset: int) -> None:
+    """Raise ConfigMismatchError naming every way the config does not fit this graph."""
+    model = config.model
+    problems = []
+    layers = _model_layer_count(gm, sites)
+    if layers and layers != model.num_layers:
+        problems.append(f"config is for {model.num_layers} layers, the model has {layers}")
+    for site in sites:
+        if site.blocker or site.layer is None:
+            continue
+        hq, hkv, dim = _head_count(site)
+        where = f"layer {site.layer} ({site.source or site.node.name})"
+        if head_offset + hq > model.num_q_heads:
+            problems.append(f"{where}: query heads {head_offset}..{head_offset + hq - 1} exceed the config's {model.num_q_heads}")
+        if hq // hkv != model.num_q_heads // model.num_kv_heads:
+            problems.append(f"{where}: GQA group {hq // hkv}, config has {model.num_q_heads // model.num_kv_heads}")
+        if dim != model.head_dim:
+            problems.append(f"{where}: head dim {dim}, config has {model.head_dim}")
+    if problems:
+        raise ConfigMismatchError(sorted(set(problems), key=problems.index))
+
+
+def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config):
+    if inner == Inner.EAGER:
+        return gm.forward
+    if inner == Inner.AOT_EAGER:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {**list_mode_options(mode or "default"), **inductor_config}
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
+    """Find, analyse and rewrite the attention sites of ``gm`` in place."""
+    code_before = gm.code
+    sites = passes.analyse(gm)
+    config = options.config
+    if config is not None:
+        check_config_fits(config, gm, sites, options.head_offset)
+    min_len = options.min_sparse_len
+    if min_len is None:
+        min_len = config.min_sparse_len if config is not None else DEFAULT_MIN_SPARSE_LEN
+
+    plans: dict[int, LayerPlan] = {}
+    index_of = {id(s.node): i for i, s in enumerate(sites)}
+
+    def plan_for(site) -> LayerPlan:
+        hq = _head_count(site)[0]
+        if config is None:
+            plan = LayerPlan((DEFAULT_HEAD,) * hq)
+        else:
+            plan = config.layer_plan(site.layer, options.head_offset, hq)
+        plans[index_of[id(site.node)]] = plan
+        return plan
+
+    sites = passes.apply(gm, sites, plan_for, min_len)
+    report = Report.build(sites, plans, code_before, gm.code, min_len)
+    _publish(report)
+    return report
+
+
+def _publish(report: Report) -> None:
+    _REPORTS.append(report)
+    log.info("minference: %d/%d attention sites rewritten\n%s", report.rewritten, len(report.rows), report.table())
+    try:
+        from torch._logging import trace_structured
+
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": "minference_fx_report", "encoding": "string"},
+            payload_fn=lambda: report.table() + "\n\n" + report.diff(),
+        )
+    except Exception as exc:  # tlparse artifacts are a debugging aid; never fail a compile for them
+        log.debug("trace_structured failed: %s", exc)
+
+
+def minference_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options=None):
+    """torch.compile backend: rewrite causal attention to sparse, then hand over to ``options['inner']``."""
+    opts = BackendOptions.from_user(options)
+    rewrite_graph(gm, opts)
+    return _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor_config)

@@ -1,0 +1,735 @@
+"""Semantic config: which keys each (layer, query head) of a model may read.
+
+The config is the output of the offline pattern search and the input of the
+rewrite pass. It names a pattern and two budgets per query head; it never says
+anything about GPUs, tile sizes or speed (that is the autotune cache's job), so
+one file serves every device.
+
+On disk it is versioned JSON. MInference's ``best_pattern`` files are a
+different, unversioned format and are only read through the explicit
+:func:`import_minference_best_pattern`, because a bare list carries no model
+identity to check against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import operator
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+SCHEMA_VERSION = 1
+
+# MInference's own fallback for heads its search did not list.
+DEFAULT_HEAD = {"pattern": Pattern.VERTICAL_SLASH.value, "budgets": [1000, 6096]}
+DEFAULT_DEFAULTS: dict[str, Any] = {
+    # Below this many query tokens sparse attention saves less than its index costs.
+    "min_sparse_len": 8192,
+    # Reserved for a runtime fallback to dense when the index looks unreliable.
+    "guard_threshold": 0.0,
+    "default_head": DEFAULT_HEAD,
+}
+
+MINFERENCE_PATTERN_TYPES = ("vertical_and_slash", "stream_llm", "block_sparse")
+# MInference ignores v/s for block_sparse and always keeps 100 blocks of 64 keys.
+MINFERENCE_BLOCK_SPARSE_BLOCKS = 100
+
+_PATTERN_NAMES = ", ".join(p.value for p in Pattern)
+
+
+class ConfigError(ValueError):
+    """A semantic config that cannot be used; ``problems`` lists every reason."""
+
+    _headline = "invalid semantic config"
+    _joiner = "\n  - "
+
+    def __init__(self, problems, *, source=None):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        self.source = None if source is None else str(source)
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        head = self._headline + (f" ({self.source})" if self.source else "")
+        if len(self.problems) == 1:
+            return f"{head}: {self.problems[0]}"
+        return f"{head}: {len(self.problems)} problems:{self._joiner}" + self._joiner.join(self.problems)
+
+
+class ConfigMismatchError(ConfigError):
+    """The config is valid but was made for a different model."""
+
+    _headline = "semantic config does not fit the model"
+
+    def _format(self) -> str:
+        head = self._headline + (f" ({self.source})" if self.source else "")
+        return f"{head}: " + "; ".join(self.problems)
+
+
+class ConfigIndexError(ConfigError, IndexError):
+    """A layer or head range outside the config (caught by ``except IndexError`` too)."""
+
+    _headline = "out of range"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelIdentity:
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    name: str = ""
+    fingerprint: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Provenance:
+    """Where the head patterns came from; informational, never read by the runtime."""
+
+    tool_version: str = ""
+    calibration_data: str = ""
+    lengths: list[int] = dataclasses.field(default_factory=list)
+    seed: int | None = None
+    metric: str = ""
+    date: str = ""
+    notes: str = ""
+
+    def __post_init__(self):
+        # A tuple would survive in memory but come back from JSON as a list and break equality.
+        if isinstance(self.lengths, tuple):
+            self.lengths = list(self.lengths)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _as_int(value):
+    """numpy and other integer-likes to int; anything else unchanged so validate can name it."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return int(operator.index(value))
+    except TypeError:
+        return value
+
+
+def _as_pattern(value):
+    if isinstance(value, Pattern):
+        return value
+    try:
+        return Pattern(value)
+    except ValueError:
+        # Kept raw: validate reports it with its location instead of failing here without one.
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadEntry:
+    pattern: Pattern
+    budgets: tuple[int, int]
+    score: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "pattern", _as_pattern(self.pattern))
+        budgets = self.budgets
+        if isinstance(budgets, (list, tuple)):
+            budgets = tuple(_as_int(b) for b in budgets)
+        object.__setattr__(self, "budgets", budgets)
+        score = self.score
+        if isinstance(score, (int, float)) and not isinstance(score, bool):
+            score = float(score)
+        object.__setattr__(self, "score", score)
+
+    def plan(self) -> HeadPlan:
+        return HeadPlan(self.pattern, self.budgets[0], self.budgets[1])
+
+    def to_dict(self) -> dict:
+        pattern = self.pattern.value if isinstance(self.pattern, Pattern) else self.pattern
+        budgets = list(self.budgets) if isinstance(self.budgets, tuple) else self.budgets
+        return {"pattern": pattern, "budgets": budgets, "score": self.score}
+
+
+def _default_head_dict(value) -> Any:
+    if not isinstance(value, Mapping):
+        return value
+    out = dict(value)
+    if isinstance(out.get("pattern"), Pattern):
+        out["pattern"] = out["pattern"].value
+    if isinstance(out.get("budgets"), (list, tuple)):
+        out["budgets"] = [_as_int(b) for b in out["budgets"]]
+    return out
+
+
+def _normalize_defaults(defaults) -> dict:
+    if not isinstance(defaults, Mapping):
+        return defaults
+    out = json.loads(json.dumps(DEFAULT_DEFAULTS))
+    out.update(defaults)
+    out["default_head"] = _default_head_dict(out["default_head"])
+    return out
+
+
+@dataclasses.dataclass
+class SemanticConfig:
+    model: ModelIdentity
+    layers: list[list[HeadEntry]]
+    defaults: dict = dataclasses.field(default_factory=dict)
+    provenance: Provenance = dataclasses.field(default_factory=Provenance)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        # Fill and canonicalise so that a config built in memory equals itself after a JSON round trip.
+        self.defaults = _normalize_defaults(self.defaults)
+        if isinstance(self.layers, (list, tuple)):
+            self.layers = [list(layer) if isinstance(layer, tuple) else layer for layer in self.layers]
+
+    # -- defaults ---------------------------------------------------------
+
+    @property
+    def min_sparse_len(self) -> int:
+        return self.defaults["min_sparse_len"]
+
+    @property
+    def guard_threshold(self) -> float:
+        return self.defaults["guard_threshold"]
+
+    @property
+    def default_head(self) -> HeadEntry:
+        d = self.defaults["default_head"]
+        return HeadEntry(d["pattern"], tuple(d["budgets"]), None)
+
+    # -- checks -----------------------------------------------------------
+
+    def validate(self) -> list[str]:
+        """Every problem found, in a stable order; empty when the config is usable."""
+        problems: list[str] = []
+        if self.schema_version != SCHEMA_VERSION:
+            problems.append(
+                f"schema_version is {self.schema_version!r}, this version of minference-fx reads {SCHEMA_VERSION}"
+            )
+        problems += _model_problems(self.model)
+        problems += _defaults_problems(self.defaults)
+        problems += _provenance_problems(self.provenance)
+
+        n_layers = getattr(self.model, "num_layers", None)
+        n_heads = getattr(self.model, "num_q_heads", None)
+        if not isinstance(self.layers, list):
+            problems.append(f"layers must be a list of layers, got {type(self.layers).__name__}")
+            return problems
+        if _is_pos_int(n_layers) and len(self.layers) != n_layers:
+            problems.append(f"config has {len(self.layers)} layers, model.num_layers is {n_layers}")
+        for li, layer in enumerate(self.layers):
+            if not isinstance(layer, list):
+                problems.append(f"layer {li} must be a list of heads, got {type(layer).__name__}")
+                continue
+            if _is_pos_int(n_heads) and len(layer) != n_heads:
+                problems.append(f"layer {li} has {len(layer)} heads, model.num_q_heads is {n_heads}")
+            for hi, entry in enumerate(layer):
+                where = f"layer {li} head {hi}"
+                if not isinstance(entry, HeadEntry):
+                    problems.append(f"{where}: expected a HeadEntry, got {type(entry).__name__}")
+                    continue
+                problems += _head_problems(where, entry.pattern, entry.budgets)
+                if entry.score is not None and not (isinstance(entry.score, float) and math.isfinite(entry.score)):
+                    problems.append(f"{where}: score must be a finite number or null, got {entry.score!r}")
+        return problems
+
+    # -- use --------------------------------------------------------------
+
+    def layer_plan(self, layer_idx: int, head_offset: int, num_heads: int) -> LayerPlan:
+        """Plans of query heads [head_offset, head_offset + num_heads) of one layer.
+
+        A tensor-parallel shard holds a slice of the heads, so the offset is global.
+        """
+        layer_idx, head_offset, num_heads = _as_int(layer_idx), _as_int(head_offset), _as_int(num_heads)
+        # Negative indices would silently wrap around in Python; a site index is never negative.
+        if not (isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers)):
+            raise ConfigIndexError(
+                f"layer {layer_idx!r} is not in the config, which has layers 0..{len(self.layers) - 1}"
+            )
+        layer = self.layers[layer_idx]
+        if not (isinstance(head_offset, int) and isinstance(num_heads, int) and head_offset >= 0 and num_heads >= 0):
+            raise ConfigIndexError(
+                f"layer {layer_idx}: head offset {head_offset!r} and count {num_heads!r} must be non-negative integers"
+            )
+        if head_offset + num_heads > len(layer):
+            raise ConfigIndexError(
+                f"layer {layer_idx}: heads {head_offset}..{head_offset + num_heads - 1} requested, "
+                f"the config has {len(layer)} query heads per layer"
+            )
+        return LayerPlan(tuple(entry.plan() for entry in layer[head_offset : head_offset + num_heads]))
+
+    # -- JSON -------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        model = self.model.to_dict() if isinstance(self.model, ModelIdentity) else self.model
+        prov = self.provenance.to_dict() if isinstance(self.provenance, Provenance) else self.provenance
+        return {
+            "schema_version": self.schema_version,
+            "model": model,
+            "provenance": prov,
+            # Sorted so a defaults dict built in any order serialises the same.
+            "defaults": json.loads(json.dumps(self.defaults, sort_keys=True)),
+            "layers": [[e.to_dict() if isinstance(e, HeadEntry) else e for e in layer] for layer in self.layers],
+        }
+
+    def to_json(self) -> str:
+        """Indented JSON with one head per line, so diffs between searches stay readable."""
+        doc = self.to_dict()
+        layers = doc.pop("layers")
+        text = json.dumps(doc, indent=2, allow_nan=False)
+        assert text.endswith("\n}")
+
+        def head_line(h):
+            return "      " + json.dumps(h, allow_nan=False)
+
+        blocks = []
+        for layer in layers:
+            if layer:
+                blocks.append("    [\n" + ",\n".join(head_line(h) for h in layer) + "\n    ]")
+            else:
+                blocks.append("    []")
+        layers_text = "[\n" + ",\n".join(blocks) + "\n  ]" if blocks else "[]"
+        return text[:-2] + ',\n  "layers": ' + layers_text + "\n}\n"
+
+    def save(self, path) -> Path:
+        """Validate, then write atomically (a reader never sees half a file)."""
+        problems = self.validate()
+        if problems:
+            raise ConfigError(problems, source=path)
+        text = self.to_json()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return path
+
+
+# -- validation helpers ------------------------------------------------------
+
+
+def _is_pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _is_nonneg_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _model_problems(model) -> list[str]:
+    if not isinstance(model, ModelIdentity):
+        return [f"model must be a ModelIdentity, got {type(model).__name__}"]
+    problems = []
+    for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+        v = getattr(model, name)
+        if v is None:
+            problems.append(f"model.{name} is missing")
+        elif not _is_pos_int(v):
+            problems.append(f"model.{name} must be a positive integer, got {v!r}")
+    if _is_pos_int(model.num_q_heads) and _is_pos_int(model.num_kv_heads) and model.num_q_heads % model.num_kv_heads:
+        problems.append(
+            f"model.num_q_heads ({model.num_q_heads}) is not a multiple of model.num_kv_heads ({model.num_kv_heads})"
+        )
+    for name in ("name", "fingerprint"):
+        if not isinstance(getattr(model, name), str):
+            problems.append(f"model.{name} must be a string, got {getattr(model, name)!r}")
+    return problems
+
+
+def _head_problems(where: str, pattern, budgets) -> list[str]:
+    problems = []
+    if not isinstance(pattern, Pattern):
+        problems.append(f"{where}: unknown pattern {pattern!r} (expected one of {_PATTERN_NAMES})")
+    if not (
+        isinstance(budgets, (tuple, list))
+        and len(budgets) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) for b in budgets)
+    ):
+        problems.append(f"{where}: budgets must be two integers, got {budgets!r}")
+    elif budgets[0] < 0 or budgets[1] < 0:
+        problems.append(f"{where}: negative budget {tuple(budgets)}")
+    return problems
+
+
+def _defaults_problems(defaults) -> list[str]:
+    if not isinstance(defaults, Mapping):
+        return [f"defaults must be a mapping, got {type(defaults).__name__}"]
+    problems = []
+    msl = defaults.get("min_sparse_len")
+    if not _is_nonneg_int(msl):
+        problems.append(f"defaults.min_sparse_len must be a non-negative integer, got {msl!r}")
+    gt = defaults.get("guard_threshold")
+    if not (isinstance(gt, (int, float)) and not isinstance(gt, bool) and math.isfinite(gt)):
+        problems.append(f"defaults.guard_threshold must be a finite number, got {gt!r}")
+    dh = defaults.get("default_head")
+    if not isinstance(dh, Mapping):
+        problems.append(f"defaults.default_head must be a mapping with pattern and budgets, got {dh!r}")
+    else:
+        problems += _head_problems("defaults.default_head", _as_pattern(dh.get("pattern")), dh.get("budgets"))
+    return problems
+
+
+def _provenance_problems(prov) -> list[str]:
+    if not isinstance(prov, Provenance):
+        return [f"provenance must be a Provenance, got {type(prov).__name__}"]
+    problems = []
+    for name in ("tool_version", "calibration_data", "metric", "date", "notes"):
+        if not isinstance(getattr(prov, name), str):
+            problems.append(f"provenance.{name} must be a string, got {getattr(prov, name)!r}")
+    if not (isinstance(prov.lengths, list) and all(_is_pos_int(n) for n in prov.lengths)):
+        problems.append(f"provenance.lengths must be a list of positive integers, got {prov.lengths!r}")
+    if prov.seed is not None and not (isinstance(prov.seed, int) and not isinstance(prov.seed, bool)):
+        problems.append(f"provenance.seed must be an integer or null, got {prov.seed!r}")
+    return problems
+
+
+# -- parsing -----------------------------------------------------------------
+
+_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelIdentity))
+_PROVENANCE_KEYS = tuple(f.name for f in dataclasses.fields(Provenance))
+_TOP_KEYS = ("schema_version", "model", "provenance", "defaults", "layers")
+_HEAD_KEYS = ("pattern", "budgets", "score")
+
+
+def _unknown_keys(where: str, d: Mapping, known) -> list[str]:
+    # Flagged rather than ignored: a misspelt key would otherwise silently fall back to a default.
+    return [f"{where}: unknown key {k!r}" for k in d if k not in known]
+
+
+def _parse_head(where: str, raw, problems: list[str]) -> HeadEntry:
+    if not isinstance(raw, Mapping):
+        problems.append(f"{where}: expected an object with pattern, budgets, score; got {raw!r}")
+        return _PLACEHOLDER
+    problems += _unknown_keys(where, raw, _HEAD_KEYS)
+    if "pattern" not in raw or "budgets" not in raw:
+        missing = [k for k in ("pattern", "budgets") if k not in raw]
+        problems.append(f"{where}: missing {', '.join(missing)}")
+        return _PLACEHOLDER
+    budgets = raw["budgets"]
+    if isinstance(budgets, list):
+        budgets = tuple(budgets)
+    return HeadEntry(raw["pattern"], budgets, raw.get("score"))
+
+
+# Stands in for a malformed head so the head count stays right and the head is reported once.
+_PLACEHOLDER = HeadEntry(Pattern.DENSE, (0, 0), None)
+
+
+def _parse_config(doc, problems: list[str]) -> SemanticConfig:
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"expected a JSON object at the top level, got {type(doc).__name__}")
+    problems += _unknown_keys("config", doc, _TOP_KEYS)
+    if "schema_version" not in doc:
+        problems.append("schema_version is missing")
+
+    raw_model = doc.get("model")
+    if not isinstance(raw_model, Mapping):
+        problems.append(f"model must be an object, got {raw_model!r}")
+        raw_model = {}
+    problems += _unknown_keys("model", raw_model, _MODEL_KEYS)
+    model = ModelIdentity(
+        **{k: raw_model.get(k) for k in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim")},
+        name=raw_model.get("name", ""),
+        fingerprint=raw_model.get("fingerprint", ""),
+    )
+
+    raw_prov = doc.get("provenance", {})
+    if not isinstance(raw_prov, Mapping):
+        problems.append(f"provenance must be an object, got {raw_prov!r}")
+        raw_prov = {}
+    problems += _unknown_keys("provenance", raw_prov, _PROVENANCE_KEYS)
+    provenance = Provenance(**{k: v for k, v in raw_prov.items() if k in _PROVENANCE_KEYS})
+
+    defaults = doc.get("defaults", {})
+    if not isinstance(defaults, Mapping):
+        problems.append(f"defaults must be an object, got {defaults!r}")
+        defaults = {}
+    defaults = _normalize_defaults(defaults)
+    default_entry = _PLACEHOLDER
+    dh = defaults.get("default_head")
+    if isinstance(dh, Mapping) and isinstance(dh.get("budgets"), list):
+        default_entry = HeadEntry(dh.get("pattern"), tuple(dh["budgets"]), None)
+
+    raw_layers = doc.get("layers")
+    layers: list[list[HeadEntry]] = []
+    if not isinstance(raw_layers, list):
+        problems.append(f"layers must be a list, got {raw_layers!r}")
+    else:
+        n_heads = model.num_q_heads if _is_pos_int(model.num_q_heads) else None
+        for li, raw_layer in enumerate(raw_layers):
+            if isinstance(raw_layer, list):
+                layers.append([_parse_head(f"layer {li} head {hi}", h, problems) for hi, h in enumerate(raw_layer)])
+            elif isinstance(raw_layer, Mapping) and n_heads is not None:
+                # A partial layer: heads keyed by index, unlisted heads take the default head.
+                layer = [default_entry] * n_heads
+                for key, h in raw_layer.items():
+                    hi = _head_index(key, n_heads)
+                    if hi is None:
+                        problems.append(f"layer {li}: head key {key!r} is not an index in 0..{n_heads - 1}")
+                        continue
+                    layer[hi] = _parse_head(f"layer {li} head {hi}", h, problems)
+                layers.append(layer)
+            else:
+                problems.append(f"layer {li} must be a list of heads (or an object keyed by head index)")
+                layers.append([])
+
+    return SemanticConfig(
+        model=model,
+        layers=layers,
+        defaults=defaults,
+        provenance=provenance,
+        schema_version=doc.get("schema_version"),
+    )
+
+
+def _head_index(key, n_heads: int) -> int | None:
+    try:
+        hi = int(key)
+    except (TypeError, ValueError):
+        return None
+    if str(hi) != str(key).strip() or not 0 <= hi < n_heads:
+        return None
+    return hi
+
+
+def _raise_if(problems: list[str], source) -> None:
+    if problems:
+        # One message per problem even if two checks noticed the same thing.
+        raise ConfigError(list(dict.fromkeys(problems)), source=source)
+
+
+def _read_json(path: Path):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read: {e}", source=path) from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"not valid JSON: {e}", source=path) from e
+
+
+def load_config(source, *, model: ModelIdentity | None = None) -> SemanticConfig:
+    """A validated SemanticConfig from a path, a dict in the on-disk layout, or a SemanticConfig.
+
+    With ``model``, also refuses a config made for another model (see :func:`check_fits`).
+    """
+    if isinstance(source, SemanticConfig):
+        config, where = source, None
+        _raise_if(config.validate(), where)
+    else:
+        if isinstance(source, (str, os.PathLike)):
+            where = Path(source)
+            doc = _read_json(where)
+            if isinstance(doc, list):
+                raise ConfigError(
+                    "this looks like a MInference best_pattern file (a top-level list); it has no model "
+                    "identity, so read it with import_minference_best_pattern(path, model)",
+                    source=where,
+                )
+        elif isinstance(source, Mapping):
+            where, doc = None, source
+        else:
+            raise TypeError(f"load_config takes a path, a dict or a SemanticConfig, not {type(source).__name__}")
+        problems: list[str] = []
+        try:
+            config = _parse_config(doc, problems)
+        except ConfigError as e:
+            raise ConfigError(e.problems, source=where) from None
+        _raise_if(problems + config.validate(), where)
+    if model is not None:
+        check_fits(config, model)
+    return config
+
+
+# -- construction ------------------------------------------------------------
+
+
+def _tool_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"minference-fx {version('minference-fx')}"
+    except Exception:
+        return "minference-fx (version unknown)"
+
+
+def default_config(
+    model: ModelIdentity,
+    *,
+    pattern: Pattern = Pattern.VERTICAL_SLASH,
+    budgets: tuple[int, int] = (1000, 6096),
+    min_sparse_len: int = 8192,
+) -> SemanticConfig:
+    """Every head of every layer the same; no search behind it."""
+    pattern = Pattern(pattern)
+    entry = HeadEntry(pattern, tuple(budgets), None)
+    return SemanticConfig(
+        model=model,
+        layers=[[entry] * model.num_q_heads for _ in range(model.num_layers)],
+        defaults={
+            "min_sparse_len": min_sparse_len,
+            "default_head": {"pattern": pattern.value, "budgets": list(budgets)},
+        },
+        provenance=Provenance(tool_version=_tool_version(), notes=f"default_config: every head {pattern.value} {tuple(budgets)}"),
+    )
+
+
+def _minference_entry(where: str, raw, problems: list[str]) -> HeadEntry | None:
+    if not isinstance(raw, (list, tuple)) or len(raw) not in (3, 4):
+        problems.append(f"{where}: expected [pattern_type, v, s, score], got {raw!r}")
+        return None
+    kind, v, s = raw[0], raw[1], raw[2]
+    score = raw[3] if len(raw) == 4 else None
+    budgets = []
+    for name, x in (("v", v), ("s", s)):
+        # MInference's search writes floats in some files; only whole numbers are budgets.
+        if isinstance(x, float) and x.is_integer():
+            x = int(x)
+        if not (isinstance(x, int) and not isinstance(x, bool)):
+            problems.append(f"{where}: {name} must be an integer, got {x!r}")
+            return None
+        budgets.append(x)
+    if kind == "vertical_and_slash":
+        pattern = Pattern.VERTICAL_SLASH
+    elif kind == "stream_llm":
+        pattern = Pattern.A_SHAPE  # v is the sink (n_init), s the local window (n_local)
+    elif kind == "block_sparse":
+        pattern, budgets = Pattern.BLOCK_SPARSE, [MINFERENCE_BLOCK_SPARSE_BLOCKS, 0]
+    else:
+        problems.append(
+            f"{where}: unknown MInference pattern type {kind!r} (expected one of {', '.join(MINFERENCE_PATTERN_TYPES)})"
+        )
+        return None
+    if score is not None and not (isinstance(score, (int, float)) and not isinstance(score, bool)):
+        problems.append(f"{where}: score must be a number, got {score!r}")
+        return None
+    return HeadEntry(pattern, tuple(budgets), score)
+
+
+def import_minference_best_pattern(path_or_list, model: ModelIdentity) -> SemanticConfig:
+    """A SemanticConfig from MInference's best_pattern JSON (one dict per layer, keyed by query head).
+
+    Budgets are kept as written: MInference's runtime floors (v >= 30, s >= 50) and
+    clipping to the sequence length belong to the op, not to the config.
+    """
+    source = None
+    if isinstance(path_or_list, (str, os.PathLike)):
+        source = Path(path_or_list)
+        raw = _read_json(source)
+    else:
+        raw = path_or_list
+    if not isinstance(raw, list):
+        raise ConfigError(
+            f"a best_pattern file is a list with one object per layer, got {type(raw).__name__}", source=source
+        )
+    default = HeadEntry(DEFAULT_HEAD["pattern"], tuple(DEFAULT_HEAD["budgets"]), None)
+    n_heads = model.num_q_heads
+    problems: list[str] = []
+    layers: list[list[HeadEntry]] = []
+    for li, raw_layer in enumerate(raw):
+        if not isinstance(raw_layer, Mapping):
+            problems.append(f"layer {li}: expected an object keyed by head index, got {type(raw_layer).__name__}")
+            continue
+        layer = [default] * n_heads
+        for key, value in raw_layer.items():
+            hi = _head_index(key, n_heads)
+            if hi is None:
+                problems.append(f"layer {li}: head key {key!r} is not an index in 0..{n_heads - 1}")
+                continue
+            entry = _minference_entry(f"layer {li} head {hi}", value, problems)
+            if entry is not None:
+                layer[hi] = entry
+        layers.append(layer)
+    name = source.name if source is not None else "an in-memory list"
+    config = SemanticConfig(
+        model=model,
+        layers=layers,
+        defaults={"default_head": dict(DEFAULT_HEAD)},
+        provenance=Provenance(
+            tool_version=_tool_version(),
+            metric="MInference best_pattern score",
+            notes=f"imported from MInference best_pattern JSON ({name}); "
+            "stream_llm -> a_shape(sink=v, window=s), block_sparse -> block_sparse(100 blocks)",
+        ),
+    )
+    _raise_if(problems + config.validate(), source)
+    return config
+
+
+def model_identity_from_hf(hf_config) -> ModelIdentity:
+    """Identity of a transformers model from its PretrainedConfig (or an equivalent dict)."""
+    if isinstance(hf_config, Mapping):
+        from types import SimpleNamespace
+
+        hf_config = SimpleNamespace(**hf_config)
+    model_type = getattr(hf_config, "model_type", "") or ""
+    cfg = hf_config
+    if getattr(cfg, "num_hidden_layers", None) is None and hasattr(cfg, "get_text_config"):
+        # Multimodal wrappers keep the decoder's shape in a nested text config.
+        cfg = cfg.get_text_config()
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if layers is None or heads is None:
+        raise ConfigError(f"cannot read num_hidden_layers/num_attention_heads from a {type(hf_config).__name__}")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim is None:
+        if hidden is None:
+            raise ConfigError(f"cannot infer head_dim: {type(hf_config).__name__} has neither head_dim nor hidden_size")
+        head_dim = hidden // heads
+    fields = {
+        "num_layers": int(layers),
+        "num_q_heads": int(heads),
+        "num_kv_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+    }
+    key = dict(fields, model_type=model_type, vocab_size=getattr(cfg, "vocab_size", None), hidden_size=hidden)
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return ModelIdentity(**fields, name=model_type, fingerprint=fingerprint)
+
+
+def check_fits(config, model: ModelIdentity) -> None:
+    """Raise ConfigMismatchError naming every way ``config`` was made for a different model."""
+    if not isinstance(config, SemanticConfig):
+        config = load_config(config)
+    c = config.model
+    mismatches = []
+    if c.num_layers != model.num_layers:
+        mismatches.append(f"config is for {c.num_layers} layers, model has {model.num_layers}")
+    if c.num_q_heads != model.num_q_heads:
+        mismatches.append(f"config has {c.num_q_heads} query heads per layer, model has {model.num_q_heads}")
+    if c.num_kv_heads != model.num_kv_heads:
+        mismatches.append(f"config has {c.num_kv_heads} KV heads, model has {model.num_kv_heads}")
+    if c.head_dim != model.head_dim:
+        mismatches.append(f"config has head dim {c.head_dim}, model has {model.head_dim}")
+    # An empty fingerprint means "not recorded", e.g. a hand-written identity.
+    if c.fingerprint and model.fingerprint and c.fingerprint != model.fingerprint:
+        mismatches.append(f"fingerprint {c.fingerprint} differs from the model's {model.fingerprint}")
+    if mismatches:
+        raise ConfigMismatchError(mismatches)

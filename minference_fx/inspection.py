@@ -1,0 +1,49 @@
+"""``inspect(model, *args)``: what the backend would do to a model, without running it sparse."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .backend import rewrite_graph
+from .options import BackendOptions
+from .report import Report
+
+
+@dataclasses.dataclass
+class Inspection:
+    """Reports of every graph Dynamo produced for one call (one per graph break)."""
+
+    reports: list[Report]
+
+    @property
+    def rows(self):
+        return [row for report in self.reports for row in report.rows]
+
+    def diff(self) -> str:
+        return "\n".join(r.diff() for r in self.reports)
+
+    def __str__(self) -> str:
+        graphs = f"{len(self.reports)} graph(s)"
+        return graphs + "\n" + "\n\n".join(r.table() for r in self.reports)
+
+
+def inspect(model, *args, options=None, **kwargs) -> Inspection:
+    """Trace ``model(*args, **kwargs)`` with Dynamo and report each attention site.
+
+    The call runs once with the rewritten graph executed eagerly (no Inductor),
+    so it is cheap; the model itself is not modified. Dynamo's caches are reset
+    first so the trace is fresh.
+    """
+    opts = dataclasses.replace(BackendOptions.from_user(options))
+    reports: list[Report] = []
+
+    def capture(gm, example_inputs):
+        reports.append(rewrite_graph(gm, opts))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(*args, **kwargs)
+    torch._dynamo.reset()
+    return Inspection(reports)

@@ -1,0 +1,119 @@
+"""``minference::sparse_attention``: the one op the rewrite pass inserts.
+
+It is a functional ``torch.library.custom_op``: opaque to Inductor, a new output
+tensor, no host sync and no data-sized allocation, so a CUDA graph can capture it
+and a change of prompt length never recompiles (every size is a SymInt).
+
+Semantics, for query row ``i`` at absolute position ``p_i = q_offset + i`` of
+batch ``b`` and query head ``h`` (kv head ``h // (Hq // Hkv)``), key ``j`` is
+read when all of these hold:
+
+* ``j <= p_i`` (causal, aligned bottom-right when ``q_offset = Skv - Sq``);
+* ``key_mask[b, j]`` when a key mask (padding) is given;
+* ``doc_ids[b, p_i] == doc_ids[b, j]`` when packed-sequence ids are given;
+* ``p_i - j < window`` when ``window > 0`` (sliding-window models);
+* ``j`` is in the head's sparse key set (its plan entry), unless the prompt is
+  shorter than ``min_sparse_len``, in which case every head is dense and the
+  call goes to the device's dense SDPA (cuDNN / flash on GPU).
+
+A row with no readable key yields zeros, never NaN.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .plan import LayerPlan
+
+
+def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
+    problems = []
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        problems.append(f"q, k, v must be 4-D [B, H, S, D]; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    else:
+        if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
+            problems.append(f"batch/heads/length disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if q.shape[-1] != k.shape[-1]:
+            problems.append(f"q head dim {q.shape[-1]} != k head dim {k.shape[-1]}")
+        if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+            problems.append(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+        if len(patterns) != q.shape[1]:
+            problems.append(f"head plan has {len(patterns)} entries, q has {q.shape[1]} heads")
+        if key_mask is not None and (key_mask.dim() != 2 or key_mask.dtype != torch.bool):
+            problems.append(f"key_mask must be a bool [B, Skv] tensor, got {key_mask.dtype} of shape {tuple(key_mask.shape)}")
+        if doc_ids is not None and doc_ids.dim() != 2:
+            problems.append(f"doc_ids must be [B, S], got shape {tuple(doc_ids.shape)}")
+    if not (len(patterns) == len(budget_a) == len(budget_b)):
+        problems.append(f"plan lists differ in length: {len(patterns)}, {len(budget_a)}, {len(budget_b)}")
+    if problems:
+        raise ValueError("minference::sparse_attention: " + "; ".join(problems))
+
+
+def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
+    """Dense attention with the op's mask semantics, through the device's fused SDPA.
+
+    The plain causal cases use ``is_causal`` / no mask so the fast fused kernels
+    run; only padding, packed documents, windows or an unaligned offset build a
+    boolean mask, and then only of shape [B, 1, Sq, Skv].
+    """
+    sq, skv = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    plain = key_mask is None and doc_ids is None and window <= 0
+    if plain and q_offset == 0 and sq == skv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).contiguous()
+    if plain and q_offset >= skv - 1:
+        # every cached key is visible (decode steps land here)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa).contiguous()
+    pos = torch.arange(sq, device=q.device) + q_offset
+    keys = torch.arange(skv, device=q.device)
+    allowed = (keys[None, :] <= pos[:, None])[None, None]
+    if window > 0:
+        allowed = allowed & (pos[:, None] - keys[None, :] < window)[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    if doc_ids is not None:
+        q_doc = doc_ids[:, pos.clamp(max=doc_ids.shape[-1] - 1)]
+        allowed = allowed & (q_doc[:, None, :, None] == doc_ids[:, None, None, :skv])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    # fully masked rows (left padding) must be 0, whatever the backend does with them
+    return torch.where(allowed.any(-1, keepdim=True), out, 0.0).to(q.dtype).contiguous()
+
+
+@torch.library.custom_op("minference::sparse_attention", mutates_args=())
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    doc_ids: Optional[torch.Tensor],
+    scale: float,
+    q_offset: int,
+    window: int,
+    patterns: list[int],
+    budget_a: list[int],
+    budget_b: list[int],
+    min_sparse_len: int,
+) -> torch.Tensor:
+    _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b)
+    if q.shape[-2] < min_sparse_len:
+        return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
+    return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b)
+
+
+def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
+    # Both devices run the reference until the Triton kernels land behind this call.
+    from .kernels import reference
+
+    plan = LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
+    out = reference.sparse_attention_reference(
+        q, k, v, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window
+    )
+    return out.to(q.dtype).contiguous()
+
+
+@sparse_attention.register_fake
+def _sparse_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, min_sparse_len):
+    # new_empty, not empty_like: q is often a transposed view and the real op returns contiguous
+    return q.new_empty(q.shape)

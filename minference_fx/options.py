@@ -1,0 +1,57 @@
+"""The backend's options: one frozen dataclass, validated once, all problems at once."""
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from typing import Any, Optional
+
+from .config import SemanticConfig, load_config
+
+
+class Inner(str, Enum):
+    INDUCTOR = "inductor"
+    AOT_EAGER = "aot_eager"  # no codegen: fast, for tests
+    EAGER = "eager"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    config: Optional[SemanticConfig] = None
+    """semantic config; None: every head vertical-slash (1000, 6096), like MInference's default"""
+    inner: Inner = Inner.INDUCTOR
+    min_sparse_len: Optional[int] = None
+    """prompts shorter than this run dense SDPA; None: the config's value (8192 by default)"""
+    head_offset: int = 0
+    """global index of this rank's first query head (tensor parallelism)"""
+    inductor_config: dict = dataclasses.field(default_factory=dict)
+    """extra Inductor config patches"""
+
+    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config")
+
+    @classmethod
+    def from_user(cls, options: Optional[dict[str, Any]]) -> "BackendOptions":
+        options = dict(options or {})
+        problems = [f"unknown option {key!r} (known: {', '.join(cls._KNOWN)})" for key in options if key not in cls._KNOWN]
+        inner = options.get("inner", Inner.INDUCTOR)
+        try:
+            inner = Inner(inner)
+        except ValueError:
+            problems.append(f"inner={inner!r}; expected one of {[i.value for i in Inner]}")
+        min_len = options.get("min_sparse_len")
+        if min_len is not None and (not isinstance(min_len, int) or min_len < 0):
+            problems.append(f"min_sparse_len={min_len!r}; expected an int >= 0")
+        head_offset = options.get("head_offset", 0)
+        if not isinstance(head_offset, int) or head_offset < 0:
+            problems.append(f"head_offset={head_offset!r}; expected an int >= 0")
+        if not isinstance(options.get("inductor_config", {}), dict):
+            problems.append("inductor_config must be a dict of Inductor config patches")
+        if problems:
+            raise ValueError("minference backend options: " + "; ".join(problems))
+        config = options.get("config")
+        return cls(
+            config=None if config is None else load_config(config),
+            inner=inner,
+            min_sparse_len=min_len,
+            head_offset=head_offset,
+            inductor_config=dict(options.get("inductor_config", {})),
+        )

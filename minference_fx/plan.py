@@ -1,0 +1,65 @@
+"""Head plans: which sparse pattern each query head of one attention site runs.
+
+A plan is what the rewrite pass bakes into the graph as constant arguments of
+``minference::sparse_attention``. It is semantic (which keys may be read), never
+about GPU tile sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+
+
+class Pattern(str, Enum):
+    # str-valued so it survives JSON and torch.compile guards
+    DENSE = "dense"
+    A_SHAPE = "a_shape"  # budgets: (sink keys, local window)
+    VERTICAL_SLASH = "vertical_slash"  # budgets: (vertical columns, slash diagonals)
+    BLOCK_SPARSE = "block_sparse"  # budgets: (key blocks per query block, unused)
+
+
+# The op takes patterns as small ints: its schema has no enum type.
+PATTERN_CODES = {
+    Pattern.DENSE: 0,
+    Pattern.A_SHAPE: 1,
+    Pattern.VERTICAL_SLASH: 2,
+    Pattern.BLOCK_SPARSE: 3,
+}
+PATTERN_FROM_CODE = {code: pattern for pattern, code in PATTERN_CODES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """The pattern of one query head and its two budgets (meaning depends on the pattern)."""
+
+    pattern: Pattern
+    budget_a: int = 0
+    budget_b: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "pattern", Pattern(self.pattern))
+        if self.budget_a < 0 or self.budget_b < 0:
+            raise ValueError(f"budgets must be >= 0, got {self.budget_a}, {self.budget_b} for {self.pattern.value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """Plans for every query head of one attention site, in head order."""
+
+    heads: tuple[HeadPlan, ...]
+
+    def op_arguments(self) -> tuple[list[int], list[int], list[int]]:
+        """(pattern codes, budget_a, budget_b) as the op's int lists."""
+        return (
+            [PATTERN_CODES[h.pattern] for h in self.heads],
+            [h.budget_a for h in self.heads],
+            [h.budget_b for h in self.heads],
+        )
+
+    @staticmethod
+    def from_op_arguments(patterns, budget_a, budget_b) -> "LayerPlan":
+        if not (len(patterns) == len(budget_a) == len(budget_b)):
+            raise ValueError(
+                f"plan lists differ in length: patterns {len(patterns)}, budget_a {len(budget_a)}, budget_b {len(budget_b)}"
+            )
+        return LayerPlan(tuple(HeadPlan(PATTERN_FROM_CODE[int(p)], int(a), int(b)) for p, a, b in zip(patterns, budget_a, budget_b)))

@@ -1,0 +1,34 @@
+"""FX passes that find causal attention in a Dynamo graph and rewrite it.
+
+Order matters and is fixed:
+
+1. ``find``    – every SDPA call and manual matmul→softmax→matmul chain;
+2. ``masks``   – what each mask means (unknown → the site stays dense);
+3. ``gqa``     – look through repeat_kv, after masks so a blocked site keeps its K/V;
+4. ``layout``  – shapes the op can read (after gqa: K/V may have fewer heads now);
+5. ``layers``  – layer index for the config lookup;
+6. ``rewrite`` – last, since it erases the nodes the others read.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+from ..plan import LayerPlan
+from . import find, gqa, layers, layout, masks, rewrite
+from .site import AttentionSite, MaskInfo, MaskKind
+
+__all__ = ["AttentionSite", "MaskInfo", "MaskKind", "analyse", "apply"]
+
+
+def analyse(gm: fx.GraphModule) -> list[AttentionSite]:
+    """Sites with everything the passes learned, graph untouched."""
+    sites = find.run(gm)
+    for step in (masks.run, gqa.run, layout.run, layers.run):
+        sites = step(sites)
+    return sites
+
+
+def apply(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int) -> list[AttentionSite]:
+    return rewrite.run(gm, sites, plan_for, min_sparse_len)

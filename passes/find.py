@@ -1,0 +1,154 @@
+"""Find attention calls in a Dynamo (torch IR) graph.
+
+Two forms are recognised:
+
+* ``F.scaled_dot_product_attention`` (the Dynamo target is
+  ``torch._C._nn.scaled_dot_product_attention``), as HF ``sdpa`` emits it;
+* a manual chain ``matmul(q, kᵀ) → ×scale (or ÷) → (+ mask) → softmax(-1)
+  (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager`` emits it.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .site import AttentionSite
+
+_SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
+_MATMUL_FUNCS = {torch.matmul, operator.matmul}
+_DROPOUT_FUNCS = {F.dropout, torch.dropout}
+
+
+def source_of(node: fx.Node) -> str:
+    """file:line of the innermost user frame that made this node, from Dynamo's stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    short = "/".join(path.split("/")[-2:])
+    return f"{short}:{line}"
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if len(node.args) > index:
+        return node.args[index]
+    return default
+
+
+def _sdpa_site(node: fx.Node) -> AttentionSite:
+    return AttentionSite(
+        node=node,
+        form="sdpa",
+        query=_arg(node, 0, "query"),
+        key=_arg(node, 1, "key"),
+        value=_arg(node, 2, "value"),
+        mask=_arg(node, 3, "attn_mask"),
+        dropout_p=float(_arg(node, 4, "dropout_p", 0.0)),
+        is_causal=bool(_arg(node, 5, "is_causal", False)),
+        scale=_arg(node, 6, "scale", None),
+        enable_gqa=bool(node.kwargs.get("enable_gqa", False)),
+        source=source_of(node),
+    )
+
+
+def _is_call(node, funcs=(), methods=()) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function" and node.target in funcs:
+        return True
+    return node.op == "call_method" and node.target in methods
+
+
+def _single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def _transposed_key(node) -> fx.Node | None:
+    """k from ``k.transpose(-2, -1)`` (any spelling of the last two dims)."""
+    if not _is_call(node, (torch.transpose,), ("transpose",)):
+        return None
+    dims = {d % 4 if isinstance(d, int) else d for d in node.args[1:3]}
+    return node.args[0] if dims == {2, 3} else None
+
+
+def _manual_site(softmax: fx.Node) -> AttentionSite | None:
+    """Walk up and down from a softmax over the last dim; None when it is not attention."""
+    dim = _arg(softmax, 1, "dim", None)
+    if dim not in (-1, 3):
+        return None
+    chain = [softmax]
+    scores = softmax.args[0]
+    mask = None
+    if _is_call(scores, (operator.add, torch.add), ("add", "__add__")) and _single_user(scores):
+        chain.append(scores)
+        scores, mask = scores.args[0], scores.args[1]
+    scale = 1.0
+    if _is_call(scores, (operator.mul, torch.mul, operator.truediv, torch.div), ("mul", "div")) and _single_user(scores):
+        factor = scores.args[1]
+        if not isinstance(factor, (int, float)):
+            return None
+        divide = scores.target in (operator.truediv, torch.div, "div")
+        scale = 1.0 / factor if divide else float(factor)
+        chain.append(scores)
+        scores = scores.args[0]
+    if not (_is_call(scores, _MATMUL_FUNCS, ("matmul",)) and _single_user(scores)):
+        return None
+    query, key_t = scores.args[0], scores.args[1]
+    key = _transposed_key(key_t)
+    if key is None or not _single_user(key_t):
+        return None
+    chain += [scores, key_t]
+
+    dropout_p = 0.0
+    probs = softmax
+    while True:
+        if len(probs.users) != 1:
+            return None  # attention weights escape (output_attentions): cannot replace
+        (user,) = probs.users
+        if _is_call(user, (), ("to", "type_as", "float", "half", "bfloat16")):
+            chain.append(user)
+            probs = user
+        elif _is_call(user, _DROPOUT_FUNCS, ("dropout",)):
+            training = _arg(user, 2, "training", True)
+            dropout_p = float(_arg(user, 1, "p", 0.5)) if training else 0.0
+            chain.append(user)
+            probs = user
+        elif _is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
+            return AttentionSite(
+                node=user,
+                form="manual",
+                query=query,
+                key=key,
+                value=user.args[1],
+                mask=mask,
+                dropout_p=dropout_p,
+                is_causal=False,
+                scale=scale,
+                source=source_of(user),
+                chain=tuple(chain),
+            )
+        else:
+            return None
+
+
+def run(gm: fx.GraphModule) -> list[AttentionSite]:
+    """Every attention site of the graph, in graph order."""
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SDPA_TARGETS:
+            sites.append(_sdpa_site(node))
+        elif _is_call(node, _SOFTMAX_FUNCS, ("softmax",)):
+            site = _manual_site(node)
+            if site is not None:
+                sites.append(site)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    sites.sort(key=lambda s: order[s.node])
+    return sites

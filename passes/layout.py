@@ -1,0 +1,42 @@
+"""Check the canonical [B, H, S, D] layout and record shapes.
+
+The op takes any strides, so HF's ``view(B, S, H, D).transpose(1, 2)`` reaches
+it with no copy; this pass only refuses what the op cannot read and writes the
+shapes into the report.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .site import AttentionSite
+
+
+def _shape(node):
+    value = node.meta.get("example_value") if hasattr(node, "meta") else None
+    return tuple(value.shape) if value is not None and hasattr(value, "shape") else None
+
+
+def _fmt(shape):
+    return "x".join(str(s) for s in shape)
+
+
+def run(sites: list[AttentionSite]) -> list[AttentionSite]:
+    out = []
+    for site in sites:
+        q, k, v = _shape(site.query), _shape(site.key), _shape(site.value)
+        if q is None or k is None or v is None:
+            out.append(site.blocked("q/k/v have no tensor metadata"))
+            continue
+        site = dataclasses.replace(site, shapes=f"q {_fmt(q)} k {_fmt(k)} v {_fmt(v)}")
+        if len(q) != 4 or len(k) != 4 or len(v) != 4:
+            site = site.blocked(f"q/k/v are not 4-D [B, H, S, D] ({len(q)}-D, {len(k)}-D, {len(v)}-D)")
+        elif k[:3] != v[:3] or q[0] != k[0] or q[3] != k[3]:
+            site = site.blocked("q/k/v shapes disagree")
+        elif q[1] % k[1] != 0:
+            site = site.blocked(f"{q[1]} query heads is not a multiple of {k[1]} kv heads")
+        elif v[3] != q[3]:
+            site = site.blocked(f"value head dim {v[3]} differs from query head dim {q[3]}")
+        elif site.dropout_p != 0.0:
+            site = site.blocked(f"dropout p={site.dropout_p} (sparse attention is inference-only)")
+        out.append(site)
+    return out

@@ -1,0 +1,350 @@
+"""What an attention mask means, by evaluating its construction symbolically.
+
+HF transformers never passes ``is_causal=True`` under ``torch.compile``: it
+builds a ``[B, 1, Q, KV]`` bool mask in the graph from index ranges::
+
+    q_idx  = (arange(Q) + past)[None, None, :, None]
+    kv_idx = arange(KV)[None, None, None, :]
+    mask   = ones(()) & (kv_idx <= q_idx) [& (kv_idx > q_idx - window)]
+                      [& padding[b, kv_idx]] [& packed[b, q_idx] == packed[b, kv_idx]]
+    mask   = mask.expand(B, -1, Q, KV)          # eager: where(mask, 0, finfo.min)
+
+Rather than match that text, each node is evaluated to a small abstract value
+(an index along an axis, a gather from a tensor, a conjunction of predicates)
+so reordered or re-spelled constructions still resolve, and anything outside
+this vocabulary becomes ``_Unknown`` with the reason, which leaves the site
+dense. The packed-sequence term built from ``position_ids = arange + c`` is
+proved all-true here (its diff is 1 everywhere), so ordinary prompts keep the
+plain causal fast path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from .site import AttentionSite, MaskInfo, MaskKind
+
+# An offset is (fx node holding a SymInt or None, int constant)
+_Off = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Const:
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Range:
+    """index along the last dim + offset (an arange, possibly unsqueezed / expanded in front)"""
+
+    offset: _Off
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axis:
+    """4-D index broadcast along dim (0 batch, 2 query, 3 key) + offset"""
+
+    dim: int
+    offset: _Off
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """a tensor the pass does not interpret (a model input, a cumsum of one, ...)"""
+
+    node: fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gather:
+    """source[b, index along dim + offset]"""
+
+    source: fx.Node
+    dim: int
+    offset: _Off
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mask:
+    """conjunction of predicates over (b, q, kv)"""
+
+    preds: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
+class _Additive:
+    """a float mask: 0 where the bool mask holds, a huge negative elsewhere"""
+
+    mask: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unknown:
+    reason: str
+
+
+_TRUE = _Const(True)
+_COMPARE = {
+    operator.le: "le", operator.lt: "lt", operator.ge: "ge", operator.gt: "gt",
+    operator.eq: "eq", operator.ne: "ne", torch.le: "le", torch.lt: "lt", torch.ge: "ge",
+    torch.gt: "gt", torch.eq: "eq", torch.ne: "ne",
+    "le": "le", "lt": "lt", "ge": "ge", "gt": "gt", "eq": "eq", "ne": "ne",
+    "__le__": "le", "__lt__": "lt", "__ge__": "ge", "__gt__": "gt", "__eq__": "eq", "__ne__": "ne",
+}
+_FLIP = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt", "eq": "eq", "ne": "ne"}
+_AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical_and", "bitwise_and", "__rand__"}
+_ADD = {operator.add, torch.add, "add", "__add__", "__radd__"}
+_SUB = {operator.sub, torch.sub, "sub", "__sub__"}
+_IDENTITY_METHODS = {"to", "bool", "contiguous", "clone"}
+_HUGE_NEGATIVE = -1e4
+
+
+def _is_symbolic_scalar(x) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("example_value"), (int, torch.SymInt))
+
+
+def _shift(off: _Off, delta) -> Optional[_Off]:
+    base, const = off
+    if isinstance(delta, int) and not isinstance(delta, bool):
+        return (base, const + delta)
+    if _is_symbolic_scalar(delta) and base is None:
+        return (delta, const)
+    return None
+
+
+class _Evaluator:
+    def __init__(self):
+        self.memo: dict[fx.Node, Any] = {}
+
+    def value(self, x):
+        if isinstance(x, fx.Node):
+            if x not in self.memo:
+                self.memo[x] = self._eval(x)
+            return self.memo[x]
+        if isinstance(x, (bool, int, float)):
+            return _Const(x)
+        return _Unknown(f"argument {x!r}")
+
+    def _eval(self, n: fx.Node):
+        target = n.target
+        if n.op in ("placeholder", "get_attr"):
+            return _Tensor(n)
+        if n.op not in ("call_function", "call_method"):
+            return _Unknown(f"{n.op} {n.name}")
+        args = n.args
+        if target is torch.arange:
+            return self._arange(n)
+        if target in ("new_ones", torch.ones) or target is torch.ones_like:
+            return _TRUE if n.kwargs.get("dtype") in (torch.bool, None) else _Const(1)
+        if target is torch.tensor and args and isinstance(args[0], (int, float)):
+            return _Const(args[0])
+        if target in _IDENTITY_METHODS or target in ("expand", "expand_as", "unsqueeze", "view", "reshape"):
+            return self._passthrough(n)
+        if target in _ADD or target in _SUB:
+            return self._add(n, negate=target in _SUB)
+        if target in _COMPARE:
+            return self._compare(_COMPARE[target], self.value(args[0]), self.value(args[1]), args)
+        if target in _AND:
+            return self._and(self.value(args[0]), self.value(args[1]))
+        if target is operator.getitem:
+            return self._getitem(n)
+        if target is torch.diff:
+            return self._diff(n)
+        if target in ("cumsum", torch.cumsum):
+            src = self.value(args[0])
+            if isinstance(src, _Const) and not src.value:
+                return _Const(0)
+            return _Tensor(n)
+        if target is torch.where:
+            return self._where(n)
+        return _Unknown(f"{getattr(target, '__name__', target)} at {n.name}")
+
+    def _arange(self, n):
+        args = [a for a in n.args]
+        if len(args) == 1:
+            return _Range((None, 0))
+        if len(args) == 2:
+            off = _shift((None, 0), args[0])
+            return _Range(off) if off is not None else _Unknown(f"arange start at {n.name}")
+        return _Unknown(f"arange with a step at {n.name}")
+
+    def _passthrough(self, n):
+        src = self.value(n.args[0])
+        if n.target == "unsqueeze" and isinstance(src, _Range):
+            return src if n.args[1] == 0 else _Unknown(f"unsqueeze of a range at {n.name}")
+        if n.target in ("view", "reshape") and not isinstance(src, (_Const, _Mask)):
+            return _Unknown(f"{n.target} at {n.name}")
+        if isinstance(src, _Tensor):
+            return _Tensor(n)  # same data, converted: pass the converted node on
+        return src
+
+    def _add(self, n, negate):
+        a, b = n.args[0], n.args[1]
+        va = self.value(a)
+        if isinstance(va, (_Range, _Axis)):
+            delta = b
+            if negate:
+                if isinstance(b, fx.Node):
+                    return _Unknown(f"subtracting a symbolic value at {n.name}")
+                delta = -b
+            off = _shift(va.offset, delta)
+            if off is None:
+                return _Unknown(f"offset {b!r} at {n.name}")
+            return dataclasses.replace(va, offset=off)
+        vb = self.value(b)
+        if isinstance(va, _Const) and isinstance(vb, _Const):
+            return _Const(va.value - vb.value if negate else va.value + vb.value)
+        return _Unknown(f"arithmetic at {n.name}")
+
+    def _getitem(self, n):
+        src, index = self.value(n.args[0]), n.args[1]
+        if not isinstance(index, tuple):
+            index = (index,)
+        if isinstance(src, _Const):
+            return src
+        if isinstance(src, _Range):
+            if len(index) == 4 and all(i is None or i == slice(None) for i in index) and index.count(slice(None)) == 1:
+                return _Axis(index.index(slice(None)), src.offset)
+            if all(isinstance(i, slice) for i in index):
+                # position_ids[:, :1] and friends: still "arange + offset" at their start
+                return src
+            return _Unknown(f"index {index} of a range at {n.name}")
+        if isinstance(src, _Tensor) and len(index) == 2:
+            batch, pos = (self.value(i) for i in index)
+            if isinstance(batch, _Axis) and batch.dim == 0 and batch.offset == (None, 0) and isinstance(pos, _Axis):
+                return _Gather(src.node, pos.dim, pos.offset)
+        if isinstance(src, (_Mask, _Additive)) and all(i == slice(None) or i is Ellipsis for i in index):
+            return src
+        return _Unknown(f"indexing at {n.name}")
+
+    def _diff(self, n):
+        src = self.value(n.args[0])
+        prepend = n.kwargs.get("prepend")
+        dim = n.kwargs.get("dim", -1)
+        if isinstance(src, _Range) and dim == -1 and prepend is not None:
+            pre = self.value(prepend)
+            if isinstance(pre, _Range) and _shift(pre.offset, 1) == src.offset:
+                return _Const(1)  # consecutive positions: one document
+        return _Tensor(n)
+
+    def _where(self, n):
+        cond, yes, no = (self.value(a) for a in n.args[:3])
+        if (
+            isinstance(yes, _Const) and yes.value == 0
+            and isinstance(no, _Const) and isinstance(no.value, (int, float)) and no.value <= _HUGE_NEGATIVE
+        ):
+            return _Additive(cond)
+        return _Unknown(f"where at {n.name}")
+
+    def _compare(self, op, a, b, raw):
+        if isinstance(a, _Const) and isinstance(b, _Const):
+            fn = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne}[op]
+            return _Const(fn(a.value, b.value))
+        if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 2 and b.dim == 3:
+            a, b, op = b, a, _FLIP[op]
+        if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 3 and b.dim == 2:
+            if a.offset != (None, 0):
+                return _Unknown("key positions do not start at 0")
+            if op == "lt":
+                op, b = "le", _Axis(2, _shift(b.offset, -1))
+            if op == "ge":
+                op, b = "gt", _Axis(2, _shift(b.offset, -1))
+            if op in ("le", "gt"):
+                return _Mask(frozenset({(op, b.offset)}))
+        if op == "eq" and isinstance(a, _Gather) and isinstance(b, _Gather) and a.source is b.source:
+            if a.dim == 3 and b.dim == 2:
+                a, b = b, a
+            if a.dim == 2 and b.dim == 3 and b.offset == (None, 0):
+                return _Mask(frozenset({("doc", a.source, a.offset)}))
+        return _Unknown(f"comparison {op} of {type(a).__name__.strip('_')} and {type(b).__name__.strip('_')}")
+
+    def _as_mask(self, v):
+        if isinstance(v, _Const) and v.value is True:
+            return _Mask(frozenset())
+        if isinstance(v, _Mask):
+            return v
+        if isinstance(v, _Gather) and v.dim == 3 and v.offset == (None, 0):
+            return _Mask(frozenset({("key", v.source)}))
+        return None
+
+    def _and(self, a, b):
+        ma, mb = self._as_mask(a), self._as_mask(b)
+        if ma is None or mb is None:
+            bad = a if ma is None else b
+            return bad if isinstance(bad, _Unknown) else _Unknown(f"and with {type(bad).__name__.strip('_')}")
+        return _Mask(ma.preds | mb.preds)
+
+
+def _mask_info(preds: frozenset) -> MaskInfo:
+    causal = [p for p in preds if p[0] == "le"]
+    if len(causal) != 1:
+        return MaskInfo(MaskKind.UNKNOWN, reason="mask has no single causal (kv <= q) term")
+    q_off = causal[0][1]
+    window = 0
+    key_mask = doc = None
+    for pred in preds:
+        if pred[0] == "gt":
+            if pred[1][0] is not q_off[0]:
+                return MaskInfo(MaskKind.UNKNOWN, reason="window offset differs from the causal offset")
+            window = q_off[1] - pred[1][1]
+            if window <= 0:
+                return MaskInfo(MaskKind.UNKNOWN, reason="empty sliding window")
+        elif pred[0] == "key":
+            if key_mask is not None:
+                return MaskInfo(MaskKind.UNKNOWN, reason="two padding masks")
+            key_mask = pred[1]
+        elif pred[0] == "doc":
+            if doc is not None or pred[2] != q_off:
+                return MaskInfo(MaskKind.UNKNOWN, reason="packed-sequence ids at other positions than the queries")
+            doc = pred[1]
+    if key_mask is not None:
+        dtype = getattr(key_mask.meta.get("example_value"), "dtype", None)
+        if dtype is not torch.bool:
+            return MaskInfo(MaskKind.UNKNOWN, reason=f"padding mask of dtype {dtype}, expected bool")
+    kind = MaskKind.PACKED if doc is not None else MaskKind.SLIDING_WINDOW if window else (
+        MaskKind.CAUSAL_PADDING if key_mask is not None else MaskKind.CAUSAL
+    )
+    base, const = q_off
+    return MaskInfo(kind, q_offset=const if base is None else (base, const), window=window, key_mask=key_mask, doc_ids=doc)
+
+
+def analyse(site: AttentionSite) -> MaskInfo:
+    if site.mask is None:
+        if site.is_causal:
+            return MaskInfo(MaskKind.CAUSAL)  # SDPA's is_causal is aligned top-left
+        return MaskInfo(MaskKind.NONE, reason="no mask and is_causal=False: bidirectional attention")
+    if site.is_causal:
+        return MaskInfo(MaskKind.UNKNOWN, reason="both attn_mask and is_causal given")
+    shape = getattr(site.mask.meta.get("example_value"), "shape", None)
+    if shape is None or len(shape) != 4 or shape[1] != 1:
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1, Q, KV]")
+    value = _Evaluator().value(site.mask)
+    additive = isinstance(value, _Additive)
+    if additive:
+        value = value.mask
+    if site.form == "manual" and not additive:
+        return MaskInfo(MaskKind.UNKNOWN, reason="manual attention adds a mask that is not 0/-inf")
+    if isinstance(value, _Unknown):
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask construction not understood ({value.reason})")
+    if isinstance(value, _Tensor):
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask is an opaque tensor ({value.node.name})")
+    if not isinstance(value, _Mask):
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask evaluates to {type(value).__name__.strip('_')}")
+    return _mask_info(value.preds)
+
+
+def run(sites: list[AttentionSite]) -> list[AttentionSite]:
+    out = []
+    for site in sites:
+        info = analyse(site)
+        site = dataclasses.replace(site, mask_info=info)
+        if info.kind == MaskKind.UNKNOWN:
+            site = site.blocked(f"unknown mask: {info.reason}")
+        elif info.kind == MaskKind.NONE:
+            site = site.blocked(info.reason)
+        out.append(site)
+    return out

@@ -1,0 +1,92 @@
+"""Replace each accepted site with ``minference::sparse_attention``.
+
+The head plan, scale, window and the dense/sparse crossover become constant
+arguments; the query offset stays symbolic (past length) so continued prefill
+and decode do not recompile. The mask construction and ``repeat_kv`` nodes
+then die, and are removed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..op import sparse_attention  # noqa: F401  (registers the op)
+from ..plan import LayerPlan
+from .site import AttentionSite
+
+_OP = torch.ops.minference.sparse_attention.default
+
+
+def _q_offset_arg(graph: fx.Graph, offset):
+    if isinstance(offset, int):
+        return offset
+    base, const = offset
+    return graph.call_function(operator.add, (base, const)) if const else base
+
+
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand, operator.ior}
+
+
+def _mutates(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and getattr(node.target, "__module__", "") not in ("_operator", "operator")
+
+
+def _remove_dead(graph: fx.Graph, roots):
+    """Erase nodes that only fed the replaced attention (mask construction, repeat_kv)."""
+    work = [n for n in roots if isinstance(n, fx.Node)]
+    while work:
+        node = work.pop()
+        if node.graph is not graph or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if _mutates(node):
+            continue  # has effects beyond its users
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        work.extend(inputs)
+
+
+def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int) -> list[AttentionSite]:
+    graph = gm.graph
+    out = []
+    for site in sites:
+        if site.blocker:
+            out.append(site)
+            continue
+        q_val = site.query.meta["example_value"]
+        old_val = site.node.meta.get("example_value")
+        if old_val is not None and old_val.dtype != q_val.dtype:
+            out.append(site.blocked(f"attention output dtype {old_val.dtype} differs from the query's {q_val.dtype}"))
+            continue
+        scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q_val.shape[-1])
+        if not isinstance(scale, (int, float)):
+            out.append(site.blocked(f"scale is not a constant ({scale})"))
+            continue
+        plan = plan_for(site)
+        patterns, budget_a, budget_b = plan.op_arguments()
+        info = site.mask_info
+        with graph.inserting_before(site.node):
+            q_offset = _q_offset_arg(graph, info.q_offset)
+            new = graph.call_function(
+                _OP,
+                (site.query, site.key, site.value, info.key_mask, info.doc_ids, float(scale), q_offset,
+                 int(info.window), patterns, budget_a, budget_b, int(min_sparse_len)),
+            )
+        new.meta.update({k: site.node.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack") if k in site.node.meta})
+        old_inputs = list(site.node.all_input_nodes)
+        site.node.replace_all_uses_with(new)
+        graph.erase_node(site.node)
+        _remove_dead(graph, old_inputs + list(site.chain))
+        out.append(dataclasses.replace(site, node=new))
+    graph.lint()
+    gm.recompile()
+    return out

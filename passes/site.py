@@ -1,0 +1,87 @@
+"""What the passes learn about one attention call, one frozen record per site.
+
+Each pass adds to a site with ``dataclasses.replace``; nothing is stashed in
+``node.meta``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from typing import Optional, Union
+
+import torch.fx as fx
+
+# An offset into positions: an int, or an fx node holding a SymInt (past length)
+Offset = Union[int, fx.Node]
+
+
+class MaskKind(str, Enum):
+    CAUSAL = "causal"
+    CAUSAL_PADDING = "causal+padding"
+    SLIDING_WINDOW = "sliding_window"
+    PACKED = "packed_documents"
+    NONE = "none"  # no mask and not causal: bidirectional attention
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskInfo:
+    """The meaning of an attention site's mask, if the pass understood it."""
+
+    kind: MaskKind
+    q_offset: Offset = 0
+    """position of query row 0 among the keys"""
+    window: int = 0
+    """sliding-window size (0: none)"""
+    key_mask: Optional[fx.Node] = None
+    """bool [B, Skv] node: which keys are real (padding)"""
+    doc_ids: Optional[fx.Node] = None
+    """int [B, S] node: packed-sequence id per position"""
+    reason: str = ""
+    """why the mask is unknown"""
+
+    def describe(self) -> str:
+        parts = [self.kind.value]
+        if self.window:
+            parts.append(f"window={self.window}")
+        if self.key_mask is not None and self.kind != MaskKind.CAUSAL_PADDING:
+            parts.append("padding")
+        if self.doc_ids is not None and self.kind != MaskKind.PACKED:
+            parts.append("packed")
+        if not (isinstance(self.q_offset, int) and self.q_offset == 0):
+            parts.append(f"q_offset={self.q_offset}")
+        return "+".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSite:
+    """One attention call found in a Dynamo graph."""
+
+    node: fx.Node
+    """the node whose output is the attention output (SDPA, or the final matmul of a manual chain)"""
+    form: str
+    """"sdpa" or "manual" (matmul → softmax → matmul as HF eager emits it)"""
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    mask: Optional[fx.Node]
+    """the attn_mask argument as written (bool or additive float), or None"""
+    is_causal: bool
+    dropout_p: float
+    scale: Optional[float]
+    enable_gqa: bool = False
+    source: str = ""
+    """where in the user's source the call is (file:line)"""
+    chain: tuple = ()
+    """nodes of a manual chain that die with the rewrite"""
+    mask_info: Optional[MaskInfo] = None
+    gqa_from: Optional[str] = None
+    """"repeat_kv" or "enable_gqa" when K/V were looked through to fewer heads"""
+    layer: Optional[int] = None
+    layer_from: str = ""
+    shapes: str = ""
+    blocker: str = ""
+    """non-empty: why the site must stay dense (first reason found)"""
+
+    def blocked(self, reason: str) -> "AttentionSite":
+        return self if self.blocker else dataclasses.replace(self, blocker=reason)
