@@ -15,8 +15,8 @@ Conventions
 * Query row ``i`` sits at absolute position ``pos_i`` (``q_offset + i`` unless
   ``q_positions`` is given); key ``j`` sits at position ``j``.
 * ``BLOCK`` is the index granularity for both query tiles and key tiles.
-* Only approximation is in which tiles/columns are listed; inside them the
-  arithmetic is exact fp32.
+* The only approximation is in which tiles/columns are listed; inside them
+  the arithmetic is exact fp32.
 * Ties in every top-k are broken towards the lower index (stable sort), so the
   GPU builders have a rule they can reproduce.
 """
@@ -206,8 +206,7 @@ def _vertical_slash(q_h, k_g, pos, lo, hi, n_tiles, v_budget, s_budget, scale, k
 
 def _block_sparse(q_h, k_g, lo, hi, n_tiles, k_budget):
     """Tile mask ``[B, M, N]`` of one block-sparse head."""
-    B, sq, D = q_h.shape
-    skv = k_g.shape[1]
+    B, _, D = q_h.shape
     m_tiles = lo.numel()
 
     def pool(x, tiles):
@@ -392,8 +391,9 @@ def sparse_attention_reference(
     pos = query_positions(sq, q_offset, q_positions, q.device)
     kf, vf = k.float(), v.float()
     out = torch.empty(B, Hq, sq, v.shape[-1], dtype=torch.float32, device=q.device)
-    for r0 in range(0, sq, max(1, rows_per_chunk)):
-        r1 = min(sq, r0 + rows_per_chunk)
+    chunk = max(1, rows_per_chunk)
+    for r0 in range(0, sq, chunk):
+        r1 = min(sq, r0 + chunk)
         # Keys past the chunk's last position are never readable: skip them (halves causal work).
         kmax = max(0, min(skv, int(pos[r0:r1].max()) + 1))
         if kmax == 0:

@@ -44,14 +44,16 @@ def _mutates(node: fx.Node) -> bool:
 def _remove_dead(graph: fx.Graph, roots):
     """Erase nodes that only fed the replaced attention (mask construction, repeat_kv)."""
     work = [n for n in roots if isinstance(n, fx.Node)]
+    erased = set()
     while work:
         node = work.pop()
-        if node.graph is not graph or node.users or node.op not in ("call_function", "call_method"):
+        if node in erased or node.users or node.op not in ("call_function", "call_method"):
             continue
         if _mutates(node):
             continue  # has effects beyond its users
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
+        erased.add(node)
         work.extend(inputs)
 
 

@@ -41,9 +41,7 @@ class MaskInfo:
     """why the mask is unknown"""
 
     def describe(self) -> str:
-        parts = [self.kind.value]
-        if self.window:
-            parts.append(f"window={self.window}")
+        parts = [f"{self.kind.value}({self.window})" if self.window else self.kind.value]
         if self.key_mask is not None and self.kind != MaskKind.CAUSAL_PADDING:
             parts.append("padding")
         if self.doc_ids is not None and self.kind != MaskKind.PACKED:

@@ -161,10 +161,11 @@ def check_structure(index, expected, B, Hq, M, hi):
 PLANS = {
     Pattern.DENSE: [(Pattern.DENSE,)] * 4,
     Pattern.A_SHAPE: [(Pattern.A_SHAPE, 100, 200), (Pattern.A_SHAPE, 64, 64), (Pattern.A_SHAPE, 0, 1), (Pattern.A_SHAPE, 5000, 30)],
-    # (100, 20): fewer diagonals than the 100 forced ones, so the tie rule (lowest delta) decides
+    # (100, 20): fewer diagonals than the 100 forced ones, so the tie rule (lowest delta) decides;
+    # (0, 100): exactly the forced diagonals and columns
     Pattern.VERTICAL_SLASH: [
         (Pattern.VERTICAL_SLASH, 40, 150), (Pattern.VERTICAL_SLASH, 100, 20),
-        (Pattern.VERTICAL_SLASH, 0, 0), (Pattern.VERTICAL_SLASH, 300, 400),
+        (Pattern.VERTICAL_SLASH, 0, 100), (Pattern.VERTICAL_SLASH, 300, 400),
     ],
     Pattern.BLOCK_SPARSE: [(Pattern.BLOCK_SPARSE, 1), (Pattern.BLOCK_SPARSE, 3), (Pattern.BLOCK_SPARSE, 8), (Pattern.BLOCK_SPARSE, 0)],
 }
@@ -176,6 +177,7 @@ def _case(name):
         s = int(name[len("causal") :])
         return s, s, {}
     if name == "masked":  # continued prefill with padding, documents and a window
+        # offset 290: pos_lo(m) - 98 is tile-aligned, so diagonal 99 reaches a key tile that 0..98 do not
         sq, skv = 700, 1000
         key_mask = torch.ones(2, skv, dtype=torch.bool)
         key_mask[1, :37] = False
@@ -183,7 +185,7 @@ def _case(name):
         doc[0, 450:] = 1
         doc[1, 130:] = 1
         doc[1, 800:] = 2
-        return sq, skv, dict(key_mask=key_mask, doc_ids=doc, q_offset=300, window=400)
+        return sq, skv, dict(key_mask=key_mask, doc_ids=doc, q_offset=290, window=400)
     if name == "gappy":  # q_positions with gaps: one query tile spans several key tiles
         g = torch.Generator().manual_seed(5)
         pos = torch.randperm(1500, generator=g)[:500].sort().values

@@ -1,0 +1,74 @@
+"""``minference-fx`` command line. Each subcommand parses, calls one library function, prints its report."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, num_hidden_layers=2)
+_BUILTIN = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+
+
+def build_model(spec: str, attn: str, layers: int | None = None):
+    """A model from a built-in tiny family name, an HF config.json, or a local model directory.
+
+    Config only → random weights (nothing is downloaded); a directory with
+    weights → those weights.
+    """
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("minference-fx inspect needs transformers: pip install 'minference-fx[transformers]'")
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    path = Path(spec)
+    if spec in _BUILTIN:
+        extra = {"sliding_window": 64} if spec == "mistral" else {}
+        cfg = getattr(transformers, _BUILTIN[spec])(**{**_TINY, **extra, **overrides})
+    elif path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
+        return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **overrides).eval()
+    elif path.is_dir():
+        cfg = transformers.AutoConfig.from_pretrained(path, **overrides)
+    elif path.is_file():
+        cfg = transformers.AutoConfig.for_model(**{**json.loads(path.read_text()), **overrides})
+    else:
+        sys.exit(f"--model {spec!r}: not a built-in family ({', '.join(_BUILTIN)}), a config.json or a model directory")
+    cfg._attn_implementation = attn
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def _inspect(args) -> int:
+    import torch
+
+    from .inspection import inspect
+
+    model = build_model(args.model, args.attn, args.layers)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq))
+    options = {"config": args.config} if args.config else {}
+    result = inspect(model, ids, use_cache=False, options=options)
+    print(result)
+    if args.diff:
+        print()
+        print(result.diff())
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="show which attention sites the backend rewrites, and why")
+    p.add_argument("--model", default="llama", help="built-in tiny family (llama, qwen2, mistral), an HF config.json, or a model directory")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
+    p.add_argument("--layers", type=int, default=None, help="keep only this many layers (random weights are cheap, big models are not)")
+    p.add_argument("--seq", type=int, default=128, help="prompt length traced")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--config", default=None, help="semantic config JSON (default: vertical-slash 1000/6096 everywhere)")
+    p.add_argument("--diff", action="store_true", help="print the unified diff of the graph code")
+    p.set_defaults(run=_inspect)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The passes on hand-written attention: what is rewritten, what stays dense and why."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minference_fx import inspect
+from minference_fx.passes.layers import layer_from_module_stack
+
+
+def _qkv(b=1, hq=4, hkv=2, s=96, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g))
+
+
+class Causal(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class FloatMask(torch.nn.Module):
+    def forward(self, q, k, v, bias):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=bias)
+
+
+class Dropout(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1, enable_gqa=True)
+
+
+class Bidirectional(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+class SeqMajor(torch.nn.Module):
+    """[B, S, H, D] activations, permuted at the call."""
+
+    def forward(self, q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+def _only_row(report):
+    (row,) = report.rows
+    return row
+
+
+def test_is_causal_enable_gqa_is_rewritten_and_exact():
+    q, k, v = _qkv()
+    row = _only_row(inspect(Causal(), q, k, v))
+    assert (row.decision, row.mask, row.gqa) == ("sparse", "causal", "enable_gqa")
+    opts = {"inner": "eager", "min_sparse_len": 0}
+    out = torch.compile(Causal(), backend="minference", options=opts)(q, k, v)
+    torch.testing.assert_close(out, Causal()(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_float_mask_stays_dense_with_reason():
+    q, k, v = _qkv()
+    bias = torch.randn(1, 1, 96, 96)
+    row = _only_row(inspect(FloatMask(), q, k, v, bias))
+    assert row.decision == "dense"
+    assert row.mask == "unknown" and "opaque tensor" in row.reason
+
+
+def test_dropout_stays_dense_with_reason():
+    row = _only_row(inspect(Dropout(), *_qkv()))
+    assert row.decision == "dense" and "dropout" in row.reason
+
+
+def test_bidirectional_stays_dense_with_reason():
+    row = _only_row(inspect(Bidirectional(), *_qkv()))
+    assert row.decision == "dense" and "bidirectional" in row.reason
+
+
+def test_sequence_major_layout_is_rewritten_and_exact():
+    q, k, v = (t.transpose(1, 2).contiguous() for t in _qkv())
+    assert _only_row(inspect(SeqMajor(), q, k, v)).decision == "sparse"
+    out = torch.compile(SeqMajor(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, SeqMajor()(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_output_attentions_keeps_eager_attention_dense():
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", "eager")
+    report = inspect(model, torch.randint(0, 128, (1, 40)), use_cache=False, output_attentions=True)
+    assert report.rows == [] or all(r.decision == "dense" for r in report.rows)
+
+
+def test_bad_options_are_named():
+    with pytest.raises(Exception, match="inner='fast'"):
+        torch.compile(Causal(), backend="minference", options={"inner": "fast"})(*_qkv())
+
+
+@pytest.mark.parametrize("path,layer", [
+    ("L['self'].model.layers[3].self_attn", 3),
+    ("model.layers.11.self_attn", 11),
+    ("L['self'].encoder", None),
+])
+def test_layer_index_from_module_path(path, layer):
+    assert layer_from_module_stack({"x": (path, object)}) == layer
+
+
+def test_backend_resolves_by_name_in_a_fresh_process():
+    code = textwrap.dedent("""
+        import sys, torch
+        import torch.nn.functional as F
+        assert "minference_fx" not in sys.modules
+        f = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q = torch.randn(1, 2, 16, 8)
+        out = torch.compile(f, backend="minference", options={"inner": "eager"})(q, q, q)
+        assert "minference_fx" in sys.modules
+        torch.testing.assert_close(out, f(q, q, q))
+        from minference_fx import recent_reports
+        assert recent_reports()[-1].rewritten == 1
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
