@@ -1,0 +1,209 @@
+"""Sparse attention forward in Triton: one launch for every head of a layer.
+
+A program owns one query tile (``BLOCK`` rows) of one (batch, query head) and
+reads K/V through ``kv_head = h // group`` (no repeat_kv copy). It visits:
+
+1. key tiles — listed in the index for vertical-slash and block-sparse heads;
+   enumerated from the plan for dense (every tile up to the diagonal) and
+   A-shape heads (sink tiles, then window tiles), so those heads materialise
+   nothing;
+2. leftover single key columns (vertical-slash), gathered ``BLOCK`` at a time.
+
+Tiles and columns never overlap (the index guarantees it), so every (i, j) is
+counted once. Softmax is online in fp32 with base-2 exponentials; a row that can
+read no key ends as exactly 0.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import PATTERN_CODES, Pattern
+from .reference import BLOCK, SparseIndex
+
+DENSE = tl.constexpr(PATTERN_CODES[Pattern.DENSE])
+A_SHAPE = tl.constexpr(PATTERN_CODES[Pattern.A_SHAPE])
+VERTICAL_SLASH = tl.constexpr(PATTERN_CODES[Pattern.VERTICAL_SLASH])
+BLOCK_SPARSE = tl.constexpr(PATTERN_CODES[Pattern.BLOCK_SPARSE])
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+             HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of the base rule: causal, padding, same document, window."""
+    ok = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+    if HAS_KEY_MASK:
+        km = tl.load(KeyMask + b * stride_km + cols, mask=col_ok, other=0)
+        ok = ok & (km != 0)[None, :]
+    if HAS_DOC:
+        doc_k = tl.load(DocIds + b * stride_doc + cols, mask=col_ok, other=-1)
+        doc_q = tl.load(DocIds + b * stride_doc + pos)
+        ok = ok & (doc_q[:, None] == doc_k[None, :])
+    if HAS_WINDOW:
+        ok = ok & (pos[:, None] - cols[None, :] < window)
+    return ok
+
+
+@triton.jit
+def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, d_ok, col_ok):
+    k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(ok, s, float("-inf"))
+    # -- update m_i and l_i; rows with nothing visible yet keep m = -inf
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_attn_fwd(
+    Q, K, V, Out,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    TileCount, TileIndex, ColCount, ColIndex,
+    stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
+    Patterns, BudgetA, BudgetB,
+    KeyMask, stride_km, DocIds, stride_doc,
+    num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // group
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_q
+    pos = q_offset + rows
+    pos_lo = q_offset + pid_m * BLOCK_M
+    pos_hi = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, seq_q) - 1
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # load q: it stays in SRAM throughout
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # -- stage 1: key tiles, listed or enumerated from the pattern
+    pattern = tl.load(Patterns + h)
+    last_tile = tl.minimum(pos_hi, seq_k - 1) // BLOCK_N
+    listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
+    sink_tiles = tl.cdiv(tl.load(BudgetA + h), BLOCK_N)
+    win_first = tl.maximum(pos_lo - tl.load(BudgetB + h) + 1, 0) // BLOCK_N
+    sink_tiles = tl.minimum(sink_tiles, win_first)
+    n_tiles = last_tile + 1  # dense
+    if pattern == A_SHAPE:
+        n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
+    if listed:
+        n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + pid_m)
+    tile_list = TileIndex + pid_bh * stride_ti_bh + pid_m * stride_ti_m
+    for i in range(0, n_tiles):
+        n = tl.where(i < sink_tiles, i, win_first + i - sink_tiles)
+        n = tl.where(pattern == DENSE, i, n)
+        n = tl.where(listed, tl.load(tile_list + i, mask=listed, other=0), n)
+        cols = n * BLOCK_N + offs_n
+        col_ok = cols < seq_k
+        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
+        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
+
+    # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
+    n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + pid_m)
+    col_list = ColIndex + pid_bh * stride_ci_bh + pid_m * stride_ci_m
+    for c0 in range(0, n_cols, BLOCK_N):
+        slot_ok = c0 + offs_n < n_cols
+        cols = tl.load(col_list + c0 + offs_n, mask=slot_ok, other=0)
+        col_ok = slot_ok & (cols >= 0) & (cols < seq_k)
+        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
+        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
+
+    # epilogue: rows that saw no key are 0, not 0/0
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_tensors(patterns: tuple, budget_a: tuple, budget_b: tuple, device: str):
+    # Built once per (plan, device) outside any CUDA-graph capture: a host→device
+    # copy inside a captured region is not allowed.
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return as_t(patterns), as_t(budget_a), as_t(budget_b)
+
+
+def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
+    """An index with nothing listed: for plans of only dense / A-shape heads."""
+    zeros = torch.zeros(batch, heads, m_tiles, dtype=torch.int32, device=device)
+    none = torch.full((batch, heads, m_tiles, 1), -1, dtype=torch.int32, device=device)
+    return SparseIndex(zeros, none, zeros, none)
+
+
+def sparse_attention_triton(
+    q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
+    q_offset=0, window=0, num_warps=4, num_stages=2,
+) -> torch.Tensor:
+    """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
+
+    Parameters
+    ----------
+    q : ``[B, Hq, Sq, D]``; k, v : ``[B, Hkv, Skv, D]``; any strides, fp16/bf16 (fp32 too).
+    index : :class:`SparseIndex` with ``M = ceil(Sq / BLOCK)`` query tiles.
+    patterns, budget_a, budget_b : the plan as int lists (see :mod:`minference_fx.plan`).
+    key_mask : optional bool ``[B, Skv]``; doc_ids : optional int ``[B, S >= Skv]``.
+
+    Returns
+    -------
+    ``[B, Hq, Sq, D]`` contiguous, dtype of q.
+    """
+    B, Hq, sq, D = q.shape
+    Hkv, skv = k.shape[1], k.shape[2]
+    out = torch.empty(B, Hq, sq, D, dtype=q.dtype, device=q.device)
+    if sq == 0:
+        return out
+    pat_t, a_t, b_t = _plan_tensors(tuple(patterns), tuple(budget_a), tuple(budget_b), str(q.device))
+    ti = index.tile_index.reshape(B * Hq, index.tile_index.shape[2], -1)
+    ci = index.col_index.reshape(B * Hq, index.col_index.shape[2], -1)
+    tc = index.tile_count.reshape(B * Hq, -1)
+    cc = index.col_count.reshape(B * Hq, -1)
+    km = key_mask if key_mask is not None else q  # any pointer; unused when HAS_KEY_MASK is False
+    doc = doc_ids if doc_ids is not None else q
+    grid = (triton.cdiv(sq, BLOCK), B * Hq)
+    _sparse_attn_fwd[grid](
+        q, k, v, out,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        tc, ti, cc, ci,
+        tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
+        pat_t, a_t, b_t,
+        km, km.stride(0) if key_mask is not None else 0, doc, doc.stride(0) if doc_ids is not None else 0,
+        Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
