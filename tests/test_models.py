@@ -108,3 +108,30 @@ def test_inductor_end_to_end():
         dense = model(ids, use_cache=False).logits
         sparse = _compile(model, covering_config(model), inner="inductor")(ids, use_cache=False).logits
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_sequences_from_position_ids():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 130))
+    position_ids = torch.cat([torch.arange(70), torch.arange(60)])[None]
+    with torch.no_grad():
+        dense = model(ids, position_ids=position_ids, use_cache=False).logits
+        report = inspect(model, ids, position_ids=position_ids, use_cache=False)
+        sparse = _compile(model, covering_config(model))(ids, position_ids=position_ids, use_cache=False).logits
+    assert all(r.mask == "packed_documents" and r.decision == "sparse" for r in report.rows), report
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_logs_show_the_report(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "f = lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
+        "torch.compile(f, backend='minference', options={'inner': 'eager'})(torch.randn(1, 2, 8, 4))\n"
+    )
+    env = {**__import__("os").environ, "TORCH_LOGS": "+minference_fx"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "1/1 attention sites rewritten" in done.stderr
