@@ -54,6 +54,34 @@ def _inspect(args) -> int:
     return 0
 
 
+def parse_lengths(text: str) -> list[int]:
+    """'8k,32k,1m' -> [8192, 32768, 1048576]"""
+    units = {"k": 1024, "m": 1024 * 1024}
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        out.append(int(part[:-1]) * units[part[-1]] if part[-1] in units else int(part))
+    return out
+
+
+def _bench(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("minference-fx bench needs a CUDA GPU")
+    from . import bench
+
+    command = "minference-fx " + " ".join(sys.argv[1:])
+    if args.what == "kernels":
+        rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets),
+                                   baselines=tuple(args.baselines.split(",")) if args.baselines else ())
+        print(bench.format_kernel_rows(rows))
+    if args.out:
+        bench.write_json(args.out, rows, command)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +94,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None, help="semantic config JSON (default: vertical-slash 1000/6096 everywhere)")
     p.add_argument("--diff", action="store_true", help="print the unified diff of the graph code")
     p.set_defaults(run=_inspect)
+    b = sub.add_parser("bench", help="GPU benchmarks: print a table, write JSON")
+    b.add_argument("what", choices=["kernels"])
+    b.add_argument("--lengths", default="8k,32k,128k")
+    b.add_argument("--budgets", type=int, nargs=2, default=[1000, 6096], metavar=("VERTICAL", "SLASH"))
+    b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
+    b.add_argument("--out", default=None, help="JSON results file")
+    b.set_defaults(run=_bench)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -103,10 +103,17 @@ def sparse_attention(
 
 
 def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
-    # Both devices run the reference until the Triton kernels land behind this call.
+    plan = LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
+    if q.is_cuda:
+        from .kernels.attend import sparse_attention_triton
+        from .kernels.index import build_index_gpu
+
+        index = build_index_gpu(q, k, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
+        return sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, key_mask=key_mask,
+                                       doc_ids=doc_ids, q_offset=q_offset, window=window)
+    # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
 
-    plan = LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
     out = reference.sparse_attention_reference(
         q, k, v, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window
     )

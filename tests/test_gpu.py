@@ -1,0 +1,152 @@
+"""GPU checks (run through the device tool): bf16 kernel error, a shape fuzz, CUDA-graph capture of the op."""
+import random
+
+import pytest
+import torch
+
+from minference_fx.kernels import reference
+from minference_fx.kernels.attend import sparse_attention_triton
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+pytestmark = pytest.mark.gpu
+OP = torch.ops.minference.sparse_attention.default
+
+
+def _bf16_math(q, k, v, index, plan, scale, rows_per_chunk=1024):
+    """Masked attention with bf16 matmuls and fp32 softmax: the error budget a bf16 kernel is allowed."""
+    B, Hq, sq, _ = q.shape
+    group = Hq // k.shape[1]
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.empty_like(q)
+    pos = torch.arange(sq, device=q.device)
+    for r0 in range(0, sq, rows_per_chunk):
+        r1 = min(sq, r0 + rows_per_chunk)
+        allowed = reference.index_to_mask(index, range(r0, r1), sq)[..., :r1] & (torch.arange(r1, device=q.device)[None] <= pos[r0:r1, None])
+        s = (q[:, :, r0:r1] @ k_rep[:, :, :r1].transpose(-1, -2)).float() * scale
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+        out[:, :, r0:r1] = (p.to(q.dtype) @ v_rep[:, :, :r1])
+    return out
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("seq", [4096, 16384, 65536])
+def test_bf16_kernel_error_within_twice_bf16_reference(seq):
+    from minference_fx.bench import structured_qkv
+
+    q, k, v = structured_qkv(seq, num_q_heads=8, num_kv_heads=2, head_dim=128)
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.A_SHAPE, 128, 2048),
+                      HeadPlan(Pattern.BLOCK_SPARSE, 64), HeadPlan(Pattern.DENSE)) * 2)
+    scale = 128 ** -0.5
+    index = reference.build_index(q, k, plan, scale=scale)
+    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale)
+    exact = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, index=index, rows_per_chunk=1024)
+    bf16 = _bf16_math(q, k, v, index, plan, scale)
+    assert torch.isfinite(got).all()
+    assert _rel(got, exact) <= 2 * _rel(bf16, exact) + 1e-4, (_rel(got, exact), _rel(bf16, exact))
+
+
+def _random_plan(rng, hq):
+    heads = []
+    for _ in range(hq):
+        p = rng.choice(list(Pattern))
+        if p is Pattern.A_SHAPE:
+            heads.append(HeadPlan(p, rng.randint(0, 200), rng.randint(1, 400)))
+        elif p is Pattern.VERTICAL_SLASH:
+            heads.append(HeadPlan(p, rng.randint(0, 300), rng.randint(0, 300)))
+        elif p is Pattern.BLOCK_SPARSE:
+            heads.append(HeadPlan(p, rng.randint(1, 12)))
+        else:
+            heads.append(HeadPlan(p))
+    return LayerPlan(tuple(heads))
+
+
+def test_fuzz_op_against_reference_on_1000_shapes():
+    rng = random.Random(0)
+    worst = 0.0
+    for case in range(1000):
+        b, hkv, group = rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4])
+        d = rng.choice([64, 80, 96, 128])
+        sq = rng.randint(1, 700)
+        offset = rng.choice([0, 0, rng.randint(1, 300)])
+        skv = sq + offset
+        dtype = rng.choice([torch.float16, torch.bfloat16])
+        window = rng.choice([0, 0, rng.randint(1, 500)])
+        key_mask = None
+        if b == 2 and rng.random() < 0.3:
+            key_mask = torch.ones(b, skv, dtype=torch.bool, device="cuda")
+            key_mask[1, : rng.randint(0, skv)] = False
+        hq = hkv * group
+        g = torch.Generator(device="cuda").manual_seed(case)
+        q = torch.randn(b, hq, sq, d, device="cuda", generator=g).to(dtype)
+        k = torch.randn(b, hkv, skv, d, device="cuda", generator=g).to(dtype)
+        v = torch.randn(b, hkv, skv, d, device="cuda", generator=g).to(dtype)
+        plan = _random_plan(rng, hq)
+        scale = d ** -0.5
+        from minference_fx.kernels.index import build_index_gpu
+
+        index = build_index_gpu(q, k, plan, scale=scale, key_mask=key_mask, q_offset=offset, window=window)
+        out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, key_mask=key_mask,
+                                      q_offset=offset, window=window)
+        want = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, key_mask=key_mask,
+                                                    q_offset=offset, window=window, index=_full_index(index, q, k, plan, key_mask, offset, window, scale))
+        assert torch.isfinite(out).all(), case
+        err = (out.float() - want).abs().max().item()
+        worst = max(worst, err)
+        assert err < 3e-2, (case, b, hq, hkv, sq, skv, d, dtype, window, plan, err)
+    print(f"fuzz: worst max-abs error {worst:.2e}")
+
+
+def _full_index(gpu_index, q, k, plan, key_mask, offset, window, scale):
+    """The GPU index lists only VS/BS heads; take dense/A-shape heads' tiles from the reference."""
+    ref = reference.build_index(q, k, plan, scale=scale, key_mask=key_mask, q_offset=offset, window=window)
+    implicit = torch.tensor([h.pattern in (Pattern.DENSE, Pattern.A_SHAPE) for h in plan.heads], device=q.device)
+    t = max(ref.tile_index.shape[-1], gpu_index.tile_index.shape[-1])
+    c = max(ref.col_index.shape[-1], gpu_index.col_index.shape[-1])
+    pad = lambda x, n: torch.nn.functional.pad(x, (0, n - x.shape[-1]), value=-1)  # noqa: E731
+    sel = implicit[None, :, None]
+    return reference.SparseIndex(
+        torch.where(sel, ref.tile_count, gpu_index.tile_count),
+        torch.where(sel[..., None], pad(ref.tile_index, t), pad(gpu_index.tile_index, t)),
+        torch.where(sel, ref.col_count, gpu_index.col_count),
+        torch.where(sel[..., None], pad(ref.col_index, c), pad(gpu_index.col_index, c)),
+    )
+
+
+def test_op_captures_in_a_cuda_graph_and_replays():
+    from minference_fx.bench import structured_qkv
+
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 300, 500), HeadPlan(Pattern.A_SHAPE, 64, 512),
+                      HeadPlan(Pattern.BLOCK_SPARSE, 8), HeadPlan(Pattern.DENSE)))
+    args = (0.125, 0, 0, *plan.op_arguments(), 0)
+    q, k, v = structured_qkv(4096, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
+    static = [t.clone() for t in (q, k, v)]
+    OP(*static, None, None, *args)  # warm-up: compiles kernels, builds plan tensors
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OP(*static, None, None, *args)
+    q2, k2, v2 = structured_qkv(4096, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=2)
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, OP(q2, k2, v2, None, None, *args))
+
+
+def test_compiled_model_reduce_overhead_matches_eager():
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import covering_config, tiny_model
+
+    model = tiny_model("llama").cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 256), device="cuda")
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+        compiled = torch.compile(model, backend="minference", mode="reduce-overhead", options={"config": covering_config(model)})
+        for _ in range(3):
+            sparse = compiled(ids, use_cache=False).logits
+    assert _rel(sparse, dense) < 2e-2
