@@ -1,11 +1,12 @@
 import os
 import sys
 
-# Triton reads this when a kernel is decorated, so it must precede importing the package.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# Triton reads this when a kernel is decorated, so it must precede importing the package's kernels.
+# Without a GPU the kernels run in the interpreter; with one they compile.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
 

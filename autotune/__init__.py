@@ -1,0 +1,1 @@
+"""Per-GPU tuning of the Triton kernels (search space, tuner, cache)."""

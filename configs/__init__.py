@@ -1,0 +1,1 @@
+"""Semantic configs shipped with the package (JSON data)."""

@@ -1,0 +1,558 @@
+"""On-device builder of the sparse index (the GPU twin of ``reference.build_index``).
+
+It produces the same key tiles and leftover columns as the reference for
+VERTICAL_SLASH and BLOCK_SPARSE heads; DENSE and A_SHAPE heads get empty lists
+because the attention kernel enumerates their tiles from positions alone.
+
+Everything runs on the device of ``q`` with sizes fixed by shapes and the plan,
+never by tensor values, so the whole build can be captured in a CUDA graph:
+no ``.item()``, no ``nonzero``, no boolean indexing, no host-to-device copy
+(even the small per-head tables are written by device kernels).
+
+Top-k ties
+----------
+The reference ranks with a stable descending sort: equal scores go to the
+lower index, and so do forced picks (+inf) among themselves.
+
+* Vertical-slash: ``torch.topk`` promises no tie order, so it ranks an int64
+  key ``(order-preserving bits of the fp32 score) << 32 | (2**32 - 1 - index)``.
+  All keys are distinct and ordered exactly by (score desc, index asc), which
+  reproduces the forced picks (+inf itself) and also the exact ties that occur
+  in practice: zero-probability columns of padding, or of keys outside a window.
+* Block-sparse: forced tiles get distinct finite scores above any real one,
+  decreasing with the tile number, and the top-k runs on fp32 (the int64 key
+  doubled the cost of the heaviest step at 1M tokens). Two real pooled scores
+  that are exactly equal may be picked in another order than the reference's.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minference_fx.kernels.reference import (
+    BLOCK,
+    VS_FORCED_COLUMNS,
+    VS_FORCED_DIAGONALS,
+    VS_LAST_Q,
+    VS_MIN_COLUMNS,
+    VS_MIN_DIAGONALS,
+    SparseIndex,
+)
+from minference_fx.plan import LayerPlan, Pattern
+
+__all__ = ["build_index_gpu", "vs_estimate", "index_capacity"]
+
+# Keys per program of the row-statistics pass: long prompts get many programs,
+# short ones one per head.
+_STATS_CHUNK = 1024
+_KEY_BLOCK = 64
+_TILE_VEC = 256
+_COL_VEC = 128
+# Elements of one block-sparse score chunk [B*heads, query tiles, key tiles]:
+# about 128 MB of fp32 scores plus top-k scratch, whatever the length.
+_BS_CHUNK_ELEMS = 1 << 25
+# Above any real pooled score, and 1/N apart stays distinct in fp32 for N < 2**22 key tiles.
+_FORCED_SCORE = 1e30
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- small device tables
+
+_TABLES: dict = {}
+
+
+def _int_table(values, device: torch.device) -> torch.Tensor:
+    """int32 device tensor holding ``values`` without a host sync or host copy.
+
+    A host->device copy would synchronise in eager mode and is illegal while a
+    CUDA graph captures, so the table is written with ``arange``/``fill_``
+    kernels whose arguments are python ints, one per arithmetic run. Tables
+    built outside a capture are cached; one built inside belongs to the graph's
+    memory pool and holds nothing until replay, so it is never cached.
+    """
+    values = tuple(int(v) for v in values)
+    key = (values, str(device))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing and key in _TABLES:
+        return _TABLES[key]
+    out = torch.empty(len(values), dtype=torch.int32, device=device)
+    i = 0
+    while i < len(values):
+        step = values[i + 1] - values[i] if i + 1 < len(values) else 0
+        end = i + 1
+        while end < len(values) and values[end] - values[end - 1] == step:
+            end += 1
+        if step == 0:
+            out[i:end].fill_(values[i])
+        else:
+            out[i:end].copy_(torch.arange(values[i], values[i] + step * (end - i), step, dtype=torch.int32, device=device))
+        i = end
+    if not capturing:
+        if len(_TABLES) > 4096:  # plans are per layer; this only guards against a leak
+            _TABLES.clear()
+        _TABLES[key] = out
+    return out
+
+
+def _rank_key(score: torch.Tensor) -> torch.Tensor:
+    """int64 key whose descending order is (score desc, index asc) along the last dim."""
+    # -0.0 would rank below +0.0 although the reference sees them equal
+    bits = (score.float() + 0.0).view(torch.int32)
+    # negative floats order backwards as signed ints: flip their magnitude bits
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    idx = torch.arange(score.shape[-1], device=score.device, dtype=torch.int64)
+    return (ordered << 32) | ((1 << 32) - 1 - idx)
+
+
+# --------------------------------------------------------------------------- vertical-slash estimate
+
+
+@triton.jit
+def _vs_scores_block(q, K_base, KM_b, DOC_b, doc_row, pos, row_ok, j, sks, skd, skv, head_dim, window, scale,
+                     HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Scaled scores [ROWS, BLOCK_N] of the estimate rows against keys ``j`` and where the base mask allows them."""
+    d = tl.arange(0, BLOCK_D)
+    key_ok = j < skv
+    kt = tl.load(K_base + j.to(tl.int64)[None, :] * sks + d[:, None] * skd,
+                 mask=key_ok[None, :] & (d[:, None] < head_dim), other=0.0)
+    if DOT_F32:
+        # fp32 inputs must not drop to tf32; mixed or bf16-on-CPU inputs go through fp32
+        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = s * scale
+    allowed = row_ok[:, None] & key_ok[None, :] & (j[None, :] <= pos[:, None])
+    allowed = allowed & ((window == 0) | (pos[:, None] - j[None, :] < window))
+    if HAS_KM:
+        km = tl.load(KM_b + j, mask=key_ok, other=0)
+        allowed = allowed & (km != 0)[None, :]
+    if HAS_DOC:
+        dk = tl.load(DOC_b + j, mask=key_ok, other=0)
+        allowed = allowed & (dk[None, :] == doc_row[:, None])
+    return s, allowed
+
+
+@triton.jit
+def _vs_load_rows(Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, skb, skh, skmb, sdb,
+                  sq, last_q, q_offset, head_dim,
+                  HAS_DOC: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The estimate rows of one (batch, head): q [ROWS, BLOCK_D], positions, validity, doc ids, base pointers."""
+    b = slot_row // n_vs
+    h = tl.load(HEADS + slot_row % n_vs)
+    kvh = h // group
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = r < last_q
+    qrow = sq - last_q + r
+    pos = q_offset + qrow
+    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    q = tl.load(q_base + qrow.to(tl.int64)[:, None] * sqs + d[None, :] * sqd,
+                mask=row_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+    K_base = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    KM_b = KM + b.to(tl.int64) * skmb
+    DOC_b = DOC + b.to(tl.int64) * sdb
+    if HAS_DOC:
+        doc_row = tl.load(DOC_b + pos, mask=row_ok, other=0)
+    else:
+        doc_row = pos
+    return q, pos, row_ok, K_base, KM_b, DOC_b, doc_row
+
+
+@triton.jit
+def _vs_row_stats_kernel(
+    Q, K, KM, DOC, HEADS, M_OUT, L_OUT,
+    sqb, sqh, sqs, sqd, skb, skh, sks, skd, skmb, sdb,
+    n_vs, group, sq, skv, last_q, q_offset, window, scale, n_chunks, head_dim,
+    HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Per estimate row, max and sum of exp(score - max) over one chunk of keys."""
+    chunk = tl.program_id(0)
+    slot_row = tl.program_id(1)
+    q, pos, row_ok, K_off, KM_b, DOC_b, doc_row = _vs_load_rows(
+        Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, skb, skh, skmb, sdb,
+        sq, last_q, q_offset, head_dim, HAS_DOC, ROWS, BLOCK_D)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    start = chunk * CHUNK
+    # keys after the last estimate row are never allowed: skip them
+    stop = tl.minimum(tl.minimum(start + CHUNK, skv), q_offset + sq)
+    for j0 in tl.range(start, stop, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        s, allowed = _vs_scores_block(q, K + K_off, KM_b, DOC_b, doc_row, pos, row_ok, j, sks, skd, skv, head_dim,
+                                      window, scale, HAS_KM, HAS_DOC, DOT_F32, BLOCK_D)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with nothing allowed so far keeps max -inf; subtract 0 instead so exp gives 0, not NaN
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_sub) + tl.sum(tl.exp(s - m_sub[:, None]), 1)
+        m_i = m_new
+    out = (slot_row.to(tl.int64) * n_chunks + chunk) * ROWS + tl.arange(0, ROWS)
+    tl.store(M_OUT + out, m_i)
+    tl.store(L_OUT + out, l_i)
+
+
+@triton.jit
+def _vs_colsum_kernel(
+    Q, K, KM, DOC, HEADS, ROW_MAX, ROW_SUM, VERT, SLASH,
+    sqb, sqh, sqs, sqd, skb, skh, sks, skd, skmb, sdb,
+    n_vs, group, sq, skv, last_q, q_offset, window, scale, head_dim,
+    HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Softmax probabilities of one key block: its column sums, and its diagonal sums added atomically."""
+    kblk = tl.program_id(0)
+    slot_row = tl.program_id(1)
+    q, pos, row_ok, K_off, KM_b, DOC_b, doc_row = _vs_load_rows(
+        Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, skb, skh, skmb, sdb,
+        sq, last_q, q_offset, head_dim, HAS_DOC, ROWS, BLOCK_D)
+    r = tl.arange(0, ROWS)
+    row_max = tl.load(ROW_MAX + slot_row.to(tl.int64) * ROWS + r)
+    row_sum = tl.load(ROW_SUM + slot_row.to(tl.int64) * ROWS + r)
+    j = kblk * BLOCK_N + tl.arange(0, BLOCK_N)
+    s, allowed = _vs_scores_block(q, K + K_off, KM_b, DOC_b, doc_row, pos, row_ok, j, sks, skd, skv, head_dim,
+                                  window, scale, HAS_KM, HAS_DOC, DOT_F32, BLOCK_D)
+    # same arithmetic as the reference's masked softmax: exp(s - max) / total
+    p = tl.where(allowed, tl.exp(s - row_max[:, None]) / row_sum[:, None], 0.0)
+    out = slot_row.to(tl.int64) * skv
+    tl.store(VERT + out + j, tl.sum(p, 0), mask=j < skv)
+    delta = pos[:, None] - j[None, :]
+    # allowed implies delta >= 0; a position past the keys can make delta >= skv, which the reference drops
+    tl.atomic_add(SLASH + out + delta, p, mask=allowed & (delta < skv), sem="relaxed")
+
+
+def _mask_args(key_mask, doc_ids, B: int, skv: int, sq: int, q_offset: int, dummy: torch.Tensor):
+    """(key-mask tensor, its batch stride, doc tensor, its batch stride) for the kernels."""
+    dev = dummy.device
+    if key_mask is not None:
+        if key_mask.dim() != 2 or key_mask.shape[-1] != skv or key_mask.shape[0] not in (1, B):
+            raise ValueError(f"key_mask must be [B or 1, {skv}], got {list(key_mask.shape)}")
+        km = key_mask.to(device=dev, dtype=torch.bool).to(torch.int8).contiguous()
+        kmb = km.stride(0) if km.shape[0] == B and B > 1 else 0
+    else:
+        km, kmb = dummy, 0
+    if doc_ids is not None:
+        if doc_ids.dim() != 2 or doc_ids.shape[-1] != skv or doc_ids.shape[0] not in (1, B):
+            raise ValueError(f"doc_ids must be [B or 1, {skv}], got {list(doc_ids.shape)}")
+        if sq and (q_offset < 0 or q_offset + sq > skv):
+            raise ValueError(f"doc_ids needs every query position in [0, {skv}), got [{q_offset}, {q_offset + sq - 1}]")
+        dt = doc_ids.dtype if doc_ids.dtype in (torch.int32, torch.int64) else torch.int64
+        doc = doc_ids.to(device=dev, dtype=dt).contiguous()
+        docb = doc.stride(0) if doc.shape[0] == B and B > 1 else 0
+    else:
+        doc, docb = dummy, 0
+    return km, kmb, doc, docb
+
+
+def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids, q_offset, window):
+    """Raw vertical and slash scores ``[B, n_vs, Skv]`` fp32 of the query heads listed in ``heads``."""
+    B, Hq, sq, D = q.shape
+    Hkv, skv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    dev = q.device
+    rows = B * n_vs
+    vertical = torch.zeros(rows, skv, dtype=torch.float32, device=dev)
+    slash = torch.zeros(rows, skv, dtype=torch.float32, device=dev)
+    if rows == 0 or skv == 0 or sq == 0:
+        return vertical.view(B, n_vs, skv), slash.view(B, n_vs, skv)
+    last_q = min(VS_LAST_Q, sq)
+    km, kmb, doc, docb = _mask_args(key_mask, doc_ids, B, skv, sq, q_offset, q)
+    # tl.dot cannot mix dtypes, the interpreter multiplies bf16 wrongly, and fp32 must stay ieee
+    dot_f32 = q.dtype != k.dtype or q.dtype == torch.float32 or (dev.type == "cpu" and q.dtype == torch.bfloat16)
+    block_d = max(16, triton.next_power_of_2(D))
+    common = dict(
+        sqb=q.stride(0), sqh=q.stride(1), sqs=q.stride(2), sqd=q.stride(3),
+        skb=k.stride(0), skh=k.stride(1), sks=k.stride(2), skd=k.stride(3), skmb=kmb, sdb=docb,
+        n_vs=n_vs, group=group, sq=sq, skv=skv, last_q=last_q, q_offset=q_offset, window=window,
+        scale=float(scale), head_dim=D,
+        HAS_KM=key_mask is not None, HAS_DOC=doc_ids is not None, DOT_F32=dot_f32,
+        ROWS=VS_LAST_Q, BLOCK_N=_KEY_BLOCK, BLOCK_D=block_d,
+    )
+    n_chunks = _cdiv(skv, _STATS_CHUNK)
+    m_part = torch.empty(rows, n_chunks, VS_LAST_Q, dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    _vs_row_stats_kernel[(n_chunks, rows)](q, k, km, doc, heads, m_part, l_part, n_chunks=n_chunks,
+                                           CHUNK=_STATS_CHUNK, **common)
+    row_max = m_part.amax(1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_sum = (l_part * torch.exp(m_part - row_max[:, None])).sum(1)
+    row_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](q, k, km, doc, heads, row_max, row_sum, vertical, slash, **common)
+    return vertical.view(B, n_vs, skv), slash.view(B, n_vs, skv)
+
+
+def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0):
+    """Vertical and slash scores of every query head, as the reference computes them before forcing.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, Sq, D]``; k : ``[B, Hkv, Skv, D]``, any strides.
+    scale, key_mask, doc_ids, q_offset, window : as in :func:`build_index_gpu`.
+
+    Returns
+    -------
+    (vertical, slash), fp32 ``[B, Hq, Skv]``: over the last ``min(64, Sq)`` query
+    rows, the column sums of the base-masked softmax, and its sums along each
+    diagonal ``delta = pos_row - j``.
+    """
+    B, Hq = q.shape[:2]
+    if Hq % k.shape[1]:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({k.shape[1]})")
+    heads = _int_table(range(Hq), q.device)
+    return _vs_scores(q, k, heads, Hq, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
+
+
+# --------------------------------------------------------------------------- vertical-slash -> tiles
+
+
+@triton.jit
+def _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K: tl.constexpr):
+    """Whether any selected diagonal crosses key tile ``n`` within rows [lo, hi].
+
+    Diagonal delta reads keys [lo - delta, hi - delta] clipped to [0, skv-1]; it
+    touches tile n iff lo - min(64n+63, skv-1) <= delta <= hi - 64n. P holds the
+    prefix counts of the selected diagonals, so the test is one difference.
+    """
+    a = tl.maximum(lo - tl.minimum(n * BLOCK_K + BLOCK_K - 1, skv - 1), 0)
+    b = tl.minimum(hi - n * BLOCK_K, skv - 1)
+    ok = a <= b
+    pa = tl.load(P + a, mask=ok, other=0)
+    pb = tl.load(P + b + 1, mask=ok, other=0)
+    return ok & (pb > pa)
+
+
+@triton.jit
+def _vs_to_tiles_kernel(
+    PREFIX, SHIFT_HITS, COLS, COL_END, HEADS, TILE_IDX, TILE_CNT, COL_IDX, COL_CNT,
+    n_vs, hq, m_tiles, sq, skv, n_tiles, q_offset, n_shift, shift0, n_cols, tile_cap, col_cap,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    m = tl.program_id(0)
+    slot_row = tl.program_id(1)
+    b = slot_row // n_vs
+    h = tl.load(HEADS + slot_row % n_vs)
+    lo = q_offset + m * BLOCK_K
+    hi = q_offset + tl.minimum(m * BLOCK_K + BLOCK_K - 1, sq - 1)
+    P = PREFIX + slot_row.to(tl.int64) * (skv + 1)
+    S = SHIFT_HITS + slot_row.to(tl.int64) * n_shift
+    out_row = (b.to(tl.int64) * hq + h) * m_tiles + m
+
+    # tiles: ascending n, compacted by a running count plus an in-vector prefix sum
+    n_last = tl.minimum(hi // BLOCK_K, n_tiles - 1)
+    count = 0
+    for n0 in tl.range(0, n_last + 1, BLOCK_T):
+        n = n0 + tl.arange(0, BLOCK_T)
+        in_range = n <= n_last
+        # Between a full query tile and a full key tile the test depends on m - n alone, so it
+        # is a coalesced read of SHIFT_HITS; only the last query / key tile (maybe short) is
+        # tested against the prefix counts.
+        edge = (n == n_tiles - 1) | (m == m_tiles - 1)
+        sel_edge = _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K) & edge
+        sel_shift = tl.load(S + (m - n) + shift0, mask=in_range & (edge == 0), other=0) != 0
+        sel = (sel_edge | sel_shift) & in_range
+        sel_i = sel.to(tl.int32)
+        dest = count + tl.cumsum(sel_i, 0) - 1
+        tl.store(TILE_IDX + out_row * tile_cap + dest, n, mask=sel & (dest < tile_cap))
+        count += tl.sum(sel_i, 0)
+    tl.store(TILE_CNT + out_row, tl.minimum(count, tile_cap))
+
+    # leftover columns: the selected ones (ascending) up to hi, COL_END of them, whose tile is not listed
+    ccount = 0
+    col_end = tl.load(COL_END + slot_row.to(tl.int64) * m_tiles + m)
+    for c0 in tl.range(0, col_end, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        j = tl.load(COLS + slot_row.to(tl.int64) * n_cols + c, mask=c < col_end, other=skv)
+        valid = (j < skv) & (j <= hi)
+        covered = _diag_hits_tile(P, j // BLOCK_K, lo, hi, skv, BLOCK_K)
+        keep = valid & (covered == 0)
+        keep_i = keep.to(tl.int32)
+        dest = ccount + tl.cumsum(keep_i, 0) - 1
+        tl.store(COL_IDX + out_row * col_cap + dest, j, mask=keep & (dest < col_cap))
+        ccount += tl.sum(keep_i, 0)
+    tl.store(COL_CNT + out_row, tl.minimum(ccount, col_cap))
+
+
+def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, doc_ids, q_offset, window):
+    B, Hq, sq, _ = q.shape
+    skv = k.shape[2]
+    dev = q.device
+    n_vs = len(vs_heads)
+    m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
+    heads = _int_table(vs_heads, dev)
+    vertical, slash = _vs_scores(q, k, heads, n_vs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
+                                 q_offset=q_offset, window=window)
+    j = torch.arange(skv, device=dev)
+    inf = float("inf")
+    # sums of +0 are +0, but NaN (from inf inputs) must not outrank everything
+    vertical = torch.where(vertical > 0, vertical, 0.0).masked_fill(j < VS_FORCED_COLUMNS, inf)
+    slash = torch.where(slash > 0, slash, 0.0).masked_fill(j < VS_FORCED_DIAGONALS, inf)
+
+    n_cols = [min(max(hp.budget_a, VS_MIN_COLUMNS), skv) for hp in vs_plans]
+    n_diags = [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) for hp in vs_plans]
+    rank_c = torch.arange(max(n_cols), device=dev)
+    rank_d = torch.arange(max(n_diags), device=dev)
+    # one top-k at the largest budget; a head keeps only the first picks of its own budget
+    top_c = _rank_key(vertical).topk(max(n_cols), dim=-1, sorted=True).indices
+    keep_c = rank_c < _int_table(n_cols, dev)[:, None]
+    cols = torch.where(keep_c, top_c, skv).sort(dim=-1).values.to(torch.int32).contiguous()
+
+    top_d = _rank_key(slash).topk(max(n_diags), dim=-1, sorted=True).indices
+    keep_d = rank_d < _int_table(n_diags, dev)[:, None]
+    # slot delta+1 counts diagonal delta; slot skv+1 swallows the dropped picks
+    marks = torch.zeros(B, n_vs, skv + 2, dtype=torch.int32, device=dev)
+    marks.scatter_(2, torch.where(keep_d, top_d + 1, skv + 1), 1)
+    prefix = marks.cumsum(-1, dtype=torch.int32)[..., : skv + 1].contiguous()
+
+    # Hit of a full query tile m by a full key tile n, indexed by m - n + shift0:
+    # keys [64(m-n) + off - 63, 64(m-n) + off + 63] (clipped) hold a selected diagonal.
+    shift0 = (q_offset + BLOCK - 1) // BLOCK  # n can exceed m by this much when q_offset > 0
+    n_shift = m_tiles + shift0
+    d = torch.arange(n_shift, device=dev) - shift0
+    a = torch.clamp(d * BLOCK + q_offset - (BLOCK - 1), min=0)
+    z = torch.clamp(d * BLOCK + q_offset + (BLOCK - 1), max=skv - 1)
+    span = torch.clamp(z + 1, 0, skv).expand(B, n_vs, -1), torch.clamp(a, max=skv).expand(B, n_vs, -1)
+    shift_hits = ((a <= z) & (prefix.gather(2, span[0]) > prefix.gather(2, span[1]))).to(torch.int8).contiguous()
+
+    # how many selected columns each query tile can read: its loop stops there
+    hi = q_offset + torch.clamp(torch.arange(m_tiles, device=dev) * BLOCK + BLOCK - 1, max=sq - 1)
+    col_end = torch.searchsorted(cols, hi.to(torch.int32).expand(B, n_vs, -1).contiguous(), right=True).to(torch.int32)
+
+    _vs_to_tiles_kernel[(m_tiles, B * n_vs)](
+        prefix, shift_hits, cols, col_end, heads, out.tile_index, out.tile_count, out.col_index, out.col_count,
+        n_vs, Hq, m_tiles, sq, skv, n_tiles, q_offset, n_shift, shift0, cols.shape[-1],
+        out.tile_index.shape[-1], out.col_index.shape[-1],
+        BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
+    )
+
+
+# --------------------------------------------------------------------------- block sparse
+
+
+def _pool(x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Mean over each 64-row tile of ``[B, H, S, D]`` in fp32, dividing a short last tile by its real rows."""
+    B, H, s, D = x.shape
+    full = s // BLOCK
+    # a strided view and fp32 accumulation: no fp32 copy of the whole of x
+    parts = [x.narrow(2, 0, full * BLOCK).unflatten(2, (full, BLOCK)).sum(3, dtype=torch.float32)]
+    if full < tiles:
+        parts.append(x.narrow(2, full * BLOCK, s - full * BLOCK).sum(2, keepdim=True, dtype=torch.float32))
+    counts = torch.clamp(s - torch.arange(tiles, device=x.device) * BLOCK, max=BLOCK)
+    return torch.cat(parts, dim=2) / counts[:, None]
+
+
+def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset):
+    B, Hq, sq, D = q.shape
+    Hkv, skv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    dev = q.device
+    n_bs = len(bs_heads)
+    m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
+    heads = _int_table(bs_heads, dev).long()
+    budgets = _int_table([hp.budget_a for hp in bs_plans], dev)
+    cap = max(min(n_tiles, max(hp.budget_a, 3)) for hp in bs_plans)
+    pq = _pool(q, m_tiles).index_select(1, heads).flatten(0, 1)  # [B*nbs, M, D]
+    pk_t = _pool(k, n_tiles).index_select(1, heads // group).flatten(0, 1).transpose(1, 2)  # [B*nbs, D, N]
+
+    n = torch.arange(n_tiles, device=dev)
+    # Forced tiles get finite scores above any real one. They never compete among themselves
+    # (a row keeps at least as many picks as it has forced tiles), but distinct values
+    # decreasing with n would still give the reference's lower-index-first order.
+    forced_score = _FORCED_SCORE * (2.0 - n.float() / n_tiles)
+    rank = torch.arange(cap, device=dev)
+    m_chunk = max(1, min(m_tiles, _BS_CHUNK_ELEMS // max(1, B * n_bs * n_tiles)))
+    for m0 in range(0, m_tiles, m_chunk):
+        m1 = min(m_tiles, m0 + m_chunk)
+        # Key tiles past the chunk's last row are never allowed: leave them out of the scores
+        # (halves the work of a causal prefill; the width depends on shapes only).
+        n_lim = min(n_tiles, (q_offset + min(m1 * BLOCK, sq) - 1) // BLOCK + 1)
+        take = min(cap, n_lim)
+        m = torch.arange(m0, m1, device=dev)
+        lo = q_offset + m * BLOCK
+        hi = q_offset + torch.clamp(m * BLOCK + BLOCK - 1, max=sq - 1)
+        nn = n[:n_lim]
+        allowed = nn[None] * BLOCK <= hi[:, None]  # [mc, n_lim]
+        diagonal = (nn[None] >= (lo // BLOCK)[:, None]) & (nn[None] <= (hi // BLOCK)[:, None])
+        forced = allowed & ((nn[None] == 0) | diagonal)
+        # the bias rides in the GEMM: -inf where not allowed, the forced score where forced
+        bias = torch.where(forced, forced_score[:n_lim], torch.where(allowed, 0.0, float("-inf")))
+        score = torch.baddbmm(bias.expand(B * n_bs, -1, -1), pq[:, m0:m1], pk_t[:, :, :n_lim])
+        top = score.topk(take, dim=-1, sorted=True).indices.view(B, n_bs, m1 - m0, take)
+        # a row keeps max(min(allowed, k), forced) picks: never a disallowed one
+        want = torch.maximum(torch.minimum(allowed.sum(-1)[None], budgets[:, None]), forced.sum(-1)[None])  # [nbs, mc]
+        # int32 before the sort: half the radix passes of int64
+        picked = torch.where(rank[:take] < want[..., None], top, n_tiles).to(torch.int32).sort(dim=-1).values
+        picked = torch.where(picked < n_tiles, picked, -1)
+        out.tile_index[:, :, m0:m1, :take].index_copy_(1, heads, picked)
+        out.tile_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32)[None].expand(B, -1, -1))
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def index_capacity(plan: LayerPlan, skv: int) -> tuple[int, int]:
+    """(tile slots, column slots) per (batch, head, query tile) that :func:`build_index_gpu` allocates."""
+    n_tiles = _cdiv(skv, BLOCK)
+    tiles, cols = 0, 0
+    for hp in plan.heads:
+        if hp.pattern is Pattern.VERTICAL_SLASH:
+            s = min(max(hp.budget_b, VS_MIN_DIAGONALS), skv)
+            tiles = max(tiles, min(n_tiles, 2 * s))  # a 64-wide diagonal run meets at most two key tiles
+            cols = max(cols, min(max(hp.budget_a, VS_MIN_COLUMNS), skv))
+        elif hp.pattern is Pattern.BLOCK_SPARSE:
+            tiles = max(tiles, min(n_tiles, max(hp.budget_a, 3)))  # tile 0 and two diagonal tiles are forced
+    return tiles, cols
+
+
+def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0) -> SparseIndex:
+    """Build the sparse index of one attention call on the device of ``q``, without a host sync.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, Sq, D]``; k : ``[B, Hkv, Skv, D]``, any strides, ``Hq % Hkv == 0``;
+        query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+    plan : one :class:`HeadPlan` per query head; patterns may be mixed.
+    scale : softmax scale of the vertical-slash estimate.
+    key_mask : optional bool ``[B, Skv]`` (True = may be read).
+    doc_ids : optional int ``[B, Skv]`` packed-document ids (needs ``q_offset + Sq <= Skv``).
+    q_offset : position of query row 0; row ``i`` sits at ``q_offset + i``.
+    window : sliding window (0 = none).
+
+    Returns
+    -------
+    SparseIndex, int32, ``M = ceil(Sq / 64)``. VERTICAL_SLASH and BLOCK_SPARSE
+    heads list exactly the tiles and columns of ``reference.build_index``;
+    DENSE and A_SHAPE heads have zero counts. Capacities come from
+    :func:`index_capacity`.
+    """
+    B, Hq, sq, D = q.shape
+    Hkv, skv = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if len(plan.heads) != Hq:
+        raise ValueError(f"plan has {len(plan.heads)} heads, the call has {Hq} query heads")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k {list(k.shape)} does not fit q {list(q.shape)}")
+    q_offset, window = int(q_offset), int(window)
+    dev = q.device
+    m_tiles = _cdiv(sq, BLOCK)
+    tile_cap, col_cap = index_capacity(plan, skv)
+    out = SparseIndex(
+        tile_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
+        tile_index=torch.full((B, Hq, m_tiles, tile_cap), -1, dtype=torch.int32, device=dev),
+        col_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
+        col_index=torch.full((B, Hq, m_tiles, col_cap), -1, dtype=torch.int32, device=dev),
+    )
+    if m_tiles == 0 or skv == 0:
+        return out
+    vs = [(h, hp) for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.VERTICAL_SLASH]
+    bs = [(h, hp) for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.BLOCK_SPARSE]
+    if vs:
+        _vs_index(q, k, [h for h, _ in vs], [hp for _, hp in vs], out, scale=scale, key_mask=key_mask,
+                  doc_ids=doc_ids, q_offset=q_offset, window=window)
+    if bs:
+        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset)
+    return out
