@@ -145,6 +145,7 @@ def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=("cudnn", "flash",
                 except RuntimeError as exc:
                     print(f"{name} at {seq}: {exc}")
         del k_rep, v_rep
+        print(f"seq {seq}: " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)), flush=True)
         if "flex" in baselines:
             try:
                 from torch.nn.attention.flex_attention import flex_attention

@@ -10,8 +10,8 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 mkdir -p autotune configs; python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider --import-mode=importlib tests -x -s 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -v -m gpu -p no:cacheprovider --import-mode=importlib tests -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt" | grep -E "PASS|FAIL|ERROR|passed|failed|fuzz|assert" 
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  minference-fx bench kernels --lengths "$lengths" --out "$OUT/bench_kernels.json" 2>&1 | tail -30 | tee "$OUT/bench_kernels.txt"
+  timeout "${BENCH_TIMEOUT:-400}" minference-fx bench kernels --lengths "$lengths" --out "$OUT/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.txt"
 fi
