@@ -68,7 +68,7 @@ def test_fuzz_op_against_reference_on_1000_shapes():
     worst = 0.0
     for case in range(1000):
         b, hkv, group = rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4])
-        d = rng.choice([64, 80, 96, 128])
+        d = rng.choice([64, 128])  # 80/96 are covered by the CPU tests; each head dim is one more compile here
         sq = rng.randint(1, 700)
         offset = rng.choice([0, 0, rng.randint(1, 300)])
         skv = sq + offset
