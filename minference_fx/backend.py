@@ -135,4 +135,4 @@ def minference_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options
     """torch.compile backend: rewrite causal attention to sparse, then hand over to ``options['inner']``."""
     opts = BackendOptions.from_user(options)
     rewrite_graph(gm, opts)
-    return _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor_config)
+    return _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config)

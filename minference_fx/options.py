@@ -25,8 +25,11 @@ class BackendOptions:
     """global index of this rank's first query head (tensor parallelism)"""
     inductor_config: dict = dataclasses.field(default_factory=dict)
     """extra Inductor config patches"""
+    mode: Optional[str] = None
+    """Inductor mode ("reduce-overhead", "max-autotune", ...): torch.compile refuses mode= together with
+    options=, so it can travel here instead"""
 
-    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config")
+    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode")
 
     @classmethod
     def from_user(cls, options: Optional[dict[str, Any]]) -> "BackendOptions":
@@ -54,4 +57,5 @@ class BackendOptions:
             min_sparse_len=min_len,
             head_offset=head_offset,
             inductor_config=dict(options.get("inductor_config", {})),
+            mode=options.get("mode"),
         )

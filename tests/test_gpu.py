@@ -146,7 +146,7 @@ def test_compiled_model_reduce_overhead_matches_eager():
     ids = torch.randint(0, 128, (1, 256), device="cuda")
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
-        compiled = torch.compile(model, backend="minference", mode="reduce-overhead", options={"config": covering_config(model)})
+        compiled = torch.compile(model, backend="minference", options={"config": covering_config(model), "mode": "reduce-overhead"})
         for _ in range(3):
             sparse = compiled(ids, use_cache=False).logits
     assert _rel(sparse, dense) < 2e-2
