@@ -15,14 +15,13 @@ read no key ends as exactly 0.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import PATTERN_CODES, Pattern
 from .reference import BLOCK, SparseIndex
+from .tables import int_table
 
 DENSE = tl.constexpr(PATTERN_CODES[Pattern.DENSE])
 A_SHAPE = tl.constexpr(PATTERN_CODES[Pattern.A_SHAPE])
@@ -65,7 +64,9 @@ def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
     return m_new, l_i, acc
 
 
-@triton.jit
+# Lengths and offsets change with every prompt: specialising on them (==1, %16) would
+# compile new variants as prompts vary. Strides stay specialised (vectorised loads).
+@triton.jit(do_not_specialize=["num_heads", "group", "seq_q", "seq_k", "q_offset", "window"])
 def _sparse_attn_fwd(
     Q, K, V, Out,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -148,14 +149,6 @@ def _sparse_attn_fwd(
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@functools.lru_cache(maxsize=256)
-def _plan_tensors(patterns: tuple, budget_a: tuple, budget_b: tuple, device: str):
-    # Built once per (plan, device) outside any CUDA-graph capture: a host→device
-    # copy inside a captured region is not allowed.
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    return as_t(patterns), as_t(budget_a), as_t(budget_b)
-
-
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
     """An index with nothing listed: for plans of only dense / A-shape heads."""
     zeros = torch.zeros(batch, heads, m_tiles, dtype=torch.int32, device=device)
@@ -185,7 +178,7 @@ def sparse_attention_triton(
     out = torch.empty(B, Hq, sq, D, dtype=q.dtype, device=q.device)
     if sq == 0:
         return out
-    pat_t, a_t, b_t = _plan_tensors(tuple(patterns), tuple(budget_a), tuple(budget_b), str(q.device))
+    pat_t, a_t, b_t = (int_table(xs, q.device) for xs in (patterns, budget_a, budget_b))
     ti = index.tile_index.reshape(B * Hq, index.tile_index.shape[2], -1)
     ci = index.col_index.reshape(B * Hq, index.col_index.shape[2], -1)
     tc = index.tile_count.reshape(B * Hq, -1)

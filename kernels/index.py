@@ -39,6 +39,7 @@ from minference_fx.kernels.reference import (
     VS_MIN_DIAGONALS,
     SparseIndex,
 )
+from minference_fx.kernels.tables import int_table
 from minference_fx.plan import LayerPlan, Pattern
 
 __all__ = ["build_index_gpu", "vs_estimate", "index_capacity"]
@@ -60,42 +61,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --------------------------------------------------------------------------- small device tables
-
-_TABLES: dict = {}
-
-
-def _int_table(values, device: torch.device) -> torch.Tensor:
-    """int32 device tensor holding ``values`` without a host sync or host copy.
-
-    A host->device copy would synchronise in eager mode and is illegal while a
-    CUDA graph captures, so the table is written with ``arange``/``fill_``
-    kernels whose arguments are python ints, one per arithmetic run. Tables
-    built outside a capture are cached; one built inside belongs to the graph's
-    memory pool and holds nothing until replay, so it is never cached.
-    """
-    values = tuple(int(v) for v in values)
-    key = (values, str(device))
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing and key in _TABLES:
-        return _TABLES[key]
-    out = torch.empty(len(values), dtype=torch.int32, device=device)
-    i = 0
-    while i < len(values):
-        step = values[i + 1] - values[i] if i + 1 < len(values) else 0
-        end = i + 1
-        while end < len(values) and values[end] - values[end - 1] == step:
-            end += 1
-        if step == 0:
-            out[i:end].fill_(values[i])
-        else:
-            out[i:end].copy_(torch.arange(values[i], values[i] + step * (end - i), step, dtype=torch.int32, device=device))
-        i = end
-    if not capturing:
-        if len(_TABLES) > 4096:  # plans are per layer; this only guards against a leak
-            _TABLES.clear()
-        _TABLES[key] = out
-    return out
 
 
 def _rank_key(score: torch.Tensor) -> torch.Tensor:
@@ -162,7 +127,7 @@ def _vs_load_rows(Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, 
     return q, pos, row_ok, K_base, KM_b, DOC_b, doc_row
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_vs", "group", "sq", "skv", "last_q", "q_offset", "window", "n_chunks"])
 def _vs_row_stats_kernel(
     Q, K, KM, DOC, HEADS, M_OUT, L_OUT,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, skmb, sdb,
@@ -196,7 +161,7 @@ def _vs_row_stats_kernel(
     tl.store(L_OUT + out, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_vs", "group", "sq", "skv", "last_q", "q_offset", "window"])
 def _vs_colsum_kernel(
     Q, K, KM, DOC, HEADS, ROW_MAX, ROW_SUM, VERT, SLASH,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, skmb, sdb,
@@ -302,7 +267,7 @@ def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=
     B, Hq = q.shape[:2]
     if Hq % k.shape[1]:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({k.shape[1]})")
-    heads = _int_table(range(Hq), q.device)
+    heads = int_table(range(Hq), q.device)
     return _vs_scores(q, k, heads, Hq, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
 
 
@@ -325,7 +290,7 @@ def _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K: tl.constexpr):
     return ok & (pb > pa)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "n_tiles", "q_offset", "n_shift", "shift0", "n_cols", "tile_cap", "col_cap"])
 def _vs_to_tiles_kernel(
     PREFIX, SHIFT_HITS, COLS, COL_END, HEADS, TILE_IDX, TILE_CNT, COL_IDX, COL_CNT,
     n_vs, hq, m_tiles, sq, skv, n_tiles, q_offset, n_shift, shift0, n_cols, tile_cap, col_cap,
@@ -382,7 +347,7 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
     dev = q.device
     n_vs = len(vs_heads)
     m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
-    heads = _int_table(vs_heads, dev)
+    heads = int_table(vs_heads, dev)
     vertical, slash = _vs_scores(q, k, heads, n_vs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
                                  q_offset=q_offset, window=window)
     j = torch.arange(skv, device=dev)
@@ -397,11 +362,11 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
     rank_d = torch.arange(max(n_diags), device=dev)
     # one top-k at the largest budget; a head keeps only the first picks of its own budget
     top_c = _rank_key(vertical).topk(max(n_cols), dim=-1, sorted=True).indices
-    keep_c = rank_c < _int_table(n_cols, dev)[:, None]
+    keep_c = rank_c < int_table(n_cols, dev)[:, None]
     cols = torch.where(keep_c, top_c, skv).sort(dim=-1).values.to(torch.int32).contiguous()
 
     top_d = _rank_key(slash).topk(max(n_diags), dim=-1, sorted=True).indices
-    keep_d = rank_d < _int_table(n_diags, dev)[:, None]
+    keep_d = rank_d < int_table(n_diags, dev)[:, None]
     # slot delta+1 counts diagonal delta; slot skv+1 swallows the dropped picks
     marks = torch.zeros(B, n_vs, skv + 2, dtype=torch.int32, device=dev)
     marks.scatter_(2, torch.where(keep_d, top_d + 1, skv + 1), 1)
@@ -451,8 +416,8 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset):
     dev = q.device
     n_bs = len(bs_heads)
     m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
-    heads = _int_table(bs_heads, dev).long()
-    budgets = _int_table([hp.budget_a for hp in bs_plans], dev)
+    heads = int_table(bs_heads, dev).long()
+    budgets = int_table([hp.budget_a for hp in bs_plans], dev)
     cap = max(min(n_tiles, max(hp.budget_a, 3)) for hp in bs_plans)
     pq = _pool(q, m_tiles).index_select(1, heads).flatten(0, 1)  # [B*nbs, M, D]
     pk_t = _pool(k, n_tiles).index_select(1, heads // group).flatten(0, 1).transpose(1, 2)  # [B*nbs, D, N]

@@ -78,6 +78,20 @@ def test_generate_matches_eager_and_lengths_do_not_recompile():
     assert counts["stats"]["unique_graphs"] <= 3, dict(counts["stats"])
 
 
+def test_three_prompt_lengths_compile_once_with_dynamic_shapes():
+    model = tiny_model("llama")
+    compiled = torch.compile(model, backend="minference", dynamic=True,
+                             options={"config": covering_config(model), "inner": "aot_eager"})
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    with torch.no_grad():
+        for length in (70, 133, 301):
+            ids = torch.randint(0, 128, (1, length))
+            torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                       rtol=1e-5, atol=1e-5)
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+
+
 def test_prompt_lengths_compile_once_after_dynamic():
     model = tiny_model("llama")
     compiled = _compile(model, covering_config(model))
