@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from minference_fx.kernels.reference import (
+    check_index_inputs,
     BLOCK,
     VS_FORCED_COLUMNS,
     VS_FORCED_DIAGONALS,
@@ -493,14 +494,9 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
     DENSE and A_SHAPE heads have zero counts. Capacities come from
     :func:`index_capacity`.
     """
+    check_index_inputs(q, k, plan)
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    if len(plan.heads) != Hq:
-        raise ValueError(f"plan has {len(plan.heads)} heads, the call has {Hq} query heads")
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k {list(k.shape)} does not fit q {list(q.shape)}")
     q_offset, window = int(q_offset), int(window)
     dev = q.device
     m_tiles = _cdiv(sq, BLOCK)

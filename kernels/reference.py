@@ -254,6 +254,16 @@ def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
     return min(n_tiles, max(a, 3)), 0
 
 
+def check_index_inputs(q, k, plan: LayerPlan) -> None:
+    """Raise ValueError naming the mismatch when q [B,Hq,Sq,D], k [B,Hkv,Skv,D] and the plan do not fit."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if len(plan.heads) != q.shape[1]:
+        raise ValueError(f"plan has {len(plan.heads)} heads, the call has {q.shape[1]} query heads")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k {list(k.shape)} does not fit q {list(q.shape)}")
+
+
 def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_positions=None, q_offset=0, window=0) -> SparseIndex:
     """Build the sparse index of one attention call.
 
@@ -272,12 +282,9 @@ def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_
     ``pos_hi(m)`` and no column exceeds it: such keys can never be read, so even
     DENSE and A-shape sink tiles are clipped there.
     """
+    check_index_inputs(q, k, plan)
     B, Hq, sq, _ = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    if len(plan.heads) != Hq:
-        raise ValueError(f"plan has {len(plan.heads)} heads, the call has {Hq} query heads")
     group = Hq // Hkv
     dev = q.device
     pos = query_positions(sq, q_offset, q_positions, dev)
