@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from . import passes
-from .config import ConfigMismatchError, HeadEntry, SemanticConfig
+from .config import ConfigMismatchError, SemanticConfig
 from .options import BackendOptions, Inner
 from .plan import HeadPlan, LayerPlan, Pattern
 from .report import Report
@@ -110,7 +110,7 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
         plans[index_of[id(site.node)]] = plan
         return plan
 
-    sites = passes.apply(gm, sites, plan_for, min_len)
+    sites = passes.apply(gm, sites, plan_for, min_len, options.observer)
     report = Report.build(sites, plans, code_before, gm.code, min_len)
     _publish(report)
     return report

@@ -82,6 +82,38 @@ def _bench(args) -> int:
     return 0
 
 
+def _search(args) -> int:
+    from .search import search, text_samples
+
+    if args.model == "smollm2":
+        from .assets import load_smollm2
+
+        model, tokenizer = load_smollm2(dtype=__import__("torch").float32)
+    else:
+        from transformers import AutoTokenizer
+
+        model = build_model(args.model, "sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(args.model) if Path(args.model).is_dir() else None
+    if tokenizer is None:
+        sys.exit("search needs a tokenizer: use --model smollm2 or a model directory that has one")
+    if args.data == "austen":
+        from .assets import austen_text
+
+        text, data_name = austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
+    else:
+        text, data_name = Path(args.data).read_text(), str(args.data)
+    samples = [s for n in parse_lengths(args.lengths)
+               for s in text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
+    config = search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound, state_path=f"{args.out}.state")
+    config.save(args.out)
+    counts = {}
+    for layer in config.layers:
+        for head in layer:
+            counts[head.pattern.value] = counts.get(head.pattern.value, 0) + 1
+    print(f"wrote {args.out}: " + ", ".join(f"{n} {p}" for p, n in sorted(counts.items())))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +133,15 @@ def main(argv=None) -> int:
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--out", default=None, help="JSON results file")
     b.set_defaults(run=_bench)
+    sp = sub.add_parser("search", help="offline pattern search: per (layer, head) pattern into a semantic config")
+    sp.add_argument("--model", default="smollm2", help="smollm2, a built-in tiny family, an HF config.json, or a model directory")
+    sp.add_argument("--data", default="austen", help="'austen' (Jane Austen's novels, fetched once) or a text file")
+    sp.add_argument("--lengths", default="8k", help="calibration lengths, e.g. 4k,8k")
+    sp.add_argument("--samples", type=int, default=2, help="windows per length")
+    sp.add_argument("--bound", type=float, default=0.05, help="largest mean relative output error a sparse head may have")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")
+    sp.set_defaults(run=_search)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -29,7 +29,10 @@ class BackendOptions:
     """Inductor mode ("reduce-overhead", "max-autotune", ...): torch.compile refuses mode= together with
     options=, so it can travel here instead"""
 
-    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode")
+    observer: Optional[int] = None
+    """search mode: token from ``observe.register``; sites become dense observed attention"""
+
+    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer")
 
     @classmethod
     def from_user(cls, options: Optional[dict[str, Any]]) -> "BackendOptions":
@@ -58,4 +61,5 @@ class BackendOptions:
             head_offset=head_offset,
             inductor_config=dict(options.get("inductor_config", {})),
             mode=options.get("mode"),
+            observer=options.get("observer"),
         )

@@ -30,5 +30,6 @@ def analyse(gm: fx.GraphModule) -> list[AttentionSite]:
     return sites
 
 
-def apply(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int) -> list[AttentionSite]:
-    return rewrite.run(gm, sites, plan_for, min_sparse_len)
+def apply(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
+          observer: int | None = None) -> list[AttentionSite]:
+    return rewrite.run(gm, sites, plan_for, min_sparse_len, observer)

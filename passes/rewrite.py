@@ -15,11 +15,13 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from ..observe import observed_attention  # noqa: F401  (registers the search-mode op)
 from ..op import sparse_attention  # noqa: F401  (registers the op)
 from ..plan import LayerPlan
 from .site import AttentionSite
 
 _OP = torch.ops.minference.sparse_attention.default
+_OBSERVE_OP = torch.ops.minference.observed_attention.default
 
 
 def _q_offset_arg(graph: fx.Graph, offset):
@@ -57,7 +59,9 @@ def _remove_dead(graph: fx.Graph, roots):
         work.extend(inputs)
 
 
-def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int) -> list[AttentionSite]:
+def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
+        observer: int | None = None) -> list[AttentionSite]:
+    """Rewrite every unblocked site; with ``observer`` (search mode) into the dense observed op instead."""
     graph = gm.graph
     out = []
     for site in sites:
@@ -78,11 +82,11 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
         info = site.mask_info
         with graph.inserting_before(site.node):
             q_offset = _q_offset_arg(graph, info.q_offset)
-            new = graph.call_function(
-                _OP,
-                (site.query, site.key, site.value, info.key_mask, info.doc_ids, float(scale), q_offset,
-                 int(info.window), patterns, budget_a, budget_b, int(min_sparse_len)),
-            )
+            common = (site.query, site.key, site.value, info.key_mask, info.doc_ids, float(scale), q_offset, int(info.window))
+            if observer is None:
+                new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len)))
+            else:
+                new = graph.call_function(_OBSERVE_OP, (*common, int(site.layer), int(observer)))
         new.meta.update({k: site.node.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack") if k in site.node.meta})
         old_inputs = list(site.node.all_input_nodes)
         site.node.replace_all_uses_with(new)
