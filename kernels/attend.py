@@ -75,11 +75,12 @@ def _sparse_attn_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     TileCount, TileIndex, ColCount, ColIndex,
     stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
-    Patterns, BudgetA, BudgetB,
+    Patterns, BudgetA, BudgetB, ForceDense,
     KeyMask, stride_km, DocIds, stride_doc,
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_FORCE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -107,6 +108,10 @@ def _sparse_attn_fwd(
 
     # -- stage 1: key tiles, listed or enumerated from the pattern
     pattern = tl.load(Patterns + h)
+    forced = False
+    if HAS_FORCE:  # the quality guard switched this (batch, head) to dense
+        forced = tl.load(ForceDense + pid_bh) != 0
+        pattern = tl.where(forced, DENSE, pattern)
     last_tile = tl.minimum(pos_hi, seq_k - 1) // BLOCK_N
     listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
     sink_tiles = tl.cdiv(tl.load(BudgetA + h), BLOCK_N)
@@ -132,6 +137,7 @@ def _sparse_attn_fwd(
 
     # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
     n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + pid_m)
+    n_cols = tl.where(forced, 0, n_cols)  # dense already covers every column
     col_list = ColIndex + pid_bh * stride_ci_bh + pid_m * stride_ci_m
     for c0 in range(0, n_cols, BLOCK_N):
         slot_ok = c0 + offs_n < n_cols
@@ -158,7 +164,7 @@ def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
 
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
-    q_offset=0, window=0, num_warps=4, num_stages=2,
+    q_offset=0, window=0, force_dense=None, num_warps=4, num_stages=2,
 ) -> torch.Tensor:
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
@@ -168,6 +174,7 @@ def sparse_attention_triton(
     index : :class:`SparseIndex` with ``M = ceil(Sq / BLOCK)`` query tiles.
     patterns, budget_a, budget_b : the plan as int lists (see :mod:`minference_fx.plan`).
     key_mask : optional bool ``[B, Skv]``; doc_ids : optional int ``[B, S >= Skv]``.
+    force_dense : optional bool ``[B, Hq]``: (batch, head) pairs to run dense (the quality guard).
 
     Returns
     -------
@@ -191,12 +198,12 @@ def sparse_attention_triton(
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         tc, ti, cc, ci,
         tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
-        pat_t, a_t, b_t,
+        pat_t, a_t, b_t, force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
         km, km.stride(0) if key_mask is not None else 0, doc, doc.stride(0) if doc_ids is not None else 0,
         Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BLOCK, BLOCK_N=BLOCK,
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_FORCE=force_dense is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -342,7 +342,7 @@ def _vs_to_tiles_kernel(
     tl.store(COL_CNT + out_row, tl.minimum(ccount, col_cap))
 
 
-def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, doc_ids, q_offset, window):
+def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, doc_ids, q_offset, window, mass_out=None):
     B, Hq, sq, _ = q.shape
     skv = k.shape[2]
     dev = q.device
@@ -351,6 +351,7 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
     heads = int_table(vs_heads, dev)
     vertical, slash = _vs_scores(q, k, heads, n_vs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
                                  q_offset=q_offset, window=window)
+    raw_vertical = vertical
     j = torch.arange(skv, device=dev)
     inf = float("inf")
     # sums of +0 are +0, but NaN (from inf inputs) must not outrank everything
@@ -393,6 +394,13 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
         out.tile_index.shape[-1], out.col_index.shape[-1],
         BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
     )
+    if mass_out is not None:
+        # the runtime guard's estimate: the last rows' mass inside the last query tile's key set
+        from .guard import captured_mass
+
+        hl = heads.long()
+        vs_index = SparseIndex(out.tile_count[:, hl], out.tile_index[:, hl], out.col_count[:, hl], out.col_index[:, hl])
+        mass_out[:, hl] = captured_mass(raw_vertical, vs_index, min(VS_LAST_Q, sq)).float()
 
 
 # --------------------------------------------------------------------------- block sparse
@@ -473,7 +481,8 @@ def index_capacity(plan: LayerPlan, skv: int) -> tuple[int, int]:
     return tiles, cols
 
 
-def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0) -> SparseIndex:
+def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0,
+                    mass_out=None) -> SparseIndex:
     """Build the sparse index of one attention call on the device of ``q``, without a host sync.
 
     Parameters
@@ -486,6 +495,8 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
     doc_ids : optional int ``[B, Skv]`` packed-document ids (needs ``q_offset + Sq <= Skv``).
     q_offset : position of query row 0; row ``i`` sits at ``q_offset + i``.
     window : sliding window (0 = none).
+    mass_out : optional fp32 ``[B, Hq]`` to receive, for vertical-slash heads, the runtime guard's
+        captured-mass estimate (other heads are left as they are).
 
     Returns
     -------
@@ -513,7 +524,7 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
     bs = [(h, hp) for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.BLOCK_SPARSE]
     if vs:
         _vs_index(q, k, [h for h, _ in vs], [hp for _, hp in vs], out, scale=scale, key_mask=key_mask,
-                  doc_ids=doc_ids, q_offset=q_offset, window=window)
+                  doc_ids=doc_ids, q_offset=q_offset, window=window, mass_out=mass_out)
     if bs:
         _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset)
     return out

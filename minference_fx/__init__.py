@@ -17,6 +17,15 @@ from .inspection import inspect
 from .op import sparse_attention
 from .plan import HeadPlan, LayerPlan, Pattern
 
+
+def guard_stats():
+    """Counters of the runtime quality guard (on GPU only with MINFERENCE_FX_GUARD_STATS=1: counting syncs)."""
+    import dataclasses
+
+    from .kernels.guard import STATS
+
+    return dataclasses.replace(STATS)
+
 __all__ = [
     "ConfigError",
     "ConfigMismatchError",
@@ -25,6 +34,7 @@ __all__ = [
     "Pattern",
     "SemanticConfig",
     "default_config",
+    "guard_stats",
     "import_minference_best_pattern",
     "inspect",
     "load_config",

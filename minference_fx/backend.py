@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from . import passes
-from .config import ConfigMismatchError, SemanticConfig
+from .config import DEFAULT_DEFAULTS, ConfigMismatchError, SemanticConfig
 from .options import BackendOptions, Inner
 from .plan import HeadPlan, LayerPlan, Pattern
 from .report import Report
@@ -27,6 +27,7 @@ except Exception:  # a torch without the private registry still logs through log
 
 DEFAULT_HEAD = HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096)
 DEFAULT_MIN_SPARSE_LEN = 8192
+DEFAULT_GUARD_THRESHOLD = DEFAULT_DEFAULTS["guard_threshold"]
 
 # Recent reports, newest last; inspect() and the CLI read them.
 _REPORTS: collections.deque[Report] = collections.deque(maxlen=64)
@@ -110,8 +111,11 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
         plans[index_of[id(site.node)]] = plan
         return plan
 
-    sites = passes.apply(gm, sites, plan_for, min_len, options.observer)
-    report = Report.build(sites, plans, code_before, gm.code, min_len)
+    guard = options.guard_threshold
+    if guard is None:
+        guard = config.guard_threshold if config is not None else DEFAULT_GUARD_THRESHOLD
+    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard)
+    report = Report.build(sites, plans, code_before, gm.code, min_len, guard)
     _publish(report)
     return report
 

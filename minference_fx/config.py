@@ -32,8 +32,9 @@ DEFAULT_HEAD = {"pattern": Pattern.VERTICAL_SLASH.value, "budgets": [1000, 6096]
 DEFAULT_DEFAULTS: dict[str, Any] = {
     # Below this many query tokens sparse attention saves less than its index costs.
     "min_sparse_len": 8192,
-    # Reserved for a runtime fallback to dense when the index looks unreliable.
-    "guard_threshold": 0.0,
+    # A vertical-slash head whose index keeps less than this share of the last rows'
+    # attention mass runs dense for that call (the runtime quality guard; 0 = off).
+    "guard_threshold": 0.5,
     "default_head": DEFAULT_HEAD,
 }
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .plan import LayerPlan
+from .plan import PATTERN_CODES, LayerPlan, Pattern
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
@@ -95,32 +95,49 @@ def sparse_attention(
     budget_a: list[int],
     budget_b: list[int],
     min_sparse_len: int,
+    guard_threshold: float = 0.0,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b)
     if q.shape[-2] < min_sparse_len:
         return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
-    return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b)
+    return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, guard_threshold)
 
 
-def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
+def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, guard_threshold):
+    from .kernels import guard
+
     plan = LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
+    masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
+    is_vs = [p == PATTERN_CODES[Pattern.VERTICAL_SLASH] for p in patterns]
+    guarded = guard_threshold > 0 and any(is_vs)
+    last_rows = min(guard.VS_LAST_Q, q.shape[-2])
     if q.is_cuda:
         from .kernels.attend import sparse_attention_triton
         from .kernels.index import build_index_gpu
 
-        index = build_index_gpu(q, k, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
-        return sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, key_mask=key_mask,
-                                       doc_ids=doc_ids, q_offset=q_offset, window=window)
+        mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
+        index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)
+        force = None
+        if guarded:
+            force = mass < guard_threshold
+            guard.record(force, q.shape[0] * sum(is_vs))
+        return sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, force_dense=force, **masks)
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
 
-    out = reference.sparse_attention_reference(
-        q, k, v, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window
-    )
+    index = reference.build_index(q, k, plan, scale=scale, **masks)
+    if guarded:
+        vs_heads = torch.tensor(is_vs)[None, :]
+        mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index, last_rows)
+        force = (mass < guard_threshold) & vs_heads
+        guard.record(force, q.shape[0] * sum(is_vs))
+        index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
+    out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
 
 
 @sparse_attention.register_fake
-def _sparse_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, min_sparse_len):
+def _sparse_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, min_sparse_len,
+                           guard_threshold=0.0):
     # new_empty, not empty_like: q is often a transposed view and the real op returns contiguous
     return q.new_empty(q.shape)

@@ -32,7 +32,11 @@ class BackendOptions:
     observer: Optional[int] = None
     """search mode: token from ``observe.register``; sites become dense observed attention"""
 
-    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer")
+    guard_threshold: Optional[float] = None
+    """a vertical-slash head whose estimated captured mass falls below this runs dense (0 turns the guard off);
+    None: the config's value"""
+
+    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold")
 
     @classmethod
     def from_user(cls, options: Optional[dict[str, Any]]) -> "BackendOptions":
@@ -49,6 +53,9 @@ class BackendOptions:
         head_offset = options.get("head_offset", 0)
         if not isinstance(head_offset, int) or head_offset < 0:
             problems.append(f"head_offset={head_offset!r}; expected an int >= 0")
+        guard = options.get("guard_threshold")
+        if guard is not None and (not isinstance(guard, (int, float)) or not 0.0 <= guard <= 1.0):
+            problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
         if not isinstance(options.get("inductor_config", {}), dict):
             problems.append("inductor_config must be a dict of Inductor config patches")
         if problems:
@@ -62,4 +69,5 @@ class BackendOptions:
             inductor_config=dict(options.get("inductor_config", {})),
             mode=options.get("mode"),
             observer=options.get("observer"),
+            guard_threshold=None if guard is None else float(guard),
         )

@@ -34,9 +34,11 @@ class Report:
     code_before: str
     code_after: str
     min_sparse_len: int
+    guard_threshold: float = 0.0
 
     @staticmethod
-    def build(sites: list[AttentionSite], plans: dict, code_before: str, code_after: str, min_sparse_len: int) -> "Report":
+    def build(sites: list[AttentionSite], plans: dict, code_before: str, code_after: str, min_sparse_len: int,
+              guard_threshold: float = 0.0) -> "Report":
         rows = []
         for i, site in enumerate(sites):
             mask = site.mask_info.describe() if site.mask_info else "?"
@@ -47,7 +49,7 @@ class Report:
                 reason=site.blocker or f"rewritten; dense below {min_sparse_len} query tokens",
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
-        return Report(rows, code_before, code_after, min_sparse_len)
+        return Report(rows, code_before, code_after, min_sparse_len, guard_threshold)
 
     @property
     def rewritten(self) -> int:
@@ -68,6 +70,11 @@ class Report:
         widths = [max(len(line[c]) for line in lines) for c in range(len(header) - 1)]
         out = ["  ".join(cell.ljust(w) for cell, w in zip(line[:-1], widths)) + "  " + line[-1] for line in lines]
         out.append(f"{self.rewritten}/{len(self.rows)} attention sites rewritten")
+        if self.rewritten and self.guard_threshold > 0:
+            from .kernels.guard import STATS
+
+            out.append(f"quality guard: vertical-slash heads under {self.guard_threshold:.2f} captured mass run dense; "
+                       f"so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in {STATS.calls} calls")
         return "\n".join(out)
 
     def __str__(self) -> str:

@@ -60,7 +60,7 @@ def _remove_dead(graph: fx.Graph, roots):
 
 
 def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
-        observer: int | None = None) -> list[AttentionSite]:
+        observer: int | None = None, guard_threshold: float = 0.0) -> list[AttentionSite]:
     """Rewrite every unblocked site; with ``observer`` (search mode) into the dense observed op instead."""
     graph = gm.graph
     out = []
@@ -84,7 +84,7 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
             q_offset = _q_offset_arg(graph, info.q_offset)
             common = (site.query, site.key, site.value, info.key_mask, info.doc_ids, float(scale), q_offset, int(info.window))
             if observer is None:
-                new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len)))
+                new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold)))
             else:
                 new = graph.call_function(_OBSERVE_OP, (*common, int(site.layer), int(observer)))
         new.meta.update({k: site.node.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack") if k in site.node.meta})

@@ -1,0 +1,86 @@
+"""Runtime quality guard: a vertical-slash head that captures too little attention mass runs dense.
+
+The vertical-slash estimate already has the softmax of the last ``min(64, Sq)``
+query rows over every key (its column sums are the vertical scores). The mass
+those rows keep under the index is the column sums over the last query tile's
+key set: exact for rows inside that tile, a close estimate when the last rows
+straddle two tiles. A head under the threshold is switched to dense for that
+call — per (batch, head), on the device, with no host sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .reference import BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, query_positions
+
+# Counting on the GPU needs a host sync per call, so there it is opt-in.
+STATS_ON_GPU = os.environ.get("MINFERENCE_FX_GUARD_STATS", "") == "1"
+
+
+@dataclasses.dataclass
+class GuardStats:
+    calls: int = 0
+    heads_checked: int = 0
+    heads_forced_dense: int = 0
+
+
+STATS = GuardStats()
+
+
+def record(force: torch.Tensor, checked: int) -> None:
+    """Add one call's firing to the process-wide counters (a host sync on GPU: only when asked for)."""
+    if force.is_cuda and not STATS_ON_GPU:
+        return
+    STATS.calls += 1
+    STATS.heads_checked += checked
+    STATS.heads_forced_dense += int(force.sum())
+
+
+def captured_mass(vertical: torch.Tensor, index: SparseIndex, rows: int) -> torch.Tensor:
+    """[B, H]: share of the last ``rows`` rows' attention mass inside the last query tile's key set.
+
+    vertical : ``[B, H, Skv]`` column sums of those rows' probabilities; index : the heads' index (same H).
+    """
+    B, H, skv = vertical.shape
+    n = -(-skv // BLOCK)
+    tile_sum = F.pad(vertical, (0, n * BLOCK - skv)).view(B, H, n, BLOCK).sum(-1)
+    tiles = index.tile_index[:, :, -1].long()
+    cols = index.col_index[:, :, -1].long()
+    in_tiles = (tile_sum.gather(-1, tiles.clamp(min=0)) * (tiles >= 0)).sum(-1)
+    in_cols = (vertical.gather(-1, cols.clamp(min=0)) * (cols >= 0)).sum(-1) if cols.shape[-1] else 0.0
+    return (in_tiles + in_cols) / max(rows, 1)
+
+
+def vertical_scores(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0) -> torch.Tensor:
+    """[B, Hq, Skv] column sums of the last rows' masked softmax (the reference's vertical estimate, unforced)."""
+    B, Hq, sq, _ = q.shape
+    group = Hq // k.shape[1]
+    last = min(VS_LAST_Q, sq)
+    pos = query_positions(sq, q_offset, None, q.device)[sq - last:]
+    allowed = base_allowed(pos, k.shape[2], key_mask, doc_ids, window)  # [B|1, 1, last, Skv]
+    k_rep = k.float().repeat_interleave(group, 1)
+    scores = q[:, :, sq - last:].float() @ k_rep.transpose(-1, -2) * scale
+    return _masked_softmax(scores, allowed.expand_as(scores)).sum(2)
+
+
+def densify(index: SparseIndex, force: torch.Tensor, sq: int, skv: int, q_offset: int) -> SparseIndex:
+    """The index with every forced (b, h) listing all causal tiles and no columns (reference path)."""
+    n = -(-skv // BLOCK)
+    B, H, M, T = index.tile_index.shape
+    cap = max(T, n)
+    last = torch.clamp(q_offset + torch.clamp(torch.arange(M) * BLOCK + BLOCK - 1, max=sq - 1), max=skv - 1) // BLOCK
+    dense_idx = torch.arange(cap).expand(M, cap)
+    dense_idx = torch.where(dense_idx <= last[:, None], dense_idx, -1).to(torch.int32).to(index.tile_index.device)
+    dense_cnt = (last + 1).to(torch.int32).to(index.tile_count.device)
+    f = force[:, :, None]
+    tile_index = F.pad(index.tile_index, (0, cap - T), value=-1)
+    return SparseIndex(
+        tile_count=torch.where(f, dense_cnt.expand(B, H, M), index.tile_count),
+        tile_index=torch.where(f[..., None], dense_idx.expand(B, H, M, cap), tile_index),
+        col_count=torch.where(f, 0, index.col_count),
+        col_index=index.col_index,
+    )
