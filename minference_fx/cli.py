@@ -114,6 +114,31 @@ def _search(args) -> int:
     return 0
 
 
+def _autotune(args) -> int:
+    from .autotune import cache
+
+    if args.show:
+        print(cache.describe())
+        return 0
+    from .autotune.tuner import warm_up
+
+    head_dim, gqa, kv_heads = args.head_dim, args.gqa, args.kv_heads
+    if args.model:
+        from .autotune.shapes import shape_from_hf_config
+
+        shape = shape_from_hf_config(args.model)
+        head_dim, gqa, kv_heads = shape.head_dim, shape.group, shape.num_kv_heads
+    if head_dim is None or gqa is None:
+        sys.exit("minference-fx autotune: give --head-dim and --gqa, or --model <HF config.json or directory>")
+    try:
+        report = warm_up(parse_lengths(args.lengths), head_dim, gqa, args.dtype, progress=not args.quiet,
+                         num_kv_heads=kv_heads or 8)
+    except RuntimeError as e:
+        sys.exit(f"minference-fx autotune: {e}")
+    print(report)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +167,16 @@ def main(argv=None) -> int:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")
     sp.set_defaults(run=_search)
+    t = sub.add_parser("autotune", help="tune the kernels and the dense/sparse crossover on this GPU; --show prints the cache")
+    t.add_argument("--lengths", default="32k,128k", help="prompt lengths to tune, e.g. 32k,128k,1m")
+    t.add_argument("--head-dim", type=int, default=None)
+    t.add_argument("--gqa", type=int, default=None, help="query heads per kv head")
+    t.add_argument("--kv-heads", type=int, default=None, help="kv heads of the timed inputs (default 8)")
+    t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    t.add_argument("--model", default=None, help="HF config.json or model directory: head dim, GQA and kv heads from it")
+    t.add_argument("--show", action="store_true", help="print the cache and the shipped tables, tune nothing")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(run=_autotune)
     args = parser.parse_args(argv)
     return args.run(args)
 

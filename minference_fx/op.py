@@ -14,7 +14,9 @@ read when all of these hold:
 * ``p_i - j < window`` when ``window > 0`` (sliding-window models);
 * ``j`` is in the head's sparse key set (its plan entry), unless the prompt is
   shorter than ``min_sparse_len``, in which case every head is dense and the
-  call goes to the device's dense SDPA (cuDNN / flash on GPU).
+  call goes to the device's dense SDPA (cuDNN / flash on GPU). A negative
+  ``min_sparse_len`` means the tuned crossover of this device and shape
+  (``minference-fx autotune``; untuned: 8192).
 
 A row with no readable key yields zeros, never NaN.
 """
@@ -98,6 +100,10 @@ def sparse_attention(
     guard_threshold: float = 0.0,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b)
+    if min_sparse_len < 0:
+        from .autotune.dispatch import tuned_min_sparse_len
+
+        min_sparse_len = tuned_min_sparse_len(q, k)
     if q.shape[-2] < min_sparse_len:
         return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
     return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, guard_threshold)
@@ -112,6 +118,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, 
     guarded = guard_threshold > 0 and any(is_vs)
     last_rows = min(guard.VS_LAST_Q, q.shape[-2])
     if q.is_cuda:
+        from .autotune.dispatch import launch_config
         from .kernels.attend import sparse_attention_triton
         from .kernels.index import build_index_gpu
 
@@ -121,7 +128,9 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, 
         if guarded:
             force = mass < guard_threshold
             guard.record(force, q.shape[0] * sum(is_vs))
-        return sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, force_dense=force, **masks)
+        tuned = launch_config(q, k)
+        return sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, force_dense=force,
+                                       num_warps=tuned.num_warps, num_stages=tuned.num_stages, **masks)
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
 

@@ -20,7 +20,8 @@ class BackendOptions:
     """semantic config; None: every head vertical-slash (1000, 6096), like MInference's default"""
     inner: Inner = Inner.INDUCTOR
     min_sparse_len: Optional[int] = None
-    """prompts shorter than this run dense SDPA; None: the config's value (8192 by default)"""
+    """prompts shorter than this run dense SDPA; -1: this GPU's tuned crossover; None: the config's value,
+    or the tuned crossover without a config"""
     head_offset: int = 0
     """global index of this rank's first query head (tensor parallelism)"""
     inductor_config: dict = dataclasses.field(default_factory=dict)
@@ -48,8 +49,8 @@ class BackendOptions:
         except ValueError:
             problems.append(f"inner={inner!r}; expected one of {[i.value for i in Inner]}")
         min_len = options.get("min_sparse_len")
-        if min_len is not None and (not isinstance(min_len, int) or min_len < 0):
-            problems.append(f"min_sparse_len={min_len!r}; expected an int >= 0")
+        if min_len is not None and (not isinstance(min_len, int) or min_len < -1):
+            problems.append(f"min_sparse_len={min_len!r}; expected an int >= 0, or -1 for the tuned crossover")
         head_offset = options.get("head_offset", 0)
         if not isinstance(head_offset, int) or head_offset < 0:
             problems.append(f"head_offset={head_offset!r}; expected an int >= 0")

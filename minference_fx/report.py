@@ -46,7 +46,8 @@ class Report:
             rows.append(SiteRow(
                 index=i, layer=site.layer, source=site.source, form=site.form, shapes=site.shapes, mask=mask,
                 gqa=site.gqa_from or "-", decision="dense" if site.blocker else "sparse",
-                reason=site.blocker or f"rewritten; dense below {min_sparse_len} query tokens",
+                reason=site.blocker or ("rewritten; dense below the tuned crossover length" if min_sparse_len < 0
+                                        else f"rewritten; dense below {min_sparse_len} query tokens"),
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
         return Report(rows, code_before, code_after, min_sparse_len, guard_threshold)

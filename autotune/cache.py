@@ -1,0 +1,312 @@
+"""The tuned-config cache: how fast each launch config is on a GPU, never which edges are read.
+
+One JSON file in a user cache directory holds two tables:
+
+* ``configs``: :class:`TuneKey` → :class:`TuneEntry` (tile sizes, warps, stages);
+* ``crossovers``: :class:`CrossoverKey` → the prompt length from which the sparse
+  path (index + attention) beats dense SDPA; ``null`` when it never did.
+
+Lookups read the user file first, then the tables shipped as package data
+(``autotune/*.json``). A missing entry gives a safe default and one log line;
+nothing here benchmarks.
+
+Writers take a lock file, re-read and merge, then replace the file atomically,
+so two processes tuning at once lose nothing and a reader never sees half a
+file. A file that is not valid JSON or not this schema is ignored with one
+warning and replaced by the next write.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("minference_fx.autotune")
+
+SCHEMA = "minference-fx/autotune"
+VERSION = 1
+FILE_NAME = "autotune.json"
+ENV_DIR = "MINFERENCE_FX_CACHE_DIR"
+
+# The semantic config's default min_sparse_len: an untuned device behaves as before tuning existed.
+DEFAULT_MIN_SPARSE_LEN = 8192
+# What a ``null`` crossover dispatches as: sparse never won, so every length runs dense.
+DENSE_ALWAYS = sys.maxsize
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class TuneEntry:
+    """A launch config: changes speed, never the result."""
+
+    BLOCK_M: int = 64
+    BLOCK_N: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_ENTRY = TuneEntry()
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class TuneKey:
+    kernel: str
+    """e.g. "sparse_attention" (a key of ``space.SPACE``)"""
+    source_hash: str
+    """hash of the kernel sources: an edited kernel invalidates its timings"""
+    gpu: str
+    """``torch.cuda.get_device_name()``; part of the key, never a condition"""
+    capability: str
+    """compute capability, "9.0" """
+    triton: str
+    dtype: str
+    """torch dtype name without "torch.": "bfloat16" """
+    head_dim: int
+    group: int
+    """query heads per kv head (GQA)"""
+    bucket: int
+    """``seq_bucket`` of the query length"""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class CrossoverKey:
+    """The crossover times the index kernels and attention together, so it carries the source hash too."""
+
+    source_hash: str
+    gpu: str
+    capability: str
+    triton: str
+    dtype: str
+    head_dim: int
+    group: int
+
+
+def seq_bucket(length: int) -> int:
+    """The power of two nearest to ``length`` in log scale: 40k → 32k, 50k → 64k (the split is at √2·2^k)."""
+    if length <= 1:
+        return 1
+    low = 1 << (length.bit_length() - 1)
+    # length >= √2·low  ⇔  length² >= 2·low², exact in integers
+    return low << 1 if length * length >= 2 * low * low else low
+
+
+# --------------------------------------------------------------------------- the table and its JSON
+
+
+class ForeignFile(ValueError):
+    """The file is not JSON of this schema and version."""
+
+
+@dataclasses.dataclass
+class Table:
+    configs: dict[TuneKey, TuneEntry] = dataclasses.field(default_factory=dict)
+    crossovers: dict[CrossoverKey, Optional[int]] = dataclasses.field(default_factory=dict)
+
+    def merged(self, newer: "Table") -> "Table":
+        return Table({**self.configs, **newer.configs}, {**self.crossovers, **newer.crossovers})
+
+    def __bool__(self) -> bool:
+        return bool(self.configs or self.crossovers)
+
+    def to_json(self) -> str:
+        configs = [{"key": dataclasses.asdict(k), "entry": dataclasses.asdict(self.configs[k])} for k in sorted(self.configs)]
+        crossovers = [{"key": dataclasses.asdict(k), "min_sparse_len": self.crossovers[k]} for k in sorted(self.crossovers)]
+        doc = {"schema": SCHEMA, "version": VERSION, "configs": configs, "crossovers": crossovers}
+        return json.dumps(doc, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Table":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ForeignFile(f"not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            raise ForeignFile(f"schema is not {SCHEMA!r}")
+        if doc.get("version") != VERSION:
+            raise ForeignFile(f"version {doc.get('version')!r}, this minference-fx reads version {VERSION}")
+        try:
+            configs = {_record(TuneKey, row["key"]): _record(TuneEntry, row["entry"]) for row in doc["configs"]}
+            crossovers = {_record(CrossoverKey, row["key"]): _length(row["min_sparse_len"]) for row in doc["crossovers"]}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ForeignFile(f"malformed record ({e})") from None
+        return cls(configs, crossovers)
+
+
+def _record(cls, raw):
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    if not isinstance(raw, dict) or set(raw) != set(fields):
+        raise ValueError(f"{cls.__name__} needs fields {sorted(fields)}, got {raw!r}")
+    for name, value in raw.items():
+        want = int if fields[name] in (int, "int") else str
+        # bool is an int to Python, never to this schema
+        if type(value) is not want:
+            raise ValueError(f"{cls.__name__}.{name} = {value!r} is not {want.__name__}")
+    return cls(**raw)
+
+
+def _length(value) -> Optional[int]:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(f"min_sparse_len = {value!r} is not null or an int >= 0")
+    return value
+
+
+# --------------------------------------------------------------------------- files
+
+
+def cache_dir() -> Path:
+    """``$MINFERENCE_FX_CACHE_DIR``, else ``$XDG_CACHE_HOME/minference-fx``, else ``~/.cache/minference-fx``."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "minference-fx"
+
+
+def cache_path() -> Path:
+    return cache_dir() / FILE_NAME
+
+
+_warned: set = set()
+
+
+def read_table(path) -> Table:
+    """The table in ``path``; empty when the file is missing, foreign or corrupt (then warned about once)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Table()
+    except UnicodeDecodeError:
+        text = ""  # binary garbage: report it like bad JSON
+    try:
+        return Table.from_json(text)
+    except ForeignFile as e:
+        st = path.stat()
+        # once per version of the file: a file broken again after a rewrite is news
+        if (str(path), st.st_mtime_ns, st.st_size) not in _warned:
+            _warned.add((str(path), st.st_mtime_ns, st.st_size))
+            log.warning("ignoring the autotune cache %s: %s; the next tuning run rewrites it", path, e)
+        return Table()
+
+
+def write(configs: Optional[dict] = None, crossovers: Optional[dict] = None, path=None) -> Path:
+    """Merge these records into the user cache file (or ``path``), atomically and under a lock."""
+    path = Path(path) if path is not None else cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    update = Table(dict(configs or {}), dict(crossovers or {}))
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        # re-read under the lock: another process may have written since we last looked
+        table = read_table(path).merged(update)
+        _replace(path, table.to_json())
+    forget()
+    return path
+
+
+def _replace(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def shipped_paths() -> list[Path]:
+    """Tables shipped as package data, in name order."""
+    root = resources.files(__package__)
+    return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".json"))
+
+
+# --------------------------------------------------------------------------- lookups
+
+_memo: dict = {}
+_missed: set = set()
+
+
+def forget() -> None:
+    """Drop what this process remembers of the files (after a write, or in tests)."""
+    _memo.clear()
+
+
+def remembered(memo_key, compute):
+    """``compute()`` once per ``memo_key`` until :func:`forget`: run-time lookups stay dict lookups."""
+    try:
+        return _memo[memo_key]
+    except KeyError:
+        value = _memo[memo_key] = compute()
+        return value
+
+
+def _tables(path) -> list[Table]:
+    path = Path(path) if path is not None else cache_path()
+    memo_key = ("tables", str(path))
+    if memo_key not in _memo:
+        _memo[memo_key] = [read_table(path)] + [read_table(p) for p in shipped_paths()]
+    return _memo[memo_key]
+
+
+def find(key: TuneKey, path=None) -> Optional[TuneEntry]:
+    """The stored entry for ``key`` (user cache first, then shipped tables), or None."""
+    for table in _tables(path):
+        if key in table.configs:
+            return table.configs[key]
+    return None
+
+
+def lookup(key: TuneKey, path=None) -> TuneEntry:
+    """The tuned launch config for ``key``, or :data:`DEFAULT_ENTRY` (logged once per key)."""
+    entry = find(key, path)
+    if entry is not None:
+        return entry
+    if key not in _missed:
+        _missed.add(key)
+        log.warning("no tuned config for %s; using %s (run `minference-fx autotune` on this GPU)", key, DEFAULT_ENTRY)
+    return DEFAULT_ENTRY
+
+
+def lookup_crossover(key: CrossoverKey, path=None) -> int:
+    """Prompt length from which the sparse path runs: tuned, :data:`DENSE_ALWAYS`, or the default (logged once)."""
+    for table in _tables(path):
+        if key in table.crossovers:
+            length = table.crossovers[key]
+            return DENSE_ALWAYS if length is None else length
+    if key not in _missed:
+        _missed.add(key)
+        log.warning("no tuned dense/sparse crossover for %s; sparse from %d tokens (run `minference-fx autotune`)",
+                    key, DEFAULT_MIN_SPARSE_LEN)
+    return DEFAULT_MIN_SPARSE_LEN
+
+
+def describe(path=None) -> str:
+    """The user cache and the shipped tables as text, one record a line."""
+    path = Path(path) if path is not None else cache_path()
+    blocks = [_describe_table(f"user cache {path}", read_table(path))]
+    blocks += [_describe_table(f"shipped table {p.name}", read_table(p)) for p in shipped_paths()]
+    return "\n".join(blocks)
+
+
+def _describe_table(title: str, table: Table) -> str:
+    lines = [title + ":"]
+    if not table:
+        return lines[0] + " empty"
+    for k in sorted(table.configs):
+        e = table.configs[k]
+        lines.append(f"  {k.kernel} {k.gpu} sm{k.capability} triton {k.triton} src {k.source_hash} {k.dtype} "
+                     f"d{k.head_dim} g{k.group} len~{k.bucket}: BLOCK_M={e.BLOCK_M} BLOCK_N={e.BLOCK_N} "
+                     f"num_warps={e.num_warps} num_stages={e.num_stages}")
+    for k in sorted(table.crossovers):
+        length = table.crossovers[k]
+        shown = "never (dense at every measured length)" if length is None else f"sparse from {length}"
+        lines.append(f"  crossover {k.gpu} sm{k.capability} triton {k.triton} src {k.source_hash} {k.dtype} "
+                     f"d{k.head_dim} g{k.group}: {shown}")
+    return "\n".join(lines)

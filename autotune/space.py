@@ -1,0 +1,76 @@
+"""Search space of each tunable kernel: a comprehension of launch configs plus a ``keep`` predicate.
+
+The space lists more than the kernels accept today (BLOCK_M / BLOCK_N other
+than the index granularity) so that widening a kernel means widening
+``ACCEPTED_BLOCKS``, not rewriting the space.
+"""
+from __future__ import annotations
+
+from ..kernels.reference import BLOCK
+from .cache import TuneEntry
+
+# The index lists key tiles and query tiles of BLOCK rows/columns: a kernel tile of
+# another size would read the lists wrongly, so only BLOCK is accepted for now.
+ACCEPTED_BLOCKS = {"sparse_attention": frozenset({BLOCK})}
+
+SPACE = {
+    "sparse_attention": [
+        TuneEntry(bm, bn, w, s)
+        for bm in (32, 64, 128)
+        for bn in (32, 64, 128)
+        for w in (4, 8)
+        for s in (1, 2, 3, 4)
+    ],
+}
+
+# Hopper (sm90) lets one block opt in to 227 KB of its 228 KB shared memory.
+SM90_SMEM_BYTES = 228 * 1024
+# tl.dot needs K >= 16; q and the accumulator live in registers, and past 256 the
+# accumulator alone would not fit next to the score tile.
+MIN_BLOCK_D, MAX_BLOCK_D = 16, 256
+# fp32 accumulator registers per thread, of the 255 a thread may hold: the rest go
+# to the score tile, pointers and masks. More than this spills.
+MAX_ACC_REGS_PER_THREAD = 128
+
+
+def block_d(head_dim: int) -> int:
+    """The launcher pads the head dim to a power of two."""
+    return 1 << max(head_dim - 1, 0).bit_length()
+
+
+def smem_bytes(config: TuneEntry, head_dim: int, dtype_bytes: int) -> int:
+    """Upper estimate of the shared memory of one program of the sparse attention kernel.
+
+    The software pipeline keeps ``num_stages`` K and V tiles in flight (one when
+    it does not pipeline); Q and the P tile of the second dot are staged once.
+    """
+    d = block_d(head_dim)
+    kv_tiles = max(config.num_stages, 1) * 2 * config.BLOCK_N * d
+    return dtype_bytes * (config.BLOCK_M * d + kv_tiles + config.BLOCK_M * config.BLOCK_N)
+
+
+def keep(config: TuneEntry, head_dim: int, dtype_bytes: int, smem_limit: int = SM90_SMEM_BYTES,
+         kernel: str = "sparse_attention") -> bool:
+    """Whether ``config`` can run the kernel at this head dim and dtype within ``smem_limit`` bytes."""
+    accepted = ACCEPTED_BLOCKS[kernel]
+    if config.BLOCK_M not in accepted or config.BLOCK_N not in accepted:
+        return False
+    d = block_d(head_dim)
+    if not MIN_BLOCK_D <= d <= MAX_BLOCK_D:
+        return False
+    if config.BLOCK_M * d // (config.num_warps * 32) > MAX_ACC_REGS_PER_THREAD:
+        return False
+    return smem_bytes(config, head_dim, dtype_bytes) <= smem_limit
+
+
+def candidates(kernel: str, head_dim: int, dtype_bytes: int, smem_limit: int = SM90_SMEM_BYTES) -> list[TuneEntry]:
+    """The configs of ``kernel`` worth timing for this shape; raises when none is left."""
+    if kernel not in SPACE:
+        raise KeyError(f"no search space for kernel {kernel!r} (known: {', '.join(SPACE)})")
+    kept = [c for c in SPACE[kernel] if keep(c, head_dim, dtype_bytes, smem_limit, kernel)]
+    if not kept:
+        raise ValueError(
+            f"{kernel}: no launch config fits head_dim={head_dim}, {dtype_bytes}-byte dtype, "
+            f"{smem_limit} bytes of shared memory (head dims {MIN_BLOCK_D}..{MAX_BLOCK_D} are supported)"
+        )
+    return kept

@@ -1,0 +1,177 @@
+"""Time launch configs and the dense/sparse crossover; write what wins to the cache.
+
+Only ``warm_up`` (the ``minference-fx autotune`` command) times anything, and
+never inside a forward pass. The timer and the workload are parameters, so the
+logic runs on CPU with fake timings and on the GPU with ``do_bench`` and
+:class:`~.workload.CudaWorkload`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Protocol, Sequence, Union
+
+import torch
+
+from . import cache, space
+from .cache import CrossoverKey, TuneEntry, TuneKey
+from .identity import DeviceIdentity, dtype_name, kernel_source_hash, triton_version
+from .progress import ProgressBar
+
+Timer = Callable[[Callable[[], object]], float]
+"""Milliseconds one call of the thunk takes."""
+
+# Dense is exact: when sparse wins by less than this, the crossover keeps dense there.
+CROSSOVER_MARGIN = 0.05
+# Lengths the crossover is measured at. Dense SDPA past 64K costs seconds per call and is
+# never the faster one there, so longer prompts are tuned for launch configs only.
+CROSSOVER_LENGTHS = tuple(1 << p for p in range(10, 17))  # 1K .. 64K
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def do_bench(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, return_mode="median"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    kernel: str
+    best: TuneEntry
+    best_ms: float
+    timings: dict[TuneEntry, float]
+    failures: dict[TuneEntry, str]
+    """candidates that raised (out of resources, compile errors), with the message"""
+
+
+def tune(kernel: str, candidates: Iterable[TuneEntry], run_candidate: Callable[[TuneEntry], object],
+         timer: Optional[Timer] = None, *, on_timed: Optional[Callable[[TuneEntry], None]] = None) -> TuneResult:
+    """Time ``run_candidate(config)`` for every candidate and keep the fastest (the first among equals)."""
+    timer = timer or do_bench
+    timings, failures = {}, {}
+    for config in candidates:
+        try:
+            timings[config] = float(timer(lambda config=config: run_candidate(config)))
+        except Exception as e:  # a config the compiler or the GPU refuses is just not a winner
+            failures[config] = f"{type(e).__name__}: {e}"
+        if on_timed is not None:
+            on_timed(config)
+    if not timings:
+        raise RuntimeError(f"{kernel}: every candidate failed: " + "; ".join(f"{c}: {m}" for c, m in failures.items()))
+    best = min(timings, key=timings.__getitem__)
+    return TuneResult(kernel, best, timings[best], timings, failures)
+
+
+def find_crossover(lengths: Iterable[int], time_dense, time_sparse, *, margin: float = 0.0) -> Optional[int]:
+    """The smallest measured length from which sparse beats dense there and at every longer measured length.
+
+    ``time_dense`` and ``time_sparse`` map a length to milliseconds (callables or
+    mappings). Sparse must be faster by ``margin`` (a fraction of the dense time).
+    Returns None when sparse does not win at the longest length.
+    """
+    dense, sparse = _as_fn(time_dense), _as_fn(time_sparse)
+    crossover = None
+    # a win below a loss is noise or a bump, not a crossover: walk down from the longest
+    for length in sorted(set(lengths), reverse=True):
+        if not sparse(length) * (1.0 + margin) < dense(length):
+            break
+        crossover = length
+    return crossover
+
+
+def _as_fn(times) -> Callable[[int], float]:
+    return times.__getitem__ if isinstance(times, Mapping) else times
+
+
+class Workload(Protocol):
+    """What the tuner times at one shape (see :class:`~.workload.CudaWorkload`)."""
+
+    identity: DeviceIdentity
+    smem_limit: int
+
+    def kernel(self, length: int, config: TuneEntry) -> Callable[[], object]: ...
+    def sparse(self, length: int, config: TuneEntry) -> Callable[[], object]: ...
+    def dense(self, length: int) -> Callable[[], object]: ...
+
+
+@dataclasses.dataclass
+class WarmUpReport:
+    path: Path
+    results: dict[int, TuneResult]
+    dense_ms: dict[int, float]
+    sparse_ms: dict[int, float]
+    crossover: Optional[int]
+
+    def __str__(self) -> str:
+        lines = [f"{'length':>8} {'config (warps, stages)':>22} {'kernel ms':>10} {'sparse ms':>10} {'dense ms':>10}"]
+        for length, r in sorted(self.results.items()):
+            sp, de = self.sparse_ms.get(length), self.dense_ms.get(length)
+            lines.append(f"{length:>8} {f'{r.best.num_warps}, {r.best.num_stages}':>22} {r.best_ms:>10.3f} "
+                         f"{'-' if sp is None else f'{sp:.3f}':>10} {'-' if de is None else f'{de:.3f}':>10}")
+        if self.dense_ms:
+            shown = "never (dense at every measured length)" if self.crossover is None else f"sparse from {self.crossover}"
+            lines.append(f"crossover: {shown}")
+        lines.append(f"written to {self.path}")
+        return "\n".join(lines)
+
+
+def as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r}; expected one of {', '.join(DTYPES)}") from None
+
+
+def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, torch.dtype] = torch.bfloat16,
+            progress: bool = True, *, num_kv_heads: int = 8, crossover_lengths: Sequence[int] = CROSSOVER_LENGTHS,
+            workload: Optional[Workload] = None, timer: Optional[Timer] = None, path=None) -> WarmUpReport:
+    """Tune the sparse attention kernel at ``lengths`` and the crossover, and write both to the cache.
+
+    Every length of ``crossover_lengths`` up to the longest of ``lengths`` is tuned too,
+    since the crossover times the sparse path with its tuned config. Entries are
+    written after each length, so an interrupted run keeps what it measured.
+    Needs CUDA unless a ``workload`` is given.
+    """
+    dtype = as_dtype(dtype)
+    timer = timer or do_bench
+    if workload is None:
+        from .workload import CudaWorkload
+
+        workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads)
+    path = Path(path) if path is not None else cache.cache_path()
+    kernel = "sparse_attention"
+    candidates = space.candidates(kernel, head_dim, dtype.itemsize, workload.smem_limit)
+    top = max(lengths)
+    grid = sorted(length for length in set(crossover_lengths) if length <= top)
+    todo = sorted(set(lengths) | set(grid))
+    bar = ProgressBar(len(todo) * len(candidates) + 2 * len(grid), enabled=progress)
+    ident, src, tv = workload.identity, kernel_source_hash(), triton_version()
+
+    results, dense_ms, sparse_ms = {}, {}, {}
+    try:
+        for length in todo:
+            result = tune(kernel, candidates, lambda c, n=length: workload.kernel(n, c)(), timer,
+                          on_timed=lambda c, n=length: bar.step(f"{kernel} @ {n}: warps {c.num_warps} stages {c.num_stages}"))
+            results[length] = result
+            key = TuneKey(kernel, src, ident.gpu, ident.capability, tv, dtype_name(dtype), head_dim, gqa,
+                          cache.seq_bucket(length))
+            cache.write(configs={key: result.best}, path=path)
+            if length in grid:
+                dense_ms[length] = float(timer(workload.dense(length)))
+                bar.step(f"dense @ {length}")
+                sparse_ms[length] = float(timer(workload.sparse(length, result.best)))
+                bar.step(f"index + sparse @ {length}")
+    finally:
+        bar.close()
+    crossover = None
+    if grid:
+        crossover = find_crossover(grid, dense_ms, sparse_ms, margin=CROSSOVER_MARGIN)
+        ckey = CrossoverKey(src, ident.gpu, ident.capability, tv, dtype_name(dtype), head_dim, gqa)
+        cache.write(crossovers={ckey: crossover}, path=path)
+    return WarmUpReport(path, results, dense_ms, sparse_ms, crossover)

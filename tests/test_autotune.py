@@ -1,0 +1,400 @@
+"""Autotuning on CPU: keys and buckets, the cache file (atomic, corrupt, foreign, concurrent), the tuner and the
+crossover on fake timings, the CLI's --show, and the op's dispatch on a tuned crossover."""
+import dataclasses
+import hashlib
+import json
+import logging
+import multiprocessing
+
+import pytest
+import torch
+
+import minference_fx.kernels.reference as reference
+import minference_fx.op as op_module
+from minference_fx.autotune import cache, dispatch, space, tuner
+from minference_fx.autotune.cache import CrossoverKey, Table, TuneEntry, TuneKey, seq_bucket
+from minference_fx.autotune.identity import DeviceIdentity
+from minference_fx.autotune.shapes import shape_from_hf_config
+from minference_fx.config import ModelIdentity, default_config
+
+OP = torch.ops.minference.sparse_attention.default
+VS = ([2, 2, 2, 2], [1000] * 4, [6096] * 4)
+LOGGER = "minference_fx.autotune"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh user cache directory, no shipped tables, and nothing remembered from other tests."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv(cache.ENV_DIR, str(d))
+    monkeypatch.setattr(cache, "shipped_paths", lambda: [])
+    monkeypatch.setattr(cache, "_missed", set())
+    monkeypatch.setattr(cache, "_warned", set())
+    cache.forget()
+    yield d
+    cache.forget()
+
+
+def _key(i=0, **over):
+    fields = dict(kernel="sparse_attention", source_hash="abc", gpu="NVIDIA H200", capability="9.0", triton="3.6.0",
+                  dtype="bfloat16", head_dim=128, group=4, bucket=32768)
+    fields.update(over)
+    if i:
+        fields["bucket"] = i
+    return TuneKey(**fields)
+
+
+def _xkey(**over):
+    fields = dict(source_hash="abc", gpu="NVIDIA H200", capability="9.0", triton="3.6.0", dtype="bfloat16",
+                  head_dim=128, group=4)
+    fields.update(over)
+    return CrossoverKey(**fields)
+
+
+def _warnings(caplog):
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+
+
+# --------------------------------------------------------------------------- keys, buckets, space
+
+
+@pytest.mark.parametrize("length, bucket", [
+    (0, 1), (1, 1), (1000, 1024), (8192, 8192), (12000, 16384), (16384, 16384), (40000, 32768),
+    (46340, 32768), (46341, 65536), (131072, 131072), (1 << 20, 1 << 20), (1_000_000, 1 << 20),
+])
+def test_seq_bucket_is_the_nearest_power_of_two_in_log_scale(length, bucket):
+    assert seq_bucket(length) == bucket
+
+
+def test_every_key_field_separates_entries_and_survives_json():
+    base = _key()
+    variants = [base] + [_key(**{name: value}) for name, value in dict(
+        kernel="other", source_hash="def", gpu="NVIDIA H100", capability="8.0", triton="3.5.0", dtype="float16",
+        head_dim=64, group=8, bucket=65536).items()]
+    assert len(set(variants)) == len(variants)
+    table = Table({k: TuneEntry(64, 64, 4 + 4 * (i % 2), 1 + i % 4) for i, k in enumerate(variants)},
+                  {_xkey(): 4096, _xkey(group=8): None})
+    assert Table.from_json(table.to_json()) == table
+
+
+def test_dispatch_keys_take_shape_dtype_and_bucket_from_the_tensors():
+    q, k = torch.empty(1, 8, 40000, 64, dtype=torch.float16), torch.empty(1, 2, 40000, 64, dtype=torch.float16)
+    key = dispatch.tune_key("sparse_attention", q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], q.shape[-2])
+    assert (key.dtype, key.head_dim, key.group, key.bucket, key.gpu) == ("float16", 64, 4, 32768, "cpu")
+    assert len(key.source_hash) == 16 and key.triton
+
+
+def test_space_keeps_only_what_the_kernel_accepts_and_fits():
+    kept = space.candidates("sparse_attention", 128, 2)
+    assert {(c.BLOCK_M, c.BLOCK_N) for c in kept} == {(reference.BLOCK, reference.BLOCK)}
+    assert {(c.num_warps, c.num_stages) for c in kept} == {(w, s) for w in (4, 8) for s in (1, 2, 3, 4)}
+    for config in space.SPACE["sparse_attention"]:
+        for head_dim, dtype_bytes, limit in ((128, 2, space.SM90_SMEM_BYTES), (256, 2, space.SM90_SMEM_BYTES),
+                                             (128, 4, space.SM90_SMEM_BYTES), (128, 2, 100 * 1024)):
+            fits = space.smem_bytes(config, head_dim, dtype_bytes) <= limit
+            if space.keep(config, head_dim, dtype_bytes, limit):
+                assert fits
+    # the shared-memory limit bites: deep pipelines of wide heads do not fit
+    assert max(c.num_stages for c in space.candidates("sparse_attention", 256, 2)) < 4
+    assert len(space.candidates("sparse_attention", 128, 2, smem_limit=100 * 1024)) < len(kept)
+    with pytest.raises(ValueError, match="head_dim=512"):
+        space.candidates("sparse_attention", 512, 2)
+
+
+# --------------------------------------------------------------------------- the cache file
+
+
+def test_lookup_gives_the_default_and_logs_once_per_missing_key(cache_dir, caplog):
+    caplog.set_level(logging.WARNING, LOGGER)
+    assert cache.lookup(_key()) == cache.DEFAULT_ENTRY == TuneEntry(64, 64, 4, 2)
+    assert cache.lookup(_key()) == cache.DEFAULT_ENTRY
+    assert len(_warnings(caplog)) == 1
+    cache.lookup(_key(bucket=65536))
+    assert len(_warnings(caplog)) == 2
+    assert cache.lookup_crossover(_xkey()) == cache.DEFAULT_MIN_SPARSE_LEN
+
+
+def test_user_cache_is_read_before_the_shipped_tables(cache_dir, tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(Table({_key(): TuneEntry(64, 64, 8, 3), _key(bucket=65536): TuneEntry(64, 64, 8, 1)},
+                             {_xkey(): 2048}).to_json())
+    monkeypatch.setattr(cache, "shipped_paths", lambda: [shipped])
+    cache.write(configs={_key(): TuneEntry(64, 64, 4, 4)})
+    assert cache.lookup(_key()) == TuneEntry(64, 64, 4, 4)
+    assert cache.lookup(_key(bucket=65536)) == TuneEntry(64, 64, 8, 1)
+    assert cache.lookup_crossover(_xkey()) == 2048
+
+
+def test_shipped_tables_are_valid():
+    paths = cache.shipped_paths()
+    assert any(p.name == "h200.json" for p in paths)
+    for p in paths:
+        Table.from_json(p.read_text())  # raises when foreign or corrupt
+
+
+def test_write_is_atomic(cache_dir, monkeypatch):
+    path = cache.write(configs={_key(): TuneEntry(64, 64, 8, 3)})
+    before = path.read_bytes()
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cache.os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        cache.write(configs={_key(bucket=65536): TuneEntry(64, 64, 4, 1)})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["autotune.json", "autotune.json.lock"]
+
+
+def test_corrupt_file_is_ignored_with_one_warning_then_rewritten(cache_dir, caplog):
+    caplog.set_level(logging.WARNING, LOGGER)
+    cache_dir.mkdir()
+    path = cache_dir / cache.FILE_NAME
+    path.write_text('{"schema": "minference-fx/autotune", "version": 1, "configs": [')
+    assert cache.lookup(_key()) == cache.DEFAULT_ENTRY
+    assert cache.lookup_crossover(_xkey()) == cache.DEFAULT_MIN_SPARSE_LEN
+    assert "autotune.json" in cache.describe() and "empty" in cache.describe()
+    corrupt = [r for r in _warnings(caplog) if "ignoring the autotune cache" in r.getMessage()]
+    assert len(corrupt) == 1 and "not valid JSON" in corrupt[0].getMessage()
+    cache.write(configs={_key(): TuneEntry(64, 64, 8, 2)})
+    assert Table.from_json(path.read_text()).configs == {_key(): TuneEntry(64, 64, 8, 2)}
+    assert cache.lookup(_key()) == TuneEntry(64, 64, 8, 2)
+    assert len([r for r in _warnings(caplog) if "ignoring" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("doc", [
+    {"schema": "someone-else/tuning", "version": 1, "configs": [], "crossovers": []},
+    {"schema": cache.SCHEMA, "version": cache.VERSION + 1, "configs": [], "crossovers": []},
+    {"schema": cache.SCHEMA, "version": cache.VERSION, "configs": [{"key": {"kernel": "x"}, "entry": {}}], "crossovers": []},
+    {"schema": cache.SCHEMA, "version": cache.VERSION, "configs": [], "crossovers": [{"key": {}, "min_sparse_len": True}]},
+    ["a", "list"],
+])
+def test_foreign_file_is_ignored_then_rewritten(cache_dir, caplog, doc):
+    caplog.set_level(logging.WARNING, LOGGER)
+    cache_dir.mkdir()
+    path = cache_dir / cache.FILE_NAME
+    path.write_text(json.dumps(doc))
+    assert cache.lookup(_key()) == cache.DEFAULT_ENTRY
+    assert any("ignoring the autotune cache" in r.getMessage() for r in _warnings(caplog))
+    cache.write(crossovers={_xkey(): 4096})
+    assert Table.from_json(path.read_text()).crossovers == {_xkey(): 4096}
+
+
+def _writer(path, worker, count):
+    for i in range(count):
+        cache.write(configs={_key(bucket=1 + worker * 1000 + i): TuneEntry(64, 64, 4, 1 + i % 4)}, path=path)
+        cache.write(crossovers={_xkey(head_dim=1 + worker * 1000 + i): i}, path=path)
+
+
+def test_two_processes_writing_at_once_lose_nothing(tmp_path):
+    path = tmp_path / "shared" / cache.FILE_NAME
+    count = 40
+    # fork: the workers only touch the cache module, which holds no threads or CUDA state
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_writer, args=(path, w, count)) for w in range(2)]
+    for p in workers:
+        p.start()
+    while any(p.is_alive() for p in workers):
+        if path.exists():
+            Table.from_json(path.read_text())  # a reader never sees half a file
+    for p in workers:
+        p.join()
+        assert p.exitcode == 0
+    table = Table.from_json(path.read_text())
+    assert set(table.configs) == {_key(bucket=1 + w * 1000 + i) for w in range(2) for i in range(count)}
+    assert set(table.crossovers) == {_xkey(head_dim=1 + w * 1000 + i) for w in range(2) for i in range(count)}
+    assert not [p for p in path.parent.iterdir() if p.suffix == ".tmp"]
+
+
+# --------------------------------------------------------------------------- tuner and crossover
+
+
+def test_tune_picks_the_fastest_of_fake_timings_and_skips_failures():
+    candidates = space.candidates("sparse_attention", 128, 2)
+    fake_ms = {c: 1.0 + 0.1 * c.num_stages + (0.0 if c.num_warps == 8 else 0.05) for c in candidates}
+    fake_ms[TuneEntry(64, 64, 4, 4)] = 0.2  # fastest of all, but it fails to launch
+    seen = []
+
+    def run(config):
+        if config == TuneEntry(64, 64, 4, 4):
+            raise RuntimeError("out of resources: shared memory")
+        return config
+
+    result = tuner.tune("sparse_attention", candidates, run, timer=lambda fn: fake_ms[fn()], on_timed=seen.append)
+    assert result.best == TuneEntry(64, 64, 8, 1) and result.best_ms == pytest.approx(1.1)
+    assert set(result.failures) == {TuneEntry(64, 64, 4, 4)} and "out of resources" in result.failures[TuneEntry(64, 64, 4, 4)]
+    assert seen == candidates
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        tuner.tune("sparse_attention", candidates[:2], lambda c: 1 / 0, timer=lambda fn: fn())
+
+
+LENGTHS = [1024 * 2 ** p for p in range(7)]  # 1K .. 64K
+
+
+def _curve(fn):
+    return {n: fn(n) for n in LENGTHS}
+
+
+def test_crossover_on_clean_curves():
+    dense = _curve(lambda n: (n / 1024) ** 2)  # quadratic
+    sparse = _curve(lambda n: 6 + n / 1024)  # index overhead + linear
+    assert tuner.find_crossover(LENGTHS, dense, sparse) == 4096
+    # the same given as callables
+    assert tuner.find_crossover(LENGTHS, lambda n: (n / 1024) ** 2, lambda n: 6 + n / 1024) == 4096
+    assert tuner.find_crossover(LENGTHS, dense, _curve(lambda n: 0.5)) == 1024  # sparse always faster
+    assert tuner.find_crossover(LENGTHS, dense, _curve(lambda n: 1e9)) is None  # never
+    # sparse 4% faster at 8K is inside the margin: dense keeps it
+    close = {**sparse, 4096: 17.0, 8192: 64 / 1.04}
+    assert tuner.find_crossover(LENGTHS, dense, close, margin=0.05) == 16384
+
+
+def test_crossover_ignores_a_noisy_early_win():
+    dense = _curve(lambda n: (n / 1024) ** 2)
+    noisy = {**_curve(lambda n: 6 + n / 1024), 1024: 0.5, 8192: 70.0}  # wins by noise at 1K, loses at 8K
+    # sparse is never slower at or above the answer
+    got = tuner.find_crossover(LENGTHS, dense, noisy)
+    assert got == 16384
+    assert all(noisy[n] < dense[n] for n in LENGTHS if n >= got)
+
+
+class FakeWorkload:
+    """Thunks that say what they would run; the fake timer turns that into milliseconds."""
+
+    identity = DeviceIdentity("Fake GPU", "9.0")
+    smem_limit = space.SM90_SMEM_BYTES
+
+    def kernel(self, n, config):
+        return lambda: ("kernel", n, config)
+
+    def sparse(self, n, config):
+        return lambda: ("sparse", n, config)
+
+    def dense(self, n):
+        return lambda: ("dense", n)
+
+
+def fake_timer(fn):
+    kind, n, *config = fn()
+    if kind == "kernel":
+        c = config[0]
+        return n / 1024 * (1 + 0.1 * abs(c.num_stages - 3) + (0.0 if c.num_warps == 8 else 0.05))
+    return (n / 1024) ** 2 if kind == "dense" else 6 + n / 1024
+
+
+def test_warm_up_with_fake_timings_writes_configs_and_crossover_and_leaves_the_semantic_config_alone(
+        cache_dir, tmp_path, capsys):
+    semantic = tmp_path / "heads.json"
+    default_config(ModelIdentity(num_layers=2, num_q_heads=32, num_kv_heads=8, head_dim=128, name="llama-ish")).save(semantic)
+    before = hashlib.sha256(semantic.read_bytes()).hexdigest()
+
+    report = tuner.warm_up([8192, 32768], 128, 4, "bf16", progress=True, workload=FakeWorkload(), timer=fake_timer)
+
+    assert hashlib.sha256(semantic.read_bytes()).hexdigest() == before
+    assert report.crossover == 4096
+    assert report.path == cache_dir / cache.FILE_NAME
+    table = Table.from_json(report.path.read_text())
+    assert {k.bucket for k in table.configs} == {1024 * 2 ** p for p in range(6)}  # 1K .. 32K, the grid
+    assert set(table.configs.values()) == {TuneEntry(64, 64, 8, 3)}
+    assert all(k.gpu == "Fake GPU" and k.dtype == "bfloat16" and k.group == 4 for k in table.configs)
+    assert list(table.crossovers.values()) == [4096]
+    # speed only: nothing semantic in the tuned cache
+    text = report.path.read_text()
+    assert "pattern" not in text and "budget" not in text
+    assert "[" in capsys.readouterr().err  # the progress bar
+    assert "crossover: sparse from 4096" in str(report)
+
+
+def test_tuned_entries_reach_the_op_dispatch(cache_dir):
+    tuner.warm_up([4096], 16, 2, torch.float32, progress=False, workload=FakeWorkload(), timer=fake_timer)
+    table = Table.from_json((cache_dir / cache.FILE_NAME).read_text())
+    # the fake GPU's entries are not this device's: the CPU dispatch must not pick them up
+    q, k = torch.empty(1, 4, 4096, 16), torch.empty(1, 2, 4096, 16)
+    assert dispatch.tuned_min_sparse_len(q, k) == cache.DEFAULT_MIN_SPARSE_LEN
+    ident = DeviceIdentity("cpu", "none")
+    entries = {dataclasses.replace(key, gpu=ident.gpu, capability=ident.capability): e for key, e in table.configs.items()}
+    cache.write(configs=entries)
+    assert dispatch.launch_config(q, k) == TuneEntry(64, 64, 8, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_warm_up_without_cuda_says_it_needs_a_gpu(cache_dir):
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        tuner.warm_up([8192], 128, 4, "bf16", progress=False)
+    assert not cache_dir.exists()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_show_runs_on_cpu(cache_dir, capsys):
+    from minference_fx.cli import main
+
+    assert main(["autotune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert str(cache_dir / cache.FILE_NAME) in out and "empty" in out
+    cache.write(configs={_key(): TuneEntry(64, 64, 8, 3)}, crossovers={_xkey(): None})
+    assert main(["autotune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "num_warps=8 num_stages=3" in out and "NVIDIA H200" in out and "never" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cli_tuning_without_cuda_says_it_needs_a_gpu(cache_dir):
+    from minference_fx.cli import main
+
+    with pytest.raises(SystemExit, match="needs|CUDA GPU"):
+        main(["autotune", "--lengths", "8k", "--head-dim", "128", "--gqa", "4", "--quiet"])
+
+
+def test_model_config_gives_the_shape(tmp_path):
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = shape_from_hf_config(tmp_path)
+    assert (shape.head_dim, shape.group, shape.num_kv_heads) == (128, 4, 8)
+    (tmp_path / "qwen.json").write_text(json.dumps({**cfg, "head_dim": 64, "num_key_value_heads": 2}))
+    assert shape_from_hf_config(tmp_path / "qwen.json").group == 16
+
+
+# --------------------------------------------------------------------------- the op
+
+
+def _qkv(sq):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, 4, sq, 16, generator=g), torch.randn(1, 2, sq, 16, generator=g),
+            torch.randn(1, 2, sq, 16, generator=g))
+
+
+def _spy_paths(monkeypatch):
+    ran = []
+    dense, sparse = op_module.dense_attention, reference.sparse_attention_reference
+    monkeypatch.setattr(op_module, "dense_attention", lambda *a, **kw: ran.append("dense") or dense(*a, **kw))
+    monkeypatch.setattr(reference, "sparse_attention_reference", lambda *a, **kw: ran.append("sparse") or sparse(*a, **kw))
+    return ran
+
+
+def test_op_with_negative_min_sparse_len_dispatches_on_the_tuned_crossover(cache_dir, monkeypatch):
+    ran = _spy_paths(monkeypatch)
+    key = dispatch.crossover_key(torch.device("cpu"), torch.float32, 16, 2)
+    cache.write(crossovers={key: 64})
+    for sq in (32, 63, 64, 80):
+        OP(*_qkv(sq), None, None, 0.25, 0, 0, *VS, -1)
+    assert ran == ["dense", "dense", "sparse", "sparse"]
+    # explicit values still win over the tuned one
+    ran.clear()
+    OP(*_qkv(80), None, None, 0.25, 0, 0, *VS, 8192)
+    OP(*_qkv(32), None, None, 0.25, 0, 0, *VS, 0)
+    assert ran == ["dense", "sparse"]
+    # sparse never won when tuned: dense at every length
+    cache.write(crossovers={key: None})
+    ran.clear()
+    OP(*_qkv(80), None, None, 0.25, 0, 0, *VS, -1)
+    assert ran == ["dense"]
+
+
+def test_op_without_a_tuned_crossover_uses_the_default_length(cache_dir, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, LOGGER)
+    ran = _spy_paths(monkeypatch)
+    OP(*_qkv(80), None, None, 0.25, 0, 0, *VS, -1)
+    OP(*_qkv(96), None, None, 0.25, 0, 0, *VS, -1)
+    assert ran == ["dense", "dense"]  # 80, 96 < 8192
+    assert len([r for r in _warnings(caplog) if "crossover" in r.getMessage()]) == 1
