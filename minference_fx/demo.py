@@ -1,0 +1,205 @@
+"""``minference-fx demo``: SmolLM2 finds a needle in a long Austen prompt through the sparse backend.
+
+What it shows, in order: what the backend rewrote (the inspection table), the
+answer of the dense and of the sparse model, the physical density of each
+layer's sparse index, and dense vs sparse prefill time.
+
+The config is uniform vertical-slash with budgets scaled to the prompt (1/16 of
+its length each), sparse from ``min_sparse_len`` = a quarter of the prompt: the
+default config (1000 columns, 6096 diagonals, dense below 8192) was set for 128K
+prompts and would read nearly every key, or not run sparse at all, at these
+lengths. ``--config`` uses a searched one instead.
+
+On a GPU the op runs the Triton kernels (Inductor compiles the rest). On CPU
+it runs the pure-PyTorch reference, which computes masked dense attention, so
+the CPU timings show the overhead of the index, not a speed-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import torch
+
+from . import evaluate
+from .config import SemanticConfig, load_config, model_identity_from_hf
+from .plan import Pattern
+
+# A made-up fact the model cannot know; at 2K the dense model retrieves it at depths 0.1, 0.5 and 0.9.
+NEEDLE = " Mr. Knightley keeps the key of Donwell Abbey hidden inside a green teapot. "
+QUESTION = ("\n\nQuestion: Where does Mr. Knightley keep the key of Donwell Abbey?\n"
+            "Answer: Mr. Knightley keeps the key of Donwell Abbey hidden inside a")
+EXPECTED = "green teapot"
+DEPTH = 0.5
+
+CPU_LENGTH = 2048  # ~1 min per sparse prefill on 2 CPU cores with the reference op
+GPU_LENGTH = 8000  # inside SmolLM2's native 8K context
+NATIVE_CONTEXT = 8192
+
+
+def found(expected: str, answer: str) -> bool:
+    """``expected`` in ``answer`` up to whitespace (the model sometimes breaks the line mid-answer)."""
+    return " ".join(expected.split()) in " ".join(answer.split())
+
+
+@dataclasses.dataclass
+class LayerRow:
+    layer: int
+    density: float
+    """mean over heads of the physical density (computed (i, j) pairs / causal pairs)"""
+    recall: float
+    """mean over heads of the dense attention mass the index keeps (last 64 rows)"""
+
+
+@dataclasses.dataclass
+class DemoResult:
+    device: str
+    dtype: str
+    length: int
+    config: str
+    expected: str
+    dense_answer: str
+    sparse_answer: str
+    dense_prefill_s: float
+    sparse_prefill_s: float
+    compile_s: float
+    layers: list[LayerRow]
+    guard: dict
+    inspection: str
+
+    @property
+    def dense_pass(self) -> bool:
+        return found(self.expected, self.dense_answer)
+
+    @property
+    def sparse_pass(self) -> bool:
+        return found(self.expected, self.sparse_answer)
+
+    def summary(self) -> str:
+        density = sum(r.density for r in self.layers) / max(1, len(self.layers))
+        lines = [
+            f"answer (sparse): {self.sparse_answer.strip()!r}  -> {'found' if self.sparse_pass else 'MISSED'} {self.expected!r}",
+            f"answer (dense):  {self.dense_answer.strip()!r}  -> {'found' if self.dense_pass else 'MISSED'} {self.expected!r}",
+            f"prefill of {self.length} tokens on {self.device} ({self.dtype}): dense {self.dense_prefill_s:.2f} s, "
+            f"sparse {self.sparse_prefill_s:.2f} s (x{self.dense_prefill_s / self.sparse_prefill_s:.2f}); "
+            f"compile {self.compile_s:.1f} s",
+            f"mean physical density {density:.3f} of the causal keys",
+        ]
+        if self.guard.get("heads_checked"):
+            lines.append(f"quality guard: {self.guard['heads_forced_dense']} of {self.guard['heads_checked']} "
+                         "vertical-slash head-calls ran dense (not counted in the density above)")
+        if self.device == "cpu":
+            lines.append("note: on CPU the op is the pure-PyTorch reference (masked dense attention), so sparse is not "
+                         "faster here; the speed-up needs the Triton kernels on a GPU")
+        return "\n".join(lines)
+
+    def layer_table(self) -> str:
+        rows = [f"{'layer':>5}  {'density':>7}  {'recall':>6}"]
+        rows += [f"{r.layer:>5}  {r.density:>7.3f}  {r.recall:>6.3f}" for r in self.layers]
+        return "\n".join(rows)
+
+
+def demo_config(model, length: int) -> SemanticConfig:
+    """Uniform vertical-slash scaled to ``length``: 1/16 of it in columns and in diagonals."""
+    from .config import default_config
+
+    budget = max(64, length // 16)
+    return default_config(model_identity_from_hf(model.config), pattern=Pattern.VERTICAL_SLASH,
+                          budgets=(budget, budget), min_sparse_len=max(1, length // 4))
+
+
+def build_prompt(tokenizer, text: str, length: int, depth: float = DEPTH) -> torch.Tensor:
+    """``[1, length]`` ids: Emma's opening chapters, the needle at ``depth`` (at a sentence start), the question."""
+    needle = tokenizer(NEEDLE).input_ids
+    question = tokenizer(QUESTION).input_ids
+    n_hay = length - len(needle) - len(question)
+    hay = tokenizer(text[: n_hay * 6]).input_ids[:n_hay]
+    at = evaluate._sentence_start(tokenizer, hay, int(depth * n_hay))
+    return torch.tensor([hay[:at] + needle + hay[at:] + question])
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_prefill(run, ids) -> tuple[object, float]:
+    """(output with KV cache, seconds) of one prefill, synchronised on the GPU."""
+    _sync(ids.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = run(ids, use_cache=True)
+    _sync(ids.device)
+    return out, time.perf_counter() - start
+
+
+def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, config_path=None, inner: Optional[str] = None,
+             progress: Callable[[str], None] = print) -> DemoResult:
+    from .assets import austen_text, load_smollm2
+    from .inspection import inspect
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = dev.type == "cuda"
+    length = length or (GPU_LENGTH if on_gpu else CPU_LENGTH)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    inner = inner or ("inductor" if on_gpu else "eager")
+    yarn = 2.0 if length > NATIVE_CONTEXT else None
+    progress(f"loading SmolLM2-135M-Instruct ({dtype}, {dev}{', YaRN x2 for >8K' if yarn else ''}) and Jane Austen's novels")
+    model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
+    model.to(dev)
+    ids = build_prompt(tok, austen_text(), length).to(dev)
+    if config_path:
+        config = load_config(config_path, model=model_identity_from_hf(model.config))
+        config_name = str(config_path)
+    else:
+        config = demo_config(model, length)
+        head = config.default_head
+        config_name = (f"uniform {head.pattern.value}{tuple(head.budgets)}, sparse from {config.min_sparse_len} "
+                       f"tokens (scaled to the {length}-token prompt)")
+    options = {"config": config, "inner": inner}
+
+    progress(f"config: {config_name}\n\ninspection (what the backend rewrites):")
+    inspection = str(inspect(model, ids[:, :128], use_cache=False, options={**options, "inner": "eager"}))
+    progress(inspection)
+
+    progress(f"\ndense prefill of {length} tokens ...")
+    evaluate.greedy_answer(model, ids[:, :64], new_tokens=1)  # warm-up: first-call allocations
+    out, dense_s = timed_prefill(model, ids)
+    dense_answer = tok.decode(evaluate.decode_greedy(model, out, new_tokens=5))
+    del out
+
+    progress(f"compiling with backend='minference' (inner={inner}) ...")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="minference", options=options)
+    # A short warm-up with a symbolic length compiles once for every length, so the timed prefill is no
+    # recompile. mark_dynamic, not dynamic=True: that also makes the attention scale a symbolic float,
+    # and the backend leaves such sites dense ("scale is not a constant").
+    warm = ids[:, :64].clone()
+    torch._dynamo.mark_dynamic(warm, 1)
+    _, compile_s = timed_prefill(compiled, warm)
+    progress("sparse prefill ...")
+    from . import guard_stats
+
+    before = dataclasses.asdict(guard_stats())
+    out, sparse_s = timed_prefill(compiled, ids)
+    after = dataclasses.asdict(guard_stats())
+    sparse_answer = tok.decode(evaluate.decode_greedy(model, out, new_tokens=5))
+    del out
+
+    progress("density per layer (from each layer's online index on the prompt's Q/K) ...")
+    heads = evaluate.index_recall(model, ids, config, rows=64)
+    layers = []
+    for layer, density in evaluate.layer_density(heads).items():
+        rec = [h.recall for h in heads if h.layer == layer]
+        layers.append(LayerRow(layer, density, sum(rec) / len(rec)))
+    return DemoResult(str(dev), str(dtype).replace("torch.", ""), length, config_name, EXPECTED, dense_answer,
+                      sparse_answer, dense_s, sparse_s, compile_s, layers,
+                      {k: after[k] - before[k] for k in after}, inspection)
+
+
+def main(length=None, device=None, config_path=None, inner=None) -> int:
+    result = run_demo(length, device=device, config_path=config_path, inner=inner)
+    print("\n" + result.layer_table())
+    print("\n" + result.summary())
+    return 0 if result.sparse_pass or not result.dense_pass else 1

