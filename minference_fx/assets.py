@@ -270,6 +270,8 @@ def smollm2_dir(cache_dir=None) -> Path:
     try:
         convert_gguf(gguf_path, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        if _converted(out):
+            return out  # another process finished first; keep its copy
         if out.exists():
             shutil.rmtree(out)  # an older or incomplete conversion
         os.replace(tmp, out)
