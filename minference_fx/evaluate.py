@@ -319,16 +319,7 @@ def index_recall(model, ids: torch.Tensor, config: SemanticConfig, *, rows: int 
             results.append(HeadRecall(length, call.layer, h, head.pattern.value, float(recall[h]),
                                       float(oracle[h]), float(density[h]), bool(fires[h])))
 
-    token = observe.register(on_call)
-    try:
-        torch._dynamo.reset()
-        observed = torch.compile(model, backend="minference",
-                                 options={"observer": token, "inner": "eager", "min_sparse_len": 0})
-        with torch.no_grad():
-            observed(ids, use_cache=False)
-    finally:
-        observe.unregister(token)
-        torch._dynamo.reset()
+    observe.run_observed(model, ids, on_call)
     return sorted(results, key=lambda r: (r.layer, r.head))
 
 

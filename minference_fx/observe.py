@@ -67,3 +67,16 @@ def observed_attention(
 @observed_attention.register_fake
 def _observed_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, layer, observer):
     return q.new_empty(q.shape)
+
+
+def run_observed(model, ids: torch.Tensor, fn: Callable[[AttentionCall], None]) -> None:
+    """One forward of ``model(ids)`` in search mode, ``fn`` seeing every attention call (Dynamo reset around it)."""
+    token = register(fn)
+    try:
+        torch._dynamo.reset()
+        observed = torch.compile(model, backend="minference", options={"observer": token, "inner": "eager", "min_sparse_len": 0})
+        with torch.no_grad():
+            observed(ids, use_cache=False)
+    finally:
+        unregister(token)
+        torch._dynamo.reset()

@@ -148,16 +148,7 @@ def search(
 
         if all(f"{si}:{layer}" in state["done"] for layer in range(identity.num_layers)):
             continue
-        token = observe.register(observer)
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="minference",
-                                     options={"observer": token, "inner": "eager", "min_sparse_len": 0})
-            with torch.no_grad():
-                compiled(ids, use_cache=False)
-        finally:
-            observe.unregister(token)
-            torch._dynamo.reset()
+        observe.run_observed(model, ids, observer)
 
     missing = [layer for layer in range(identity.num_layers) if layer not in per_layer]
     if missing:
