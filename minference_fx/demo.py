@@ -184,8 +184,7 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="minference", options=options)
     # A short warm-up with a symbolic length compiles once for every length, so the timed prefill is no
-    # recompile. mark_dynamic, not dynamic=True: that also makes the attention scale a symbolic float,
-    # and the backend leaves such sites dense ("scale is not a constant").
+    # recompile.
     warm = ids[:, :64].clone()
     torch._dynamo.mark_dynamic(warm, 1)
     _, compile_s = timed_prefill(compiled, warm)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from minference_fx import ConfigMismatchError, inspect
+from minference_fx.backend import recent_reports
 from minference_fx.plan import Pattern
 from tiny_models import covering_config, small_budget_config, tiny_model, wrong_config
 
@@ -90,6 +91,9 @@ def test_three_prompt_lengths_compile_once_with_dynamic_shapes():
             torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
                                        rtol=1e-5, atol=1e-5)
     assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+    # dynamic=True may turn the attention scale symbolic; the sites must still be rewritten, not left dense
+    report = recent_reports()[-1]
+    assert report.rewritten == model.config.num_hidden_layers, report.table()
 
 
 def test_prompt_lengths_compile_once_after_dynamic():
