@@ -274,6 +274,11 @@ def lookup(key: TuneKey, path=None) -> TuneEntry:
     return DEFAULT_ENTRY
 
 
+def has_crossover(key: CrossoverKey, path=None) -> bool:
+    """Whether a crossover (a length, or dense-always) is stored for ``key``."""
+    return any(key in table.crossovers for table in _tables(path))
+
+
 def lookup_crossover(key: CrossoverKey, path=None) -> int:
     """Prompt length from which the sparse path runs: tuned, :data:`DENSE_ALWAYS`, or the default (logged once)."""
     for table in _tables(path):

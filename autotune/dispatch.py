@@ -7,12 +7,54 @@ The environment variables are part of the memo key so that pointing
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import threading
 
 import torch
 
 from . import cache
 from .identity import device_identity, dtype_name, kernel_source_hash, triton_version
+
+
+log = logging.getLogger("minference_fx.autotune")
+
+# Opt-in (``options={"autotune": "on-miss"}``): a lookup that misses tunes that shape
+# here and now, once per process. Process-wide because the cache it fills is.
+_on_miss = False
+_tuned_here: set = set()
+_tuning = threading.Lock()
+
+
+def set_on_miss(enabled: bool) -> None:
+    """Let run-time lookups that miss benchmark and store the shape (off by default: a forward never times)."""
+    global _on_miss
+    _on_miss = bool(enabled)
+
+
+def on_miss() -> bool:
+    return _on_miss
+
+
+def _can_tune(q: torch.Tensor) -> bool:
+    return q.is_cuda
+
+
+def _tune_now(q: torch.Tensor, k: torch.Tensor, length: int) -> None:
+    """Warm up this shape at ``length`` (and the crossover grid below it), then drop the memo so lookups see it."""
+    from .tuner import warm_up
+
+    shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], length)
+    with _tuning:
+        if shape in _tuned_here:
+            return
+        _tuned_here.add(shape)
+        log.warning("autotune on-miss: tuning head_dim=%d group=%d %s at %d tokens on %s (once per process)",
+                    shape[2], shape[3], q.dtype, length, q.device)
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            warm_up([length], shape[2], shape[3], q.dtype, progress=False, num_kv_heads=k.shape[1])
+        cache.forget()
 
 
 def _where() -> tuple:
@@ -34,11 +76,17 @@ def tune_key(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: in
 def tuned_min_sparse_len(q: torch.Tensor, k: torch.Tensor) -> int:
     """Prompt length from which the sparse path beats dense SDPA for q ``[B, Hq, Sq, D]``, k ``[B, Hkv, Skv, D]``."""
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+    if _on_miss and _can_tune(q) and not cache.has_crossover(crossover_key(*shape)):
+        from .tuner import CROSSOVER_LENGTHS
+
+        _tune_now(q, k, max(CROSSOVER_LENGTHS))  # the whole grid: a crossover from short prompts alone would mislead
     return cache.remembered(("crossover", _where(), *shape), lambda: cache.lookup_crossover(crossover_key(*shape)))
 
 
 def launch_config(q: torch.Tensor, k: torch.Tensor, kernel: str = "sparse_attention") -> cache.TuneEntry:
     """Tuned launch config of ``kernel`` for the bucket of this query length (the default when untuned)."""
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], q.shape[-2])
+    if _on_miss and _can_tune(q) and cache.find(tune_key(kernel, *shape)) is None:
+        _tune_now(q, k, cache.seq_bucket(shape[4]))
     return cache.remembered(("config", _where(), kernel, *shape[:4], cache.seq_bucket(shape[4])),
                             lambda: cache.lookup(tune_key(kernel, *shape)))

@@ -139,5 +139,9 @@ def _publish(report: Report) -> None:
 def minference_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options=None):
     """torch.compile backend: rewrite causal attention to sparse, then hand over to ``options['inner']``."""
     opts = BackendOptions.from_user(options)
+    if opts.autotune == "on-miss":
+        from .autotune import dispatch
+
+        dispatch.set_on_miss(True)
     rewrite_graph(gm, opts)
     return _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config)

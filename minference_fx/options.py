@@ -37,7 +37,13 @@ class BackendOptions:
     """a vertical-slash head whose estimated captured mass falls below this runs dense (0 turns the guard off);
     None: the config's value"""
 
-    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold")
+    autotune: str = "off"
+    """"off": a shape missing from the autotune cache runs a safe default (logged once); "on-miss": it is
+    tuned on the GPU at its first call, once per process, and stored. Process-wide once turned on."""
+
+    _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold",
+              "autotune")
+    AUTOTUNE_POLICIES = ("off", "on-miss")
 
     @classmethod
     def from_user(cls, options: Optional[dict[str, Any]]) -> "BackendOptions":
@@ -57,6 +63,8 @@ class BackendOptions:
         guard = options.get("guard_threshold")
         if guard is not None and (not isinstance(guard, (int, float)) or not 0.0 <= guard <= 1.0):
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
+        if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
+            problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
         if not isinstance(options.get("inductor_config", {}), dict):
             problems.append("inductor_config must be a dict of Inductor config patches")
         if problems:
@@ -71,4 +79,5 @@ class BackendOptions:
             mode=options.get("mode"),
             observer=options.get("observer"),
             guard_threshold=None if guard is None else float(guard),
+            autotune=options.get("autotune", "off"),
         )

@@ -316,6 +316,41 @@ def test_tuned_entries_reach_the_op_dispatch(cache_dir):
     assert dispatch.launch_config(q, k) == TuneEntry(64, 64, 8, 3)
 
 
+def test_on_miss_tunes_a_missing_shape_once_then_reads_the_cache(cache_dir, monkeypatch):
+    calls = []
+
+    def fake_warm_up(lengths, head_dim, group, dtype, progress=True, num_kv_heads=8):
+        calls.append(tuple(lengths))
+        device = torch.device("cpu")
+        cache.write(configs={dispatch.tune_key("sparse_attention", device, dtype, head_dim, group, lengths[0]):
+                             TuneEntry(64, 64, 8, 3)},
+                    crossovers={dispatch.crossover_key(device, dtype, head_dim, group): 2048})
+
+    monkeypatch.setattr(tuner, "warm_up", fake_warm_up)
+    monkeypatch.setattr(dispatch, "_can_tune", lambda q: True)
+    monkeypatch.setattr(dispatch, "_tuned_here", set())
+    q, k = torch.empty(1, 4, 4096, 16), torch.empty(1, 2, 4096, 16)
+    dispatch.set_on_miss(False)
+    assert dispatch.launch_config(q, k) == cache.DEFAULT_ENTRY and not calls  # off: a forward never times
+    cache.forget()
+    dispatch.set_on_miss(True)
+    try:
+        assert dispatch.tuned_min_sparse_len(q, k) == 2048
+        assert dispatch.launch_config(q, k) == TuneEntry(64, 64, 8, 3)
+        assert dispatch.launch_config(q, k) == TuneEntry(64, 64, 8, 3)
+    finally:
+        dispatch.set_on_miss(False)
+    assert calls == [(max(tuner.CROSSOVER_LENGTHS),), (4096,)]  # crossover over the whole grid, then this bucket
+
+
+def test_autotune_option_is_validated():
+    from minference_fx.options import BackendOptions
+
+    assert BackendOptions.from_user({"autotune": "on-miss"}).autotune == "on-miss"
+    with pytest.raises(ValueError, match="autotune='always'"):
+        BackendOptions.from_user({"autotune": "always"})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_warm_up_without_cuda_says_it_needs_a_gpu(cache_dir):
     with pytest.raises(RuntimeError, match="CUDA GPU"):
