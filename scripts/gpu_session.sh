@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests, kernel benchmark. Results land in $OUT (and are copied into results/ by hand).
-# usage: scripts/gpu_session.sh [tests|bench|all] [lengths]
+# One device call: install, then the steps asked for; every step's output lands in $OUT.
+# usage: scripts/gpu_session.sh STEPS   (comma list of: tests, tune, bench, prefill)
+#   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu
+#   TUNE_LENGTHS / TUNE_TIMEOUT     minference-fx autotune into $OUT/autotune, then a second process reads it
+#   BENCH_LENGTHS / BENCH_TIMEOUT / BENCH_ARGS    minference-fx bench kernels
+#   PREFILL_ARGS / PREFILL_TIMEOUT                minference-fx bench prefill
 set -uo pipefail
-what=${1:-all}
-lengths=${2:-8k,32k,128k}
+steps=",${1:-tests,bench},"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 mkdir -p autotune configs; python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -v -m gpu -p no:cacheprovider --import-mode=importlib tests -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt" | grep -E "PASS|FAIL|ERROR|passed|failed|fuzz|assert" 
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } | tee "$OUT/gpu.txt"
+if [[ $steps == *,tests,* ]]; then
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -v -m gpu -p no:cacheprovider --import-mode=importlib tests -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout "${BENCH_TIMEOUT:-400}" minference-fx bench kernels --lengths "$lengths" --out "$OUT/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.txt"
+if [[ $steps == *,tune,* ]]; then
+  tl=${TUNE_LENGTHS:-32k,128k}
+  export MINFERENCE_FX_CACHE_DIR="$OUT/autotune"
+  timeout "${TUNE_TIMEOUT:-300}" minference-fx autotune --lengths "$tl" --head-dim 128 --gqa 4 --dtype bf16 2>&1 | tee "$OUT/autotune.txt"
+  minference-fx autotune --show 2>&1 | tee -a "$OUT/autotune.txt"
+  python3 scripts/autotune_reads_cache.py "$tl" --head-dim 128 --gqa 4 2>&1 | tee "$OUT/autotune_second_process.txt"
+  unset MINFERENCE_FX_CACHE_DIR
+fi
+if [[ $steps == *,bench,* ]]; then
+  timeout "${BENCH_TIMEOUT:-400}" minference-fx bench kernels --lengths "${BENCH_LENGTHS:-8k,32k,128k}" --out "$OUT/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.txt"
+fi
+if [[ $steps == *,prefill,* ]]; then
+  timeout "${PREFILL_TIMEOUT:-400}" minference-fx bench prefill ${PREFILL_ARGS:-} --out "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt"
 fi

@@ -96,6 +96,8 @@ def test_fuzz_op_against_reference_on_1000_shapes():
         err = (out.float() - want).abs().max().item()
         worst = max(worst, err)
         assert err < 3e-2, (case, b, hq, hkv, sq, skv, d, dtype, window, plan, err)
+        if case % 100 == 99:
+            print(f"fuzz: {case + 1} shapes, worst max-abs error so far {worst:.2e}", flush=True)
     print(f"fuzz: worst max-abs error {worst:.2e}")
 
 
@@ -115,12 +117,13 @@ def _full_index(gpu_index, q, k, plan, key_mask, offset, window, scale):
     )
 
 
-def test_op_captures_in_a_cuda_graph_and_replays():
+@pytest.mark.parametrize("guard_threshold", [0.0, 0.5])
+def test_op_captures_in_a_cuda_graph_and_replays(guard_threshold):
     from minference_fx.bench import structured_qkv
 
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 300, 500), HeadPlan(Pattern.A_SHAPE, 64, 512),
                       HeadPlan(Pattern.BLOCK_SPARSE, 8), HeadPlan(Pattern.DENSE)))
-    args = (0.125, 0, 0, *plan.op_arguments(), 0)
+    args = (0.125, 0, 0, *plan.op_arguments(), 0, guard_threshold)
     q, k, v = structured_qkv(4096, num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
     static = [t.clone() for t in (q, k, v)]
     OP(*static, None, None, *args)  # warm-up: compiles kernels, builds plan tensors
