@@ -72,6 +72,17 @@ def _bench(args) -> int:
     from . import bench
 
     command = "minference-fx " + " ".join(sys.argv[1:])
+    if args.what == "prefill":
+        from . import bench_prefill
+
+        result = bench_prefill.bench_prefill(
+            parse_lengths(args.lengths), layers=args.layers, variants=tuple(args.variants.split(",")),
+            reduce_overhead=args.reduce_overhead, reps=args.reps, isolate=not args.in_process,
+            out=args.out, append=args.append, command=command)
+        print(result.table())
+        if args.out:
+            print(f"wrote {args.out}")
+        return 0
     if args.what == "kernels":
         rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets),
                                    baselines=tuple(args.baselines.split(",")) if args.baselines else ())
@@ -211,11 +222,21 @@ def main(argv=None) -> int:
     p.add_argument("--diff", action="store_true", help="print the unified diff of the graph code")
     p.set_defaults(run=_inspect)
     b = sub.add_parser("bench", help="GPU benchmarks: print a table, write JSON")
-    b.add_argument("what", choices=["kernels"])
+    b.add_argument("what", choices=["kernels", "prefill"], help="kernels: index + kernel vs dense attention; "
+                   "prefill: time to first token of a Llama-3-8B-shaped model, eager vs Inductor vs minference")
     b.add_argument("--lengths", default="8k,32k,128k")
     b.add_argument("--budgets", type=int, nargs=2, default=[1000, 6096], metavar=("VERTICAL", "SLASH"))
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--out", default=None, help="JSON results file")
+    b.add_argument("--layers", type=int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")
+    b.add_argument("--variants", default="eager,inductor,minference,minference-noguard",
+                   help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
+                        "minference-noguard, minference-ro")
+    b.add_argument("--reduce-overhead", action="store_true", help="prefill: also minference with mode=reduce-overhead")
+    b.add_argument("--reps", type=int, default=3, help="prefill: timed forwards per cell (median), after one warm-up")
+    b.add_argument("--in-process", action="store_true",
+                   help="prefill: every variant in this process (default: one process each, empty compile caches)")
+    b.add_argument("--append", action="store_true", help="prefill: keep the other variants already in --out")
     b.set_defaults(run=_bench)
     sp = sub.add_parser("search", help="offline pattern search: per (layer, head) pattern into a semantic config")
     sp.add_argument("--model", default="smollm2", help="smollm2, a built-in tiny family, an HF config.json, or a model directory")

@@ -1,0 +1,645 @@
+"""``minference-fx bench prefill``: end-to-end time to first token of a Llama-3-8B-shaped model.
+
+The model is ``transformers.LlamaForCausalLM`` with Llama-3-8B's shape (hidden 4096, 32 query
+heads, 8 KV heads, MLP 14336, vocab 128256, RoPE theta 500000; plain RoPE, not Llama-3.1's
+scaled variant) and random weights initialised on the device in bf16 — nothing is downloaded.
+``--layers`` keeps fewer layers when memory requires; the JSON says how many ran.
+
+Time to first token (TTFT) is one forward of the whole prompt with ``use_cache=False`` and
+logits for the last position only (``logits_to_keep=1``), then the argmax. Variants:
+
+* ``eager``: HF with ``attn_implementation="sdpa"``, SDPA backends in the priority cuDNN, flash,
+  efficient, math (``eager-default`` keeps torch's own priority);
+* ``inductor``: ``torch.compile(model)`` (Inductor, default mode);
+* ``minference``: ``torch.compile(model, backend="minference")`` with default options;
+* ``minference-noguard``: the same with ``guard_threshold=0``. Random weights give diffuse
+  attention, so the default quality guard (a vertical-slash head keeping under half of the
+  last rows' attention mass runs dense) fires on most heads: ``minference`` then measures the
+  guarded fallback, ``minference-noguard`` the sparse path itself. Real weights are sparser;
+  ``guard`` in each minference cell says how often the guard fired;
+* ``minference-ro`` (``--reduce-overhead``): ``options={"mode": "reduce-overhead"}`` (CUDA graphs);
+  ``inductor-ro``: ``torch.compile(model, mode="reduce-overhead")``.
+
+For compiled variants the sequence dimension of ``input_ids`` is marked dynamic, so one graph
+should serve every length. ``recompiles`` counts graphs Dynamo compiled after the first call
+(``torch._dynamo.utils.counters["stats"]["unique_graphs"]``); compile time is the first call's
+wall time at the first length minus the steady-state TTFT at that length.
+
+Compile times are only comparable from a cold start: by default (``isolate=True``) every variant
+runs in its own Python process with fresh, empty Inductor and Triton cache directories, after a
+tiny warm-up compile that pays the process-wide one-time costs (imports, compile workers), so
+no variant inherits another's compiled kernels. ``isolate=False`` runs in-process (tests, CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+LLAMA3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
+)
+VARIANTS = ("eager", "eager-default", "inductor", "inductor-ro", "minference", "minference-noguard", "minference-ro")
+DEFAULT_VARIANTS = ("eager", "inductor", "minference", "minference-noguard")
+_CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+# ---------------------------------------------------------------- model
+
+
+def llama3_8b_config(layers: int = 32, max_len: int = 131072, **overrides):
+    import transformers
+
+    fields = {**LLAMA3_8B, "num_hidden_layers": layers, "max_position_embeddings": max(8192, max_len), **overrides}
+    return transformers.LlamaConfig(**fields)
+
+
+def build_model(config, device, dtype: torch.dtype, seed: int = 0):
+    """Random-weight model created directly on ``device`` in ``dtype`` (HF's normal init, std 0.02)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval()
+
+
+def _last_logits_kwarg(model) -> dict:
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: 1}
+    return {}  # an old transformers: every position's logits (large at long prompts)
+
+
+def prompt_ids(length: int, vocab: int, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + length)
+    return torch.randint(0, vocab, (1, length), generator=g).to(device)
+
+
+# ---------------------------------------------------------------- variants
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    description: str
+    fn: Callable
+    compiled: bool
+    cuda_graphs: bool = False
+    minference_options: Optional[dict] = None
+
+
+def make_variant(name: str, model, minference_options: Optional[dict] = None) -> Variant:
+    extra = dict(minference_options or {})
+    cuda = next(model.parameters()).is_cuda
+
+    def minference(options: dict, description: str, cuda_graphs=False) -> Variant:
+        kwargs = {"options": options} if options else {}
+        return Variant(name, description, torch.compile(model, backend="minference", **kwargs), True, cuda_graphs, options)
+
+    if name == "eager":
+        priority = "SDPA priority " + ", ".join(_CUDNN_FIRST) if cuda else "CPU SDPA"
+        return Variant(name, f"HF sdpa, no compile; {priority}", model, False)
+    if name == "eager-default":
+        return Variant(name, "HF sdpa, no compile; torch's SDPA priority", model, False)
+    if name == "inductor":
+        return Variant(name, "torch.compile(model) (Inductor, default mode)", torch.compile(model), True)
+    if name == "inductor-ro":
+        return Variant(name, 'torch.compile(model, mode="reduce-overhead")', torch.compile(model, mode="reduce-overhead"),
+                       True, True)
+    if name == "minference":
+        return minference(extra, f'torch.compile(model, backend="minference"{", options=" + repr(extra) if extra else ""})')
+    if name == "minference-noguard":
+        opts = {**extra, "guard_threshold": 0.0}
+        return minference(opts, f'torch.compile(model, backend="minference", options={opts!r})')
+    if name == "minference-ro":
+        opts = {**extra, "mode": "reduce-overhead"}
+        return minference(opts, f'torch.compile(model, backend="minference", options={opts!r})', cuda_graphs=True)
+    raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class Cell:
+    length: int
+    variant: str
+    status: str = "ok"
+    """ok | oom | error: ... | skipped: ..."""
+    ttft_ms: Optional[float] = None
+    """median of the timed repetitions"""
+    times_ms: list = dataclasses.field(default_factory=list)
+    first_call_s: Optional[float] = None
+    """wall time of the first call at this length (compile included at the first length)"""
+    next_token: Optional[int] = None
+    finite: Optional[bool] = None
+    peak_gib: Optional[float] = None
+    path: Optional[str] = None
+    """minference: the op's branch at this length from the crossover ("sparse" or "dense")"""
+    guard: Optional[dict] = None
+    """minference with the guard on: head-calls the guard checked / forced dense in one extra forward"""
+
+
+@dataclasses.dataclass
+class VariantSummary:
+    variant: str
+    description: str = ""
+    compiled: bool = False
+    compile_s: Optional[float] = None
+    first_call_s: Optional[float] = None
+    graphs_first_call: Optional[int] = None
+    recompiles: Optional[int] = None
+    graph_breaks: Optional[int] = None
+    cudagraph_skips: Optional[int] = None
+    attention_kernels: Optional[dict] = None
+    """attention ops and kernels (name: calls) in one profiled forward at the first length: which ran"""
+    minference: Optional[dict] = None
+    error: Optional[str] = None
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    meta: dict
+    cells: list
+    variants: list
+
+    def cell(self, length: int, variant: str) -> Optional[Cell]:
+        return next((c for c in self.cells if c.length == length and c.variant == variant), None)
+
+    def summary(self, variant: str) -> Optional[VariantSummary]:
+        return next((v for v in self.variants if v.variant == variant), None)
+
+    def speedup(self, length: int, variant: str, baseline: str) -> Optional[float]:
+        mine, base = self.cell(length, variant), self.cell(length, baseline)
+        if mine is None or base is None or mine.ttft_ms is None or base.ttft_ms is None:
+            return None
+        return base.ttft_ms / mine.ttft_ms
+
+    def to_dict(self) -> dict:
+        lengths = sorted({c.length for c in self.cells})
+        speedups = {str(n): {v.variant: {b: self.speedup(n, v.variant, b) for b in ("eager", "inductor")}
+                             for v in self.variants} for n in lengths}
+        return {**self.meta, "variants": [dataclasses.asdict(v) for v in self.variants],
+                "cells": [dataclasses.asdict(c) for c in self.cells], "speedups": speedups}
+
+    def save(self, path) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+        os.replace(tmp, path)
+
+    @staticmethod
+    def load(path) -> "PrefillResult":
+        with open(path) as fh:
+            data = json.load(fh)
+        cells = [Cell(**c) for c in data.pop("cells")]
+        variants = [VariantSummary(**v) for v in data.pop("variants")]
+        data.pop("speedups", None)
+        return PrefillResult(data, cells, variants)
+
+    def table(self) -> str:
+        def f(x, spec):
+            return format(x, spec) if x is not None else "-".rjust(int(spec.rstrip("dfs").split(".")[0]))
+
+        head = (f"{'length':>8}  {'variant':<19} {'TTFT ms':>10} {'x eager':>8} {'x induct':>8} {'compile s':>9} "
+                f"{'recompiles':>10} {'1st call s':>10}  note")
+        lines = [head]
+        order = {v: i for i, v in enumerate(VARIANTS)}
+        for c in sorted(self.cells, key=lambda c: (c.length, order.get(c.variant, 99))):
+            s = self.summary(c.variant) or VariantSummary(c.variant)
+            notes = [] if c.status == "ok" else [c.status]
+            if c.path:
+                notes.append(c.path)
+            if c.guard and c.guard.get("heads_checked"):
+                notes.append(f"guard dense {c.guard['heads_forced_dense']}/{c.guard['heads_checked']}")
+            if c.finite is False:
+                notes.append("non-finite logits")
+            lines.append(
+                f"{c.length:>8}  {c.variant:<19} {f(c.ttft_ms, '10.1f')} {f(self.speedup(c.length, c.variant, 'eager'), '8.2f')} "
+                f"{f(self.speedup(c.length, c.variant, 'inductor'), '8.2f')} {f(s.compile_s, '9.1f')} "
+                f"{f(s.recompiles, '10d')} {f(c.first_call_s, '10.2f')}  {'; '.join(notes)}")
+        lines.append("TTFT: median forward of the prompt + argmax; x = baseline TTFT / this TTFT; compile s = first call "
+                     "at the first length - its TTFT; recompiles: graphs compiled after the first call")
+        for v in sorted(self.variants, key=lambda v: order.get(v.variant, 99)):
+            m = v.minference
+            if m:
+                lines.append(f"{v.variant}: {m['rewritten']}/{m['sites']} attention sites rewritten in {m['graphs']} graph(s); "
+                             f"min_sparse_len {m['min_sparse_len']} (resolved {m['min_sparse_len_resolved']}); "
+                             f"guard_threshold {m['guard_threshold']}")
+            if v.attention_kernels:
+                names = [f"{k[:70]} x{n}" for k, n in list(v.attention_kernels.items())[:4]]
+                lines.append(f"{v.variant}: attention ran as " + ", ".join(names))
+            if v.cudagraph_skips:
+                lines.append(f"{v.variant}: CUDA graphs skipped {v.cudagraph_skips} time(s)")
+            if v.error:
+                lines.append(f"{v.variant}: {v.error}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # Dynamo/Inductor may wrap the OOM
+        seen.add(id(exc))
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _counter(group: str, key: Optional[str] = None) -> int:
+    from torch._dynamo.utils import counters
+
+    values = counters.get(group, {})
+    return int(values.get(key, 0)) if key else int(sum(values.values()))
+
+
+def _sdpa_context(variant: str, device: torch.device):
+    import contextlib
+
+    if variant != "eager" or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, b) for b in _CUDNN_FIRST], set_priority=True)
+
+
+def warm_up_compiler(device: torch.device) -> None:
+    """Pay Inductor's one-time process costs (imports, compile workers) outside any timed compile."""
+    fn = torch.compile(lambda x: (x * 2).sin().sum(-1))
+    fn(torch.randn(8, 16, device=device))
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- one variant, in this process
+
+
+def _minference_summary(reports, model, device, dtype, lengths) -> dict:
+    from collections import Counter
+
+    rows = [r for rep in reports for r in rep.rows]
+    option = reports[0].min_sparse_len if reports else None
+    resolved = option
+    if option is not None and option < 0:
+        from .autotune.dispatch import tuned_min_sparse_len
+
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        q = torch.empty(1, cfg.num_attention_heads, 1, head_dim, device=device, dtype=dtype)
+        k = torch.empty(1, cfg.num_key_value_heads, 1, head_dim, device=device, dtype=dtype)
+        resolved = tuned_min_sparse_len(q, k)
+    return {
+        "graphs": len(reports), "sites": len(rows), "rewritten": sum(r.decision == "sparse" for r in rows),
+        "dense_reasons": dict(Counter(r.reason for r in rows if r.decision != "sparse")),
+        "plans": dict(Counter(r.plan for r in rows if r.decision == "sparse")),
+        "min_sparse_len": option, "min_sparse_len_resolved": resolved,
+        "guard_threshold": reports[0].guard_threshold if reports else None,
+        "path": {str(n): ("sparse" if resolved is not None and n >= resolved else "dense") for n in lengths},
+    }
+
+
+def _guard_probe(step, device: torch.device) -> dict:
+    """One extra, untimed forward with the guard's counters on (on GPU they need a host sync per call)."""
+    from . import guard_stats
+    from .kernels import guard
+
+    before, switch = guard_stats(), guard.STATS_ON_GPU
+    guard.STATS_ON_GPU = True
+    try:
+        step()
+        _sync(device)
+    finally:
+        guard.STATS_ON_GPU = switch
+    after = guard_stats()
+    return {"calls": after.calls - before.calls, "heads_checked": after.heads_checked - before.heads_checked,
+            "heads_forced_dense": after.heads_forced_dense - before.heads_forced_dense}
+
+
+_ATTENTION_NAME = re.compile(r"attention|attn|flash|fmha|cudnn|sdpa|sparse|vertical|slash", re.IGNORECASE)
+
+
+def _attention_kernels(step, device: torch.device, top: int = 12) -> dict:
+    """Names and call counts of the attention ops and GPU kernels in one untimed, profiled forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    found = {}
+    for event in prof.key_averages():
+        if _ATTENTION_NAME.search(event.key):
+            found[event.key[:160]] = found.get(event.key[:160], 0) + int(event.count)
+    return dict(sorted(found.items(), key=lambda kv: -kv[1])[:top])
+
+
+def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, seed: int = 0,
+                minference_options: Optional[dict] = None, guard_probe: bool = True, profile: bool = True,
+                on_cell: Optional[Callable[[Cell], None]] = None) -> tuple[list, VariantSummary]:
+    from .backend import recent_reports
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    vocab = model.config.vocab_size
+    last = _last_logits_kwarg(model)
+    torch._dynamo.reset()
+    reports_before = {id(r) for r in recent_reports()}
+    variant = make_variant(name, model, minference_options)
+    summary = VariantSummary(name, variant.description, variant.compiled)
+    graphs0, breaks0 = _counter("stats", "unique_graphs"), _counter("graph_break")
+    skips0 = _counter("inductor", "cudagraph_skips")
+    graphs_after_first = None
+    oom_at = None
+    cells = []
+    for i, n in enumerate(lengths):
+        cell = Cell(n, name)
+        cells.append(cell)
+        if oom_at is not None and n >= oom_at:
+            cell.status = f"oom (skipped: out of memory at {oom_at})"
+            if on_cell:
+                on_cell(cell)
+            continue
+        ids = prompt_ids(n, vocab, seed, device)
+        if variant.compiled:
+            torch._dynamo.mark_dynamic(ids, 1)
+
+        def step(ids=ids):
+            if variant.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = variant.fn(input_ids=ids, use_cache=False, **last)
+            logits = out.logits[0, -1]
+            return logits.argmax(), torch.isfinite(logits).all()
+
+        try:
+            with torch.inference_mode(), _sdpa_context(name, device):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                _sync(device)
+                start = time.perf_counter()
+                token, finite = step()
+                _sync(device)
+                cell.first_call_s = time.perf_counter() - start
+                cell.next_token, cell.finite = int(token), bool(finite)
+                if graphs_after_first is None:
+                    graphs_after_first = _counter("stats", "unique_graphs")
+                for _ in range(max(0, warmup - 1) + variant.cuda_graphs):  # CUDA graphs: warm-up, then record
+                    step()
+                cell.times_ms = [_time_ms(step, device) for _ in range(max(1, reps))]
+                cell.ttft_ms = statistics.median(cell.times_ms)
+                if device.type == "cuda":
+                    cell.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+                if (guard_probe and name.startswith("minference") and not variant.cuda_graphs
+                        and (variant.minference_options or {}).get("guard_threshold", 1.0) > 0):
+                    cell.guard = _guard_probe(step, device)
+                if i == 0 and profile and not variant.cuda_graphs:
+                    summary.attention_kernels = _attention_kernels(step, device)
+        except Exception as exc:  # a cell that cannot run is reported, not fatal
+            if _is_oom(exc):
+                cell.status, oom_at = "oom", n if oom_at is None else min(oom_at, n)
+            else:
+                cell.status = f"error: {type(exc).__name__}: {exc}"[:500]
+            cell.times_ms, cell.ttft_ms = [], None
+            print(f"{name} at {n}: {cell.status[:300]}", flush=True)
+        _free(device)
+        if cell.status == "ok":
+            print(f"{name:>19} {n:>8}: TTFT {cell.ttft_ms:.1f} ms, first call {cell.first_call_s:.2f} s", flush=True)
+        if i == 0 and cell.ttft_ms is not None and variant.compiled:
+            summary.first_call_s = cell.first_call_s
+            summary.compile_s = max(0.0, cell.first_call_s - cell.ttft_ms / 1e3)
+        if on_cell:
+            on_cell(cell)
+    if variant.compiled:
+        graphs_end = _counter("stats", "unique_graphs")
+        first = graphs_after_first if graphs_after_first is not None else graphs_end
+        summary.graphs_first_call = first - graphs0
+        summary.recompiles = graphs_end - first
+        summary.graph_breaks = _counter("graph_break") - breaks0
+        summary.cudagraph_skips = _counter("inductor", "cudagraph_skips") - skips0
+    if name.startswith("minference"):
+        reports = [r for r in recent_reports() if id(r) not in reports_before]
+        summary.minference = _minference_summary(reports, model, device, dtype, lengths)
+        for cell in cells:
+            cell.path = summary.minference["path"].get(str(cell.length))
+    del variant
+    torch._dynamo.reset()
+    _free(device)
+    return cells, summary
+
+
+def _time_ms(step, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    from .bench import environment as base
+
+    env = {**base(), "transformers": transformers.__version__, "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+    else:
+        env["gpu"] = "none (cpu)"
+    return env
+
+
+def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduce_overhead: bool = False,
+                  device=None, dtype: Optional[torch.dtype] = None, reps: int = 3, warmup: int = 1, seed: int = 0,
+                  config_overrides: Optional[dict] = None, minference_options: Optional[dict] = None,
+                  isolate: bool = True, cold_caches: bool = True, guard_probe: bool = True,
+                  out=None, append: bool = False, command: Optional[str] = None) -> PrefillResult:
+    """Time to first token of every variant at every length; a table via ``.table()``, JSON via ``out``.
+
+    ``out`` is rewritten after every finished variant (every cell in-process), so a run cut
+    short keeps what it measured. With ``append``, the variants already in ``out`` (same model
+    shape and dtype) are kept and the ones run now replace theirs: a run too long for one job
+    can be split by variant. ``config_overrides`` change the Llama-3-8B shape (tests use a tiny one).
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    variants = list(dict.fromkeys([*variants, *(["minference-ro"] if reduce_overhead else [])]))
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+    lengths = [int(n) for n in lengths]
+    config = llama3_8b_config(layers, max(lengths), **(config_overrides or {}))
+    meta = {
+        "command": command or "bench_prefill(...)",
+        **({} if isolate else environment(device)),  # isolated: the variants' processes report it (no CUDA here)
+        "model": "LlamaForCausalLM, Llama-3-8B shape, random weights (std 0.02)" if not config_overrides
+        else f"LlamaForCausalLM, random weights, overrides {config_overrides}",
+        "device": str(device), "layers": layers, "layers_note": None if layers >= 32 else f"{layers} of Llama-3-8B's 32 layers",
+        "config": {k: getattr(config, k, None)
+                   for k in (*LLAMA3_8B, "rope_parameters", "num_hidden_layers", "max_position_embeddings")},
+        "dtype": str(dtype).removeprefix("torch."), "lengths": lengths, "variants_requested": variants,
+        "reps": reps, "warmup": warmup, "seed": seed, "isolated_processes": isolate, "cold_caches": cold_caches and isolate,
+        "minference_options": minference_options or {}, "use_cache": False, "logits": "last position only",
+        "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
+        "memory_estimate_gib": None if config_overrides else memory_estimate_gib(layers, max(lengths)),
+    }
+    result = PrefillResult(meta, [], [])
+    if append and out and os.path.exists(out):
+        _take_earlier(result, PrefillResult.load(out), variants)
+
+    def save():
+        if out:
+            result.save(out)
+
+    if isolate:
+        for name in variants:
+            part = _run_child(name, dict(
+                lengths=lengths, layers=layers, device=str(device), dtype=str(dtype).removeprefix("torch."), reps=reps,
+                warmup=warmup, seed=seed, config_overrides=config_overrides, minference_options=minference_options,
+                guard_probe=guard_probe), cold_caches, out)
+            result.cells += part.cells
+            result.variants += part.variants
+            for key, value in part.meta.items():  # environment, model size: the same in every process
+                meta.setdefault(key, value)
+            save()
+        return result
+
+    if any(_needs_compile(v) for v in variants):
+        warm_up_compiler(device)
+    start = time.perf_counter()
+    model = build_model(config, device, dtype, seed)
+    meta["model_build_s"] = time.perf_counter() - start
+    meta["parameters"] = sum(p.numel() for p in model.parameters())
+    for name in variants:
+        summary = VariantSummary(name)
+        result.variants.append(summary)
+
+        def on_cell(cell):
+            result.cells.append(cell)
+            save()
+
+        try:
+            _, done = run_variant(model, name, lengths, reps=reps, warmup=warmup, seed=seed,
+                                  minference_options=minference_options, guard_probe=guard_probe, on_cell=on_cell)
+            result.variants[result.variants.index(summary)] = done
+        except Exception as exc:  # e.g. a compile that fails outright
+            summary.error = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"{name}: {summary.error}", flush=True)
+            torch._dynamo.reset()
+        save()
+    del model
+    _free(device)
+    return result
+
+
+def _take_earlier(result: PrefillResult, earlier: PrefillResult, variants) -> None:
+    """Keep ``earlier``'s variants that are not run now; refuse results of another model or dtype."""
+    same = ("layers", "config", "dtype", "device")
+
+    def canon(meta):
+        return json.dumps({k: meta.get(k) for k in same}, sort_keys=True, default=str)
+
+    if canon(json.loads(json.dumps(result.meta, default=str))) != canon(earlier.meta):
+        raise ValueError(f"--append: the results already in the file are for another {'/'.join(same)}; "
+                         "use another --out")
+    result.meta["earlier_commands"] = [*earlier.meta.get("earlier_commands", []), earlier.meta.get("command")]
+    result.cells += [c for c in earlier.cells if c.variant not in variants]
+    result.variants += [v for v in earlier.variants if v.variant not in variants]
+
+
+def _needs_compile(name: str) -> bool:
+    return not name.startswith("eager")
+
+
+def _run_child(name: str, spec: dict, cold_caches: bool, out) -> PrefillResult:
+    """One variant in a fresh Python process (fresh, empty compile caches when ``cold_caches``)."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-prefill-{name}-") as tmp:
+        # beside --out, so that a job killed mid-variant still leaves that variant's finished cells
+        spec_path, part_path = os.path.join(tmp, "spec.json"), f"{out}.{name}.part.json" if out else os.path.join(tmp, "r.json")
+        with open(spec_path, "w") as fh:
+            json.dump({**spec, "variants": [name], "out": part_path}, fh)
+        env = dict(os.environ)
+        if cold_caches:
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+            env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
+        print(f"--- {name}: own process" + (", empty Inductor/Triton caches" if cold_caches else ""), flush=True)
+        rc = subprocess.run([sys.executable, "-m", "minference_fx.bench_prefill", spec_path], env=env).returncode
+        if os.path.exists(part_path):
+            part = PrefillResult.load(part_path)
+            os.remove(part_path)
+        else:
+            part = PrefillResult({}, [], [VariantSummary(name)])
+        done = {c.length for c in part.cells}
+        for n in spec["lengths"]:
+            if n not in done:
+                part.cells.append(Cell(n, name, status=f"error: the variant's process exited with {rc} before this length"))
+        if rc != 0:
+            for v in part.variants:
+                v.error = v.error or f"the variant's process exited with {rc}"
+        if not part.variants:
+            part.variants = [VariantSummary(name, error=f"the variant's process exited with {rc}")]
+        return part
+
+
+def _child_main(spec_path: str) -> int:
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    bench_prefill(spec["lengths"], layers=spec["layers"], variants=spec["variants"], device=spec["device"],
+                  dtype=getattr(torch, spec["dtype"]), reps=spec["reps"], warmup=spec["warmup"], seed=spec["seed"],
+                  config_overrides=spec["config_overrides"], minference_options=spec["minference_options"],
+                  guard_probe=spec["guard_probe"], isolate=False, out=spec["out"])
+    return 0
+
+
+def memory_estimate_gib(layers: int, length: int) -> dict:
+    """Rough bf16 sizes: weights, and the largest per-layer activations at ``length`` (one prompt)."""
+    cfg = LLAMA3_8B
+    h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] / cfg["num_attention_heads"]
+    per_layer = int((2 + 2 * kv) * h * h) + 3 * h * cfg["intermediate_size"]
+    weights = 2 * (layers * per_layer + 2 * cfg["vocab_size"] * cfg["hidden_size"])
+    return {"weights": weights / 2**30, "hidden": 2 * cfg["hidden_size"] * length / 2**30,
+            "mlp_intermediate": 2 * cfg["intermediate_size"] * length / 2**30,
+            "hf_compiled_mask_bool": length * length / 2**30}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not sys.argv[1].endswith(".json"):
+        sys.exit("usage: python -m minference_fx.bench_prefill SPEC.json (internal; use `minference-fx bench prefill`)")
+    sys.exit(_child_main(sys.argv[1]))

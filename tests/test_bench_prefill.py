@@ -1,0 +1,169 @@
+"""``minference-fx bench prefill`` end to end on a tiny Llama (CPU), plus its bookkeeping and CLI wiring."""
+import json
+
+import pytest
+import torch
+
+from minference_fx import bench_prefill as bp
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+LENGTHS = [96, 160, 224]
+# the default budgets (vertical 1000, slash 6096) cover every key at these lengths, so sparse = dense;
+# min_sparse_len=64 makes the op take its sparse branch (the tuned crossover would keep them dense)
+OPTIONS = {"min_sparse_len": 64}
+
+
+def _cells(data):
+    return {(c["length"], c["variant"]): c for c in data["cells"]}
+
+
+def _variant(data, name):
+    return next(v for v in data["variants"] if v["variant"] == name)
+
+
+def test_eager_and_minference_end_to_end(tmp_path):
+    out = tmp_path / "prefill.json"
+    result = bp.bench_prefill(LENGTHS, layers=2, variants=("eager", "minference"), isolate=False, reps=1,
+                              config_overrides=TINY, minference_options=OPTIONS, out=out, command="test")
+    data = json.loads(out.read_text())
+    cells = _cells(data)
+    assert set(cells) == {(n, v) for n in LENGTHS for v in ("eager", "minference")}
+    for c in cells.values():
+        assert c["status"] == "ok" and c["ttft_ms"] > 0 and c["first_call_s"] > 0 and c["finite"], c
+    mf = _variant(data, "minference")
+    assert mf["minference"]["sites"] == 2 and mf["minference"]["rewritten"] == 2  # one attention per layer, replaced
+    assert mf["graphs_first_call"] == 1 and mf["graph_breaks"] == 0
+    assert mf["recompiles"] == 0  # the sequence dim is marked dynamic: one graph for the three lengths
+    assert mf["compile_s"] > 0
+    assert mf["minference"]["min_sparse_len_resolved"] == 64
+    for n in LENGTHS:
+        sparse, dense = cells[(n, "minference")], cells[(n, "eager")]
+        assert sparse["path"] == "sparse"
+        assert sparse["guard"]["heads_checked"] > 0 and sparse["guard"]["heads_forced_dense"] == 0
+        assert sparse["next_token"] == dense["next_token"]  # covering budgets: the same greedy token
+        assert data["speedups"][str(n)]["minference"]["eager"] == pytest.approx(dense["ttft_ms"] / sparse["ttft_ms"])
+    assert _variant(data, "eager")["recompiles"] is None
+    # a profiled forward shows what ran: SDPA in eager, only the custom op in the compiled model
+    assert any("scaled_dot_product" in k for k in _variant(data, "eager")["attention_kernels"])
+    ran = mf["attention_kernels"]
+    assert ran.get("minference::sparse_attention") == 2 and not any("scaled_dot_product" in k for k in ran)
+    assert data["gpu"] and data["torch"] == torch.__version__ and data["transformers"] and data["layers"] == 2
+    table = result.table()
+    assert "2/2 attention sites rewritten" in table and table.count("\n") >= 1 + 2 * len(LENGTHS)
+
+
+def test_own_processes_and_append(tmp_path):
+    """Each variant in a child process with empty compile caches; --append keeps the variants already there."""
+    out = tmp_path / "prefill.json"
+    bp.bench_prefill(LENGTHS[:2], layers=1, variants=("eager",), isolate=True, reps=1, config_overrides=TINY, out=out)
+    first = json.loads(out.read_text())
+    assert first["isolated_processes"] and first["cold_caches"] and first["parameters"] > 0
+    assert all(c["status"] == "ok" for c in first["cells"]) and len(first["cells"]) == 2
+    assert not list(tmp_path.glob("*.part.json"))  # the child's progress file is merged, then removed
+    # a second run of the same model adds a variant (here the same eager model under torch's own SDPA priority)
+    result = bp.bench_prefill(LENGTHS[:2], layers=1, variants=("eager-default",), isolate=False, reps=1,
+                              config_overrides=TINY, out=out, append=True)
+    data = json.loads(out.read_text())
+    assert {v["variant"] for v in data["variants"]} == {"eager", "eager-default"}
+    assert set(_cells(data)) == {(n, v) for n in LENGTHS[:2] for v in ("eager", "eager-default")}
+    assert data["earlier_commands"] == ["bench_prefill(...)"]
+    assert result.speedup(LENGTHS[0], "eager-default", "eager") > 0
+    with pytest.raises(ValueError, match="another"):  # another model shape is refused, not mixed in
+        bp.bench_prefill(LENGTHS[:1], layers=2, variants=("eager",), isolate=False, config_overrides=TINY, out=out,
+                         append=True)
+
+
+@pytest.mark.slow
+def test_inductor_and_reduce_overhead(tmp_path):
+    out = tmp_path / "prefill.json"
+    result = bp.bench_prefill(LENGTHS, layers=2, variants=("inductor",), reduce_overhead=True, isolate=False, reps=1,
+                              config_overrides=TINY, minference_options=OPTIONS, out=out)
+    data = json.loads(out.read_text())
+    assert set(_cells(data)) == {(n, v) for n in LENGTHS for v in ("inductor", "minference-ro")}
+    assert all(c["status"] == "ok" and c["finite"] for c in data["cells"])
+    for name in ("inductor", "minference-ro"):
+        assert _variant(data, name)["recompiles"] == 0 and _variant(data, name)["compile_s"] > 0
+    ro = _variant(data, "minference-ro")
+    assert ro["minference"]["rewritten"] == 2 and "reduce-overhead" in ro["description"]
+    for n in LENGTHS:  # covering budgets: same token as Inductor's dense attention
+        assert _cells(data)[(n, "minference-ro")]["next_token"] == _cells(data)[(n, "inductor")]["next_token"]
+    assert result.speedup(LENGTHS[0], "minference-ro", "inductor") > 0
+
+
+def test_table_with_oom_and_errors():
+    result = bp.PrefillResult({}, [
+        bp.Cell(32768, "eager", ttft_ms=100.0, first_call_s=0.2),
+        bp.Cell(32768, "minference", ttft_ms=25.0, first_call_s=30.0, path="sparse",
+                guard={"calls": 2, "heads_checked": 64, "heads_forced_dense": 60}),
+        bp.Cell(32768, "inductor", status="oom"),
+    ], [bp.VariantSummary("eager"), bp.VariantSummary("inductor", compiled=True, error="compile failed"),
+        bp.VariantSummary("minference", compiled=True, compile_s=29.9, recompiles=0, minference={
+            "graphs": 1, "sites": 32, "rewritten": 32, "min_sparse_len": -1, "min_sparse_len_resolved": 8192,
+            "guard_threshold": 0.5})])
+    assert result.speedup(32768, "minference", "eager") == 4.0
+    assert result.speedup(32768, "minference", "inductor") is None
+    table = result.table()
+    assert "oom" in table and "guard dense 60/64" in table and "32/32 attention sites rewritten" in table
+    assert "inductor: compile failed" in table
+    head, *rows = table.splitlines()[:4]
+    width = head.index("note")  # the columns before the note have a fixed width ('-' padded)
+    assert all(len(row) >= width and row[width - 2:width] == "  " and row[width - 3] != " " for row in rows)
+
+
+def test_oom_is_recognised_through_wrappers():
+    try:
+        try:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        except Exception as inner:
+            raise RuntimeError("backend failed") from inner
+    except RuntimeError as exc:
+        assert bp._is_oom(exc)
+    assert not bp._is_oom(ValueError("shape mismatch"))
+
+
+def test_llama3_8b_shape_and_last_token_logits():
+    cfg = bp.llama3_8b_config(layers=32, max_len=262144)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size) \
+        == (4096, 32, 8, 14336, 128256)
+    assert cfg.max_position_embeddings == 262144 and cfg.rope_parameters["rope_theta"] == 500000.0
+    model = bp.build_model(bp.llama3_8b_config(layers=1, max_len=64, **TINY), "cpu", torch.float32)
+    assert bp._last_logits_kwarg(model) == {"logits_to_keep": 1}
+    est = bp.memory_estimate_gib(32, 131072)
+    assert 14 < est["weights"] < 16 and est["hf_compiled_mask_bool"] == 16.0
+
+
+def test_cli_wiring(monkeypatch, capsys):
+    from minference_fx import cli
+
+    seen = {}
+
+    def fake(lengths, **kwargs):
+        seen.update(kwargs, lengths=lengths)
+        return bp.PrefillResult({}, [], [])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bp, "bench_prefill", fake)
+    assert cli.main(["bench", "prefill", "--lengths", "32k,128k,256k", "--layers", "8", "--reduce-overhead",
+                     "--variants", "eager,minference", "--reps", "2"]) == 0
+    assert seen["lengths"] == [32768, 131072, 262144] and seen["layers"] == 8 and seen["reduce_overhead"]
+    assert seen["variants"] == ("eager", "minference") and seen["reps"] == 2 and seen["isolate"]
+    assert "length" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_small_model_all_variants(tmp_path):
+    """On a GPU: every variant runs (reduce-overhead included, CUDA graphs not skipped) and nothing recompiles."""
+    shape = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
+    lengths = [2048, 4096, 6144]
+    result = bp.bench_prefill(lengths, layers=2, variants=("eager", "inductor", "minference", "minference-noguard"),
+                              reduce_overhead=True, isolate=False, reps=2, config_overrides=shape,
+                              minference_options={"min_sparse_len": 1024}, out=tmp_path / "p.json")
+    print(result.table())
+    assert all(c.status == "ok" and c.finite for c in result.cells), [c for c in result.cells if c.status != "ok"]
+    for v in result.variants:
+        if v.compiled:
+            assert v.recompiles == 0 and v.graph_breaks == 0, v
+        if v.minference:
+            assert v.minference["rewritten"] == v.minference["sites"] == 2
+    assert result.summary("minference-ro").cudagraph_skips == 0
+    assert any("sparse" in k.lower() or "minference" in k for k in result.summary("minference-noguard").attention_kernels)
