@@ -43,7 +43,7 @@ from minference_fx.kernels.reference import (
 from minference_fx.kernels.tables import int_table
 from minference_fx.plan import LayerPlan, Pattern
 
-__all__ = ["build_index_gpu", "vs_estimate", "index_capacity"]
+__all__ = ["build_index_gpu", "vs_estimate", "index_capacity", "index_tile_dtype", "index_bytes"]
 
 # Keys per program of the row-statistics pass: long prompts get many programs,
 # short ones one per head.
@@ -398,8 +398,11 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
         # the runtime guard's estimate: the last rows' mass inside the last query tile's key set
         from .guard import captured_mass
 
+        # only the last query tile: indexing the whole index with a head list would copy all of it
         hl = heads.long()
-        vs_index = SparseIndex(out.tile_count[:, hl], out.tile_index[:, hl], out.col_count[:, hl], out.col_index[:, hl])
+        last = slice(m_tiles - 1, m_tiles)
+        vs_index = SparseIndex(out.tile_count[:, hl, last], out.tile_index[:, hl, last],
+                               out.col_count[:, hl, last], out.col_index[:, hl, last])
         mass_out[:, hl] = captured_mass(raw_vertical, vs_index, min(VS_LAST_Q, sq)).float()
 
 
@@ -459,7 +462,7 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset):
         want = torch.maximum(torch.minimum(allowed.sum(-1)[None], budgets[:, None]), forced.sum(-1)[None])  # [nbs, mc]
         # int32 before the sort: half the radix passes of int64
         picked = torch.where(rank[:take] < want[..., None], top, n_tiles).to(torch.int32).sort(dim=-1).values
-        picked = torch.where(picked < n_tiles, picked, -1)
+        picked = torch.where(picked < n_tiles, picked, -1).to(out.tile_index.dtype)
         out.tile_index[:, :, m0:m1, :take].index_copy_(1, heads, picked)
         out.tile_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32)[None].expand(B, -1, -1))
 
@@ -467,18 +470,89 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset):
 # --------------------------------------------------------------------------- entry point
 
 
+def _vs_tile_bound(n_diags: int) -> int:
+    """Key tiles one query tile can list for ``n_diags`` selected diagonals (any tile alignment).
+
+    A lone diagonal crosses a 64-row query tile in a 64-wide key range: at most two key tiles.
+    The forced diagonals 0..F-1 (F = min(100, n_diags)) are always selected and form one run,
+    whose keys span 63 + F positions: at most ceil((63 + F) / 64) + 1 tiles, not 2F.
+    """
+    forced = min(VS_FORCED_DIAGONALS, n_diags)
+    return 2 * (n_diags - forced) + _cdiv(BLOCK - 1 + forced, BLOCK) + 1
+
+
 def index_capacity(plan: LayerPlan, skv: int) -> tuple[int, int]:
-    """(tile slots, column slots) per (batch, head, query tile) that :func:`build_index_gpu` allocates."""
+    """(tile slots, column slots) per (batch, head, query tile) that :func:`build_index_gpu` allocates.
+
+    The slots are the worst case over any input of the shapes (no data-dependent size, so the
+    build can be captured in a CUDA graph), never more than the key tiles that exist.
+    """
     n_tiles = _cdiv(skv, BLOCK)
     tiles, cols = 0, 0
     for hp in plan.heads:
         if hp.pattern is Pattern.VERTICAL_SLASH:
             s = min(max(hp.budget_b, VS_MIN_DIAGONALS), skv)
-            tiles = max(tiles, min(n_tiles, 2 * s))  # a 64-wide diagonal run meets at most two key tiles
+            tiles = max(tiles, min(n_tiles, _vs_tile_bound(s)))
             cols = max(cols, min(max(hp.budget_a, VS_MIN_COLUMNS), skv))
         elif hp.pattern is Pattern.BLOCK_SPARSE:
             tiles = max(tiles, min(n_tiles, max(hp.budget_a, 3)))  # tile 0 and two diagonal tiles are forced
     return tiles, cols
+
+
+def index_tile_dtype(skv: int) -> torch.dtype:
+    """dtype of ``tile_index``: int16 while every key-tile number (and the -1 padding) fits, else int32.
+
+    At 1M keys there are 16384 key tiles; int16 halves the largest buffer of the index. Readers
+    widen on load (the attention kernel, ``.long()`` before scatters); counts and columns stay int32.
+    """
+    return torch.int16 if _cdiv(skv, BLOCK) <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *, head_dim: int = 128) -> dict[str, int]:
+    """Bytes :func:`build_index_gpu` allocates for one call, computed from shapes alone (no device).
+
+    Returns a dict: ``tile_index``, ``col_index``, ``counts`` (the returned index, exact),
+    ``scratch`` (an estimate of the temporaries alive at the worst moment of the build, freed when
+    it returns; library scratch inside ``topk``/``sort`` is not counted) and ``total`` (their sum).
+    ``mass_out`` adds only the last query tile's lists of the vertical-slash heads.
+    """
+    skv = sq if skv is None else skv
+    hq = len(plan.heads)
+    m_tiles = _cdiv(sq, BLOCK)
+    tile_cap, col_cap = index_capacity(plan, skv)
+    out = {
+        "tile_index": batch * hq * m_tiles * tile_cap * index_tile_dtype(skv).itemsize,
+        "col_index": batch * hq * m_tiles * col_cap * 4,
+        "counts": 2 * batch * hq * m_tiles * 4,
+    }
+    vs = [hp for hp in plan.heads if hp.pattern is Pattern.VERTICAL_SLASH]
+    bs = [hp for hp in plan.heads if hp.pattern is Pattern.BLOCK_SPARSE]
+    scratch = 0
+    if vs and m_tiles and skv:
+        rows = batch * len(vs)
+        n_cols = min(max(max(hp.budget_a, VS_MIN_COLUMNS) for hp in vs), skv)
+        n_diags = min(max(max(hp.budget_b, VS_MIN_DIAGONALS) for hp in vs), skv)
+        raw = 2 * rows * skv * 4  # vertical and slash scores, alive throughout
+        # the worst moment: the forced scores (fp32), the rank key being built (int32 bits, two
+        # int64 temporaries) and its top-k (int64 indices and values)
+        rank = rows * skv * (4 + 4 + 8 + 8) + rows * max(n_cols, n_diags) * 16
+        # later: sorted columns, the diagonal marks and their prefix counts (int32), the shift table
+        tiles = rows * (n_cols * 4 + 2 * (skv + 2) * 4 + (m_tiles + 1) * 9 + m_tiles * 8)
+        stats = 2 * rows * _cdiv(skv, _STATS_CHUNK) * VS_LAST_Q * 4
+        scratch = raw + stats + max(rank, tiles)
+    if bs and m_tiles and skv:
+        n_tiles = _cdiv(skv, BLOCK)
+        rows = batch * len(bs)
+        cap = max(min(n_tiles, max(hp.budget_a, 3)) for hp in bs)
+        # pooled q of every head and k of every kv head (<= hq), then the selected heads' copies
+        pooled = (batch * hq + rows) * (m_tiles + n_tiles) * head_dim * 4
+        m_chunk = max(1, min(m_tiles, _BS_CHUNK_ELEMS // max(1, rows * n_tiles)))
+        # per chunk: scores and bias (fp32), top-k values and indices, the int32 picks and their sort
+        chunk = rows * m_chunk * (n_tiles * 4 * 2 + cap * (4 + 8 + 8 + 4 + 4 + 8))
+        scratch = max(scratch, pooled + chunk)
+    out["scratch"] = scratch
+    out["total"] = sum(out.values())
+    return out
 
 
 def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0,
@@ -500,7 +574,8 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
 
     Returns
     -------
-    SparseIndex, int32, ``M = ceil(Sq / 64)``. VERTICAL_SLASH and BLOCK_SPARSE
+    SparseIndex, ``M = ceil(Sq / 64)``: counts and columns int32, ``tile_index`` of
+    :func:`index_tile_dtype` (int16 up to 2M keys). VERTICAL_SLASH and BLOCK_SPARSE
     heads list exactly the tiles and columns of ``reference.build_index``;
     DENSE and A_SHAPE heads have zero counts. Capacities come from
     :func:`index_capacity`.
@@ -514,7 +589,7 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
     tile_cap, col_cap = index_capacity(plan, skv)
     out = SparseIndex(
         tile_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
-        tile_index=torch.full((B, Hq, m_tiles, tile_cap), -1, dtype=torch.int32, device=dev),
+        tile_index=torch.full((B, Hq, m_tiles, tile_cap), -1, dtype=index_tile_dtype(skv), device=dev),
         col_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
         col_index=torch.full((B, Hq, m_tiles, col_cap), -1, dtype=torch.int32, device=dev),
     )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minference_fx.kernels import reference as ref
-from minference_fx.kernels.index import build_index_gpu, index_capacity, vs_estimate
+from minference_fx.kernels.index import build_index_gpu, index_bytes, index_capacity, index_tile_dtype, vs_estimate
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 BLOCK = 64
@@ -51,17 +51,18 @@ def as_masks(index, skv):
 
 
 def check_format(index, plan, sq, skv):
-    """int32, `count` ascending entries then -1, capacities as promised, no column inside a listed tile."""
+    """dtypes, `count` ascending entries then -1, capacities as promised, no column inside a listed tile."""
     B, Hq, M = index.tile_count.shape
     assert M == -(-sq // BLOCK)
     tile_cap, col_cap = index_capacity(plan, skv)
     assert index.tile_index.shape == (B, Hq, M, tile_cap) and index.col_index.shape == (B, Hq, M, col_cap)
+    assert index.tile_index.dtype == index_tile_dtype(skv) and index.col_index.dtype == torch.int32
     for lists, counts in ((index.tile_index, index.tile_count), (index.col_index, index.col_count)):
-        assert lists.dtype == torch.int32 and counts.dtype == torch.int32
+        assert counts.dtype == torch.int32
         valid = torch.arange(lists.shape[-1], device=lists.device) < counts[..., None].long()
         assert torch.equal(lists >= 0, valid), "entries must fill the first `count` slots, then -1"
         assert bool((lists[~valid] == -1).all())
-        steps = lists[..., 1:] - lists[..., :-1]
+        steps = lists[..., 1:].int() - lists[..., :-1].int()
         assert bool((steps[valid[..., 1:]] > 0).all()), "entries must be strictly ascending"
     tiles, cols = as_masks(index, skv)
     covered = tiles.repeat_interleave(BLOCK, dim=-1)[..., :skv]
@@ -283,6 +284,65 @@ def test_only_dense_heads_and_empty_inputs():
     assert idx.tile_index.shape == (1, 2, 2, 0) and int(idx.tile_count.abs().sum()) == 0
     idx = build_index_gpu(q[:, :, :0], k, plan_of((VS, 30, 50), (BS, 2)), scale=0.25)
     assert idx.tile_count.shape == (1, 2, 0)
+
+
+def test_tile_capacity_reached_exactly():
+    # The capacity is the worst case: the forced run 0..99 meets 4 key tiles when the query tile's
+    # keys start one short of a tile (q_offset = 98), and each other diagonal, far from the rest
+    # and off the tile grid, meets 2. With 3 such diagonals the last query tile lists exactly
+    # 4 + 2 * 3 = index_capacity slots: one fewer would drop a tile and differ from the reference.
+    sq, offset = 1920, 98
+    skv = sq + offset
+    deltas = [400, 910, 1420]
+    q, k = rand_qk(1, 1, 1, sq, skv, 32, seed=53)
+    for delta in deltas:
+        rows = torch.arange(skv) + delta - offset
+        ok = (rows >= 0) & (rows < sq)
+        k[:, :, ok] += 3 * q[:, :, rows[ok]]
+    plan = plan_of((VS, 30, 100 + len(deltas)))
+    assert index_capacity(plan, skv)[0] == 4 + 2 * len(deltas) < -(-skv // BLOCK)
+    got = assert_matches_reference(q, k, plan, q_offset=offset)
+    assert int(got.tile_count.max()) == index_capacity(plan, skv)[0]
+
+
+def test_attention_on_the_gpu_index_equals_the_reference_index():
+    # the attention kernel widens the int16 tile numbers on load: same output as on the int32 reference index
+    from minference_fx.kernels.attend import sparse_attention_triton
+
+    q, k = rand_qk(1, 4, 2, 256, 256, 16, seed=59)
+    v = torch.randn(1, 2, 256, 16, generator=torch.Generator().manual_seed(61))
+    plan = plan_of((VS, 40, 60), (BS, 2), (VS, 30, 120), (BS, 3))
+    got = build_index_gpu(q, k, plan, scale=0.25)
+    want = ref.build_index(q, k, plan, scale=0.25)
+    assert got.tile_index.dtype == torch.int16 and want.tile_index.dtype == torch.int32
+    args = (*plan.op_arguments(),)
+    out_got = sparse_attention_triton(q, k, v, got, *args, scale=0.25)
+    out_want = sparse_attention_triton(q, k, v, want, *args, scale=0.25)
+    torch.testing.assert_close(out_got, out_want, atol=1e-6, rtol=0)
+
+
+def test_index_bytes_counts_what_is_allocated():
+    plan = MIXED
+    q, k = rand_qk(2, 8, 2, 200, 264, 16, seed=67)
+    got = build_index_gpu(q, k, plan, scale=0.25, q_offset=64)
+    nbytes = index_bytes(plan, 2, 200, 264, head_dim=16)
+    assert nbytes["tile_index"] == got.tile_index.nbytes
+    assert nbytes["col_index"] == got.col_index.nbytes
+    assert nbytes["counts"] == got.tile_count.nbytes + got.col_count.nbytes
+    assert nbytes["total"] == sum(v for name, v in nbytes.items() if name != "total") and nbytes["scratch"] > 0
+
+
+LLAMA3_8B_VS = LayerPlan((HeadPlan(VS, 1000, 6096),) * 32)
+
+
+@pytest.mark.parametrize("seq,limit_gb", [(131072, 1.5), (524288, 7.0), (1 << 20, 16.0)])
+def test_llama3_8b_index_memory(seq, limit_gb):
+    # MInference's default VS(1000, 6096) on every head of a Llama-3-8B layer. At 1M tokens the
+    # tile lists are 32 heads x 16384 query tiles x 11996 worst-case slots; int16 halves them
+    # (26 GB as int32). With q/k/v and the output (20 GB) that leaves a 141 GB GPU most of its memory.
+    nbytes = index_bytes(LLAMA3_8B_VS, 1, seq)
+    assert nbytes["total"] < limit_gb * 1e9, {name: round(v / 1e9, 2) for name, v in nbytes.items()}
+    assert nbytes["scratch"] < 1.5e9  # scores, rank keys and prefix counts of 32 heads x 1M keys: about 1.1 GB
 
 
 # --------------------------------------------------------------------------- the estimate itself
