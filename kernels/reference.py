@@ -42,7 +42,8 @@ VS_MIN_DIAGONALS = 50
 class SparseIndex:
     """Which keys each (batch, query head, query tile) reads, before the base mask.
 
-    All tensors are int32 on the device of q. ``M = ceil(Sq / BLOCK)``.
+    Integer tensors on the device of q: int32, except that the GPU index stores ``tile_index`` as
+    int16 when the key tiles fit (up to 2M keys) to halve the largest buffer. ``M = ceil(Sq / BLOCK)``.
 
     Attributes
     ----------

@@ -18,11 +18,10 @@ if [[ $steps == *,tests,* ]]; then
 fi
 if [[ $steps == *,tune,* ]]; then
   tl=${TUNE_LENGTHS:-32k,128k}
-  export MINFERENCE_FX_CACHE_DIR="$OUT/autotune"
+  export MINFERENCE_FX_CACHE_DIR="${MINFERENCE_FX_CACHE_DIR:-$OUT/autotune}"  # kept for the steps after: bench uses the tuned configs
   timeout "${TUNE_TIMEOUT:-300}" minference-fx autotune --lengths "$tl" --head-dim 128 --gqa 4 --dtype bf16 2>&1 | tee "$OUT/autotune.txt"
   minference-fx autotune --show 2>&1 | tee -a "$OUT/autotune.txt"
   python3 scripts/autotune_reads_cache.py "$tl" --head-dim 128 --gqa 4 2>&1 | tee "$OUT/autotune_second_process.txt"
-  unset MINFERENCE_FX_CACHE_DIR
 fi
 if [[ $steps == *,bench,* ]]; then
   timeout "${BENCH_TIMEOUT:-400}" minference-fx bench kernels --lengths "${BENCH_LENGTHS:-8k,32k,128k}" --out "$OUT/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.txt"
