@@ -83,7 +83,7 @@ def _sparse_attn_fwd(
     HAS_FORCE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group
