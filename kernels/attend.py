@@ -33,9 +33,14 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-             HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask of the base rule: causal, padding, same document, window."""
-    ok = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+             HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr = True):
+    """[BLOCK_M, BLOCK_N] mask of the base rule: causal, padding, same document, window.
+
+    ``CAUSAL=False`` for tiles wholly before the query tile and inside the keys: only the optional masks apply."""
+    if CAUSAL:
+        ok = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+    else:
+        ok = (cols[None, :] >= 0) & (pos[:, None] >= 0)
     if HAS_KEY_MASK:
         km = tl.load(KeyMask + b * stride_km + cols, mask=col_ok, other=0)
         ok = ok & (km != 0)[None, :]
@@ -49,10 +54,12 @@ def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, windo
 
 
 @triton.jit
-def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, d_ok, col_ok):
+def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, d_ok, col_ok,
+            APPLY_MASK: tl.constexpr = True):
     k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(ok, s, float("-inf"))
+    if APPLY_MASK:
+        s = tl.where(ok, s, float("-inf"))
     # -- update m_i and l_i; rows with nothing visible yet keep m = -inf
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -62,6 +69,14 @@ def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
     v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first):
+    """Key tile of the i-th visit: listed (VS/BS), or enumerated for dense and A-shape (sinks, then the window)."""
+    n = tl.where(i < sink_tiles, i, win_first + i - sink_tiles)
+    n = tl.where(pattern == DENSE, i, n)
+    return tl.where(listed, tl.load(tile_list + i, mask=listed, other=0), n)
 
 
 # Lengths and offsets change with every prompt: specialising on them (==1, %16) would
@@ -123,10 +138,23 @@ def _sparse_attn_fwd(
     if listed:
         n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + pid_m)
     tile_list = TileIndex + pid_bh * stride_ti_bh + pid_m * stride_ti_m
-    for i in range(0, n_tiles):
-        n = tl.where(i < sink_tiles, i, win_first + i - sink_tiles)
-        n = tl.where(pattern == DENSE, i, n)
-        n = tl.where(listed, tl.load(tile_list + i, mask=listed, other=0), n)
+    # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
+    # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
+    # The ones before need no causal mask (issue: mask only where a tile crosses the diagonal).
+    first_crossing = tl.minimum(pos_lo + 1, seq_k) // BLOCK_N
+    n_clear = tl.maximum(n_tiles - tl.maximum(last_tile - first_crossing + 1, 0), 0)
+    EXTRA_MASKS: tl.constexpr = HAS_KEY_MASK or HAS_DOC or HAS_WINDOW
+    for i in range(0, n_clear):
+        n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
+        cols = n * BLOCK_N + offs_n
+        col_ok = cols >= 0  # all true: the tile is inside the keys
+        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=False)
+        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS)
+    for i in range(n_clear, n_tiles):
+        n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
         cols = n * BLOCK_N + offs_n
         col_ok = cols < seq_k
         ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
