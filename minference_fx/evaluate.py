@@ -4,9 +4,10 @@ Three tasks, each comparing ``model`` (dense SDPA) with the same weights compile
 through ``backend="minference"`` (``min_sparse_len=0``, so every prefill runs the
 sparse op whatever its length):
 
-* ``ppl``    perplexity on prose from the text's last quarter (the shipped
-             SmolLM2 config was calibrated on one 8K window at ~42% of Austen,
-             so these windows, at ~97%, are unseen by the search);
+* ``ppl``    perplexity on prose from the text's last quarter (the search
+             draws its calibration windows from 10-75 % of the text, see
+             :data:`minference_fx.search.CALIBRATION_SPAN`, so these windows are
+             unseen by it);
 * ``niah``   needle in a haystack: a passkey sentence at a depth of the prose, a
              question at the end, greedy decoding; pass = the passkey appears;
 * ``recall`` index fidelity per (layer, head): the dense attention mass of the
@@ -58,19 +59,28 @@ def sparse_model(model, config: SemanticConfig, *, inner: str = "eager"):
     return torch.compile(model, backend="minference", options=options)
 
 
-def shipped_config_for(model) -> Optional[Path]:
-    """A config in ``minference_fx/configs`` whose model fingerprint matches ``model``, if any."""
+def shipped_config_for(model, longest: Optional[int] = None) -> Optional[Path]:
+    """A config in ``minference_fx/configs`` whose model fingerprint matches ``model``, if any.
+
+    When several match, the one calibrated at the shortest length that is at
+    least ``longest`` wins (budgets are absolute, so a config searched at 8K is
+    sparser and rougher at 16K); without such a one, the longest calibrated.
+    """
     from . import configs
 
     identity = model_identity_from_hf(model.config)
+    found = []
     for path in sorted(Path(configs.__file__).parent.glob("*.json")):
         try:
             doc = json.loads(path.read_text())
         except ValueError:
             continue
         if isinstance(doc, dict) and doc.get("model", {}).get("fingerprint") == identity.fingerprint:
-            return path
-    return None
+            found.append((max(doc.get("provenance", {}).get("lengths") or [0]), path))
+    if not found:
+        return None
+    covering = [f for f in found if longest is None or f[0] >= longest]
+    return min(covering)[1] if covering else max(found)[1]
 
 
 def uniform_config(model, pattern: Pattern, budgets: tuple[int, int]) -> SemanticConfig:
@@ -86,7 +96,7 @@ def resolve_config(model, path=None, *, longest: int = 8192) -> tuple[SemanticCo
     almost every key below 8K and would measure nothing.
     """
     if path is None:
-        path = shipped_config_for(model)
+        path = shipped_config_for(model, longest)
     if path is not None:
         return load_config(path, model=model_identity_from_hf(model.config)), str(path)
     budgets = (max(30, longest // 32), max(50, longest // 16))
@@ -385,6 +395,19 @@ class EvalResults:
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @staticmethod
+    def from_json(doc: dict) -> "EvalResults":
+        """The inverse of :meth:`to_json` (its derived ``recall_summary`` is recomputed, not read)."""
+        fields = {f.name for f in dataclasses.fields(EvalResults)}
+        plain = {k: v for k, v in doc.items() if k in fields and k not in ("ppl", "niah", "recall")}
+        return EvalResults(**plain, ppl=[PerplexityRow(**r) for r in doc.get("ppl", [])],
+                           niah=[NiahCell(**c) for c in doc.get("niah", [])],
+                           recall=[HeadRecall(**r) for r in doc.get("recall", [])])
+
+    @staticmethod
+    def load(path) -> "EvalResults":
+        return EvalResults.from_json(json.loads(Path(path).read_text()))
 
     def table(self) -> str:
         out = [f"model {self.model} | config {self.config} | {self.device}"]

@@ -122,3 +122,33 @@ def test_small_budgets_change_perplexity(smollm2, smoke_ids):
     row = evaluate.compare_perplexity(model, evaluate.sparse_model(model, small_budget_config(model)), smoke_ids)
     assert math.isfinite(row.sparse)
     assert abs(row.rel_delta) > 1e-3, row
+
+
+def test_eval_results_round_trip_through_json(tmp_path):
+    results = evaluate.EvalResults("m", "c", [1024], "cpu")
+    results.ppl.append(evaluate.PerplexityRow(1024, 10.0, 10.1, 0.01, 1.0, 2.0))
+    results.niah.append(evaluate.NiahCell(1024, 0.5, 0, "12345", True, False, " 12345.", " no"))
+    results.recall += [evaluate.HeadRecall(1024, 0, h, "vertical_slash", 0.9 + h / 100, 0.95, 0.3, h == 1) for h in range(2)]
+    results.guard = {"calls": 1}
+    results.save(tmp_path / "r.json")
+    again = evaluate.EvalResults.load(tmp_path / "r.json")
+    assert again == results and again.table() == results.table()
+
+
+def test_shipped_config_is_the_one_calibrated_for_the_length(tmp_path, monkeypatch):
+    from minference_fx import configs
+    from minference_fx.config import default_config, model_identity_from_hf
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    for length in (8192, 16384):
+        config = default_config(model_identity_from_hf(model.config))
+        config.provenance.lengths = [length]
+        config.save(tmp_path / f"tiny_{length // 1024}k.json")
+    (tmp_path / "other.json").write_text('{"model": {"fingerprint": "elsewhere"}}')
+    monkeypatch.setattr(configs, "__file__", str(tmp_path / "__init__.py"))
+    assert evaluate.shipped_config_for(model).name == "tiny_8k.json"
+    assert evaluate.shipped_config_for(model, 8192).name == "tiny_8k.json"
+    assert evaluate.shipped_config_for(model, 16384).name == "tiny_16k.json"
+    assert evaluate.shipped_config_for(model, 32768).name == "tiny_16k.json"  # none covers: the longest
+    assert evaluate.shipped_config_for(tiny_model("llama", num_hidden_layers=3)) is None

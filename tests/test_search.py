@@ -6,11 +6,14 @@ import torch
 
 from minference_fx import ConfigMismatchError, load_config
 from minference_fx.config import check_fits, model_identity_from_hf
-from minference_fx.search import search
+from minference_fx import observe
+from minference_fx.kernels import reference
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.search import METRICS, LayerScores, candidates_for, choose_heads, sample_rows, score_layer, search
 from tiny_models import tiny_model
 
 
-def _samples(n=2, length=200, seed=0):
+def _samples(n=2, length=640, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 128, (1, length), generator=g) for _ in range(n)]
 
@@ -21,8 +24,9 @@ def test_search_writes_a_valid_config_the_backend_loads(tmp_path):
     config = search(model, _samples(), data_name="random ids", seed=0, bound=0.2, progress=lines.append,
                     state_path=tmp_path / "state.json", min_sparse_len=0)
     assert config.validate() == []
-    assert config.provenance.lengths == [200] and config.provenance.seed == 0
+    assert config.provenance.lengths == [640] and config.provenance.seed == 0
     assert "relative L2 error" in config.provenance.metric and config.provenance.date
+    assert "recall >= 0.9" in config.provenance.metric and "mean density" in config.provenance.metric
     assert config.model.fingerprint == model_identity_from_hf(model.config).fingerprint
     assert len(lines) == 4  # 2 samples x 2 layers
     assert all(h.score is not None and h.score <= 0.2 for layer in config.layers for h in layer)
@@ -47,8 +51,9 @@ def test_search_resumes_from_its_state(tmp_path):
 
 def test_a_tight_bound_keeps_dense_and_a_loose_one_picks_the_cheapest():
     model = tiny_model("llama")
-    tight = search(model, _samples(1), data_name="x", bound=0.0, progress=lambda s: None)
-    loose = search(model, _samples(1), data_name="x", bound=10.0, progress=lambda s: None)
+    rule = dict(target_density=None, recall_min=0.0)
+    tight = search(model, _samples(1), data_name="x", bound=0.0, progress=lambda s: None, **rule)
+    loose = search(model, _samples(1), data_name="x", bound=10.0, progress=lambda s: None, **rule)
     assert all(h.pattern.value == "dense" or h.score == 0.0 for layer in tight.layers for h in layer)
     assert all(h.pattern.value != "dense" for layer in loose.layers for h in layer)
 
@@ -58,3 +63,105 @@ def test_config_searched_for_one_model_is_refused_for_another(tmp_path):
     other = tiny_model("llama", num_hidden_layers=3)
     with pytest.raises(ConfigMismatchError, match="layers"):
         check_fits(load_config(config.to_dict()), model_identity_from_hf(other.config))
+
+
+def _call(seed=0, b=1, hq=4, hkv=2, s=200, d=16):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv))
+    k[:, :, :3] *= 4  # a few sink-like keys, so the patterns differ
+    return observe.AttentionCall(0, q, k, v, None, None, d ** -0.5, 0, 0, out=torch.empty(0))
+
+
+def test_scores_on_every_row_equal_the_reference():
+    call = _call()
+    cands = [HeadPlan(Pattern.A_SHAPE, 4, 64), HeadPlan(Pattern.VERTICAL_SLASH, 30, 50),
+             HeadPlan(Pattern.BLOCK_SPARSE, 1), HeadPlan(Pattern.DENSE)]
+    scores = score_layer(call, cands, last_rows=200)  # the sample is then every row, weight 1
+    q, k, v = call.q, call.k, call.v
+    dense = reference.dense_attention_reference(q, k, v, scale=call.scale)
+    for c, cand in enumerate(cands):
+        plan = LayerPlan((cand,) * 4)
+        out = reference.sparse_attention_reference(q, k, v, plan, scale=call.scale)
+        err = (out - dense).pow(2).sum((0, 2, 3)).sqrt() / dense.pow(2).sum((0, 2, 3)).sqrt()
+        torch.testing.assert_close(scores["errors"][c], err, atol=1e-5, rtol=1e-4)
+        keys = reference.index_to_mask(reference.build_index(q, k, plan, scale=call.scale), range(0, 200), 200)
+        allowed = reference.base_allowed(torch.arange(200), 200)
+        group = 2
+        prob = reference._masked_softmax(q @ k.repeat_interleave(group, 1).transpose(-1, -2) * call.scale,
+                                         allowed.expand(1, 4, -1, -1))
+        mass = (prob * (keys & allowed)).sum(-1)
+        torch.testing.assert_close(scores["recall"][c], mass.mean((0, 2)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores["recall_last"][c], mass.mean((0, 2)), atol=1e-5, rtol=1e-5)
+    assert (scores["errors"][-1] == 0).all() and (scores["densities"][-1] == 1).all()
+
+
+def test_sampled_rows_estimate_the_whole_sequence():
+    call = _call(s=1024)
+    cands = [HeadPlan(Pattern.A_SHAPE, 4, 128), HeadPlan(Pattern.BLOCK_SPARSE, 4)]
+    full = score_layer(call, cands, last_rows=1024)
+    est = [score_layer(call, cands, last_rows=64, strata=128, generator=torch.Generator().manual_seed(i))
+           for i in range(4)]
+    for m in ("errors", "recall"):
+        mean = torch.stack([e[m] for e in est]).mean(0)
+        torch.testing.assert_close(mean, full[m], atol=0.03, rtol=0.1)
+    torch.testing.assert_close(est[0]["densities"], full["densities"])  # the index is built from every row
+
+
+def test_sample_rows_weights_cover_the_sequence():
+    rows, weights, n_last = sample_rows(1000, last_rows=100, strata=30, generator=torch.Generator().manual_seed(0))
+    assert n_last == 100 and rows.numel() == 130
+    assert rows[-100:].tolist() == list(range(900, 1000))
+    assert len(set(rows.tolist())) == 130 and int(rows.max()) < 1000
+    assert float(weights.sum()) == pytest.approx(1000)
+    rows, weights, _ = sample_rows(100, last_rows=64, strata=64)
+    assert rows.tolist() == list(range(100)) and (weights == 1).all()
+
+
+def _scores(err, dens, rec):
+    """LayerScores of one sample from nested [candidate][head] lists."""
+    s = LayerScores.empty(len(err), len(err[0]))
+    s.add({"errors": torch.tensor(err), "densities": torch.tensor(dens), "recall": torch.tensor(rec),
+           "recall_last": torch.tensor(rec)})
+    return s
+
+
+def test_choice_meets_the_density_target_by_least_error_per_density():
+    cands = [HeadPlan(Pattern.A_SHAPE, 1, 8), HeadPlan(Pattern.VERTICAL_SLASH, 30, 50), HeadPlan(Pattern.DENSE)]
+    # two heads: head 0 loses little going sparse, head 1 much; head 1's cheapest candidate misses the recall floor
+    err = [[0.10, 0.50], [0.06, 0.20], [0.0, 0.0]]
+    dens = [[0.1, 0.1], [0.3, 0.3], [1.0, 1.0]]
+    rec = [[0.9, 0.5], [0.95, 0.85], [1.0, 1.0]]
+    s = _scores(err, dens, rec)
+    free = choose_heads([s], cands, bound=0.05)
+    assert free.picks == [[2, 2]] and free.mean_density == 1.0
+    tight = choose_heads([s], cands, bound=0.05, recall_min=0.8, target_density=0.65)
+    # head 0 goes first (0.06 error for 0.7 saved beats 0.2 for 0.7), then head 1 must move too: only to VS
+    assert tight.picks == [[1, 2]] and tight.mean_density == pytest.approx(0.65)
+    tighter = choose_heads([s], cands, bound=0.05, recall_min=0.8, target_density=0.2)
+    assert tighter.picks == [[0, 1]]  # head 1 never takes the candidate under the recall floor
+    assert tighter.mean_density == pytest.approx(0.2)
+    slack = choose_heads([s], cands, bound=0.5, recall_min=0.0, target_density=0.45, spend_slack=True)
+    # bound 0.5 lets both start at the cheapest (0.1); slack 0.35 buys the best error per density first
+    assert slack.picks == [[0, 2]] or slack.picks == [[1, 1]]
+    assert slack.mean_density <= 0.45 + 1e-9
+
+
+def test_candidate_ladder_is_cheap_first_and_dense_last():
+    cands = candidates_for(8192)
+    assert cands[-1].pattern is Pattern.DENSE and len(set(cands)) == len(cands)
+    assert {c.pattern for c in cands} == set(Pattern)
+    assert min(c.budget_a for c in cands if c.pattern is Pattern.BLOCK_SPARSE) == 4
+    assert set(METRICS) == {"errors", "densities", "recall", "recall_last"}
+
+
+def test_shipped_smollm2_config_is_mostly_sparse_and_names_its_rule():
+    from pathlib import Path
+
+    from minference_fx import configs
+
+    path = Path(configs.__file__).parent / "smollm2_135m_instruct_8k.json"
+    config = load_config(path)
+    assert config.validate() == []
+    heads = [h for layer in config.layers for h in layer]
+    assert len(heads) == 270 and sum(h.pattern is Pattern.DENSE for h in heads) <= 27
+    assert "recall" in config.provenance.metric and "mean density" in config.provenance.metric
