@@ -200,7 +200,7 @@ def _add_asset_commands(sub) -> None:
     e.set_defaults(run=_eval)
     d = sub.add_parser("demo", help="SmolLM2 answers a question from a long Austen prompt through the sparse backend")
     d.add_argument("--length", type=int, default=None, help="prompt tokens (default 8000 on GPU, 2048 on CPU)")
-    d.add_argument("--config", default=None, help="semantic config JSON (default: vertical-slash scaled to the length)")
+    d.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else vertical-slash scaled to the length)")
     d.add_argument("--inner", default=None, choices=["eager", "aot_eager", "inductor"], help="default: inductor on GPU, eager on CPU")
     d.add_argument("--device", default=None)
     d.set_defaults(run=_demo)

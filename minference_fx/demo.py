@@ -4,11 +4,12 @@ What it shows, in order: what the backend rewrote (the inspection table), the
 answer of the dense and of the sparse model, the physical density of each
 layer's sparse index, and dense vs sparse prefill time.
 
-The config is uniform vertical-slash with budgets scaled to the prompt (1/16 of
-its length each), sparse from ``min_sparse_len`` = a quarter of the prompt: the
-default config (1000 columns, 6096 diagonals, dense below 8192) was set for 128K
-prompts and would read nearly every key, or not run sparse at all, at these
-lengths. ``--config`` uses a searched one instead.
+The config is the shipped one searched for SmolLM2 (``configs/``, matched by the
+model's fingerprint), sparse from a quarter of the prompt so the short CPU prompt
+runs the sparse path too; ``--config`` picks another. Without a shipped match it is
+uniform vertical-slash with budgets scaled to the prompt (1/16 of its length each):
+the backend's default (1000 columns, 6096 diagonals, dense below 8192) was set for
+128K prompts and would read nearly every key, or not run sparse at all, here.
 
 On a GPU the op runs the Triton kernels (Inductor compiles the rest). On CPU
 it runs the pure-PyTorch reference, which computes masked dense attention, so
@@ -156,6 +157,7 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
     model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
     model.to(dev)
     ids = build_prompt(tok, austen_text(), length).to(dev)
+    config_path = config_path or evaluate.shipped_config_for(model, longest=length)
     if config_path:
         config = load_config(config_path, model=model_identity_from_hf(model.config))
         config_name = str(config_path)
