@@ -55,18 +55,32 @@ def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, windo
 
 @triton.jit
 def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, d_ok, col_ok,
-            APPLY_MASK: tl.constexpr = True):
-    k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            APPLY_MASK: tl.constexpr = True, FULL_TILE: tl.constexpr = False):
+    """One key block of the online softmax.
+
+    ``FULL_TILE``: every key of the block exists and the head dim fills BLOCK_D, so the loads need
+    no mask; and with ``APPLY_MASK`` off every row sees a finite score, so the max needs no -inf guard."""
+    if FULL_TILE:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if APPLY_MASK:
         s = tl.where(ok, s, float("-inf"))
-    # -- update m_i and l_i; rows with nothing visible yet keep m = -inf
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    # qk_scale > 0, so scaling after the max keeps it exact and fuses into the exponent's FMA
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if APPLY_MASK or not FULL_TILE:
+        # rows with nothing visible yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s * qk_scale - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    if FULL_TILE:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -152,7 +166,8 @@ def _sparse_attn_fwd(
                       HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=False)
         m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
                                 v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS)
+                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS,
+                                FULL_TILE=HEAD_DIM == BLOCK_D)
     for i in range(n_clear, n_tiles):
         n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
         cols = n * BLOCK_N + offs_n
