@@ -165,3 +165,39 @@ def test_shipped_smollm2_config_is_mostly_sparse_and_names_its_rule():
     heads = [h for layer in config.layers for h in layer]
     assert len(heads) == 270 and sum(h.pattern is Pattern.DENSE for h in heads) <= 27
     assert "recall" in config.provenance.metric and "mean density" in config.provenance.metric
+
+
+def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
+    """``search --model smollm2`` loads the model as eval does (YaRN x2 past 8K), says so, passes the target on."""
+    from minference_fx import assets, cli
+    from minference_fx import search as search_module
+    from minference_fx.config import default_config
+
+    class Tokenizer:
+        def __call__(self, text, return_tensors):
+            return type("Out", (), {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])})
+
+    loads, searches = [], []
+
+    def fake_load(dtype, yarn_factor=None):
+        loads.append(yarn_factor)
+        return tiny_model("llama"), Tokenizer()
+
+    def fake_search(model, samples, **kwargs):
+        searches.append(dict(kwargs, lengths=[s.shape[-1] for s in samples]))
+        return default_config(model_identity_from_hf(model.config))
+
+    monkeypatch.setattr(assets, "load_smollm2", fake_load)
+    monkeypatch.setattr(search_module, "search", fake_search)
+    data = tmp_path / "text.txt"
+    data.write_text("It is a truth universally acknowledged. " * 1000)
+    common = ["search", "--data", str(data), "--samples", "1", "--out", str(tmp_path / "c.json")]
+    assert cli.main([*common, "--lengths", "16k", "--target-density", "0.26"]) == 0
+    assert cli.main([*common, "--lengths", "8k"]) == 0
+    assert cli.main([*common, "--lengths", "16k", "--yarn", "0"]) == 0
+    assert loads == [2.0, None, None]
+    assert [s["lengths"] for s in searches] == [[16384], [8192], [16384]]
+    assert [s["target_density"] for s in searches] == [0.26, 0.24, 0.24]
+    assert "YaRN x2" in searches[0]["data_name"] and "YaRN" not in searches[1]["data_name"]
+    with pytest.raises(SystemExit, match="only with --model smollm2"):
+        cli.main([*common, "--model", "llama", "--yarn", "2"])
