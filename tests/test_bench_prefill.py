@@ -167,3 +167,37 @@ def test_gpu_small_model_all_variants(tmp_path):
             assert v.minference["rewritten"] == v.minference["sites"] == 2
     assert result.summary("minference-ro").cudagraph_skips == 0
     assert any("sparse" in k.lower() or "minference" in k for k in result.summary("minference-noguard").attention_kernels)
+
+
+def test_smollm2_yarn_factor_covers_the_longest_prompt():
+    assert bp.smollm2_yarn_factor(8192) == 1.0
+    assert bp.smollm2_yarn_factor(8193) == 2.0
+    assert bp.smollm2_yarn_factor(131072) == 16.0
+    assert all(8192 * bp.smollm2_yarn_factor(n) >= n for n in (1, 5000, 40000, 1 << 20))
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ValueError, match="unknown model 'gpt2'.*smollm2"):
+        bp.bench_prefill([96], model_name="gpt2", isolate=False)
+
+
+def test_smollm2_prefill_runs_real_weights_on_prose():
+    from minference_fx.assets import AssetError
+
+    try:
+        result = bp.bench_prefill([96], variants=("eager",), isolate=False, reps=1, guard_probe=False,
+                                  model_name="smollm2", command="test")
+    except AssetError as exc:  # no registry on this machine: the machine's trouble, not the code's
+        pytest.skip(f"SmolLM2 / Austen unavailable: {str(exc)[:300]}")
+    cell = result.cell(96, "eager")
+    assert cell.status == "ok" and cell.finite
+    assert result.meta["layers"] == 30 and result.meta["model_name"] == "smollm2"
+    assert "real weights" in result.meta["model"]
+    from minference_fx.assets import load_smollm2
+
+    _, tokenizer = load_smollm2()
+    ids = bp.text_prompt_ids(tokenizer, 96, seed=0, device="cpu")
+    text = tokenizer.decode(ids[0])
+    assert ids.shape == (1, 96)
+    # real prose: mostly letters and spaces, unlike random token ids
+    assert sum(ch.isalpha() or ch.isspace() for ch in text) > 0.9 * len(text)
