@@ -55,9 +55,10 @@ DEFAULT_ENTRY = TuneEntry()
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class TuneKey:
-    kernel: str
-    """e.g. "sparse_attention" (a key of ``space.SPACE``)"""
+class CrossoverKey:
+    """What a timing was measured on. The crossover times the index and attention kernels together, so it
+    carries the source hash too."""
+
     source_hash: str
     """hash of the kernel sources: an edited kernel invalidates its timings"""
     gpu: str
@@ -70,21 +71,20 @@ class TuneKey:
     head_dim: int
     group: int
     """query heads per kv head (GQA)"""
-    bucket: int
-    """``seq_bucket`` of the query length"""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class CrossoverKey:
-    """The crossover times the index kernels and attention together, so it carries the source hash too."""
+class TuneKey(CrossoverKey):
+    """A launch config is chosen per kernel and length bucket on top of what the crossover is keyed by."""
 
-    source_hash: str
-    gpu: str
-    capability: str
-    triton: str
-    dtype: str
-    head_dim: int
-    group: int
+    kernel: str
+    """e.g. "sparse_attention" (a key of ``space.SPACE``)"""
+    bucket: int
+    """``seq_bucket`` of the query length"""
+
+    @classmethod
+    def of(cls, kernel: str, measured_on: CrossoverKey, length: int) -> "TuneKey":
+        return cls(**dataclasses.asdict(measured_on), kernel=kernel, bucket=seq_bucket(length))
 
 
 def seq_bucket(length: int) -> int:

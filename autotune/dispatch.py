@@ -68,9 +68,7 @@ def crossover_key(device: torch.device, dtype: torch.dtype, head_dim: int, group
 
 
 def tune_key(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int, group: int, length: int) -> cache.TuneKey:
-    ident = device_identity(device)
-    return cache.TuneKey(kernel, kernel_source_hash(), ident.gpu, ident.capability, triton_version(), dtype_name(dtype),
-                         head_dim, group, cache.seq_bucket(length))
+    return cache.TuneKey.of(kernel, crossover_key(device, dtype, head_dim, group), length)
 
 
 def tuned_min_sparse_len(q: torch.Tensor, k: torch.Tensor) -> int:

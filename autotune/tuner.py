@@ -155,7 +155,9 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     grid = sorted(length for length in set(crossover_lengths) if length <= top)
     todo = sorted(set(lengths) | set(grid))
     bar = ProgressBar(len(todo) * len(candidates) + 2 * len(grid), enabled=progress)
-    ident, src, tv = workload.identity, kernel_source_hash(), triton_version()
+    ident = workload.identity
+    measured_on = CrossoverKey(kernel_source_hash(), ident.gpu, ident.capability, triton_version(), dtype_name(dtype),
+                               head_dim, gqa)
 
     results, dense_ms, sparse_ms = {}, {}, {}
     try:
@@ -163,9 +165,7 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
             result = tune(kernel, candidates, lambda c, n=length: workload.kernel(n, c)(), timer,
                           on_timed=lambda c, n=length: bar.step(f"{kernel} @ {n}: warps {c.num_warps} stages {c.num_stages}"))
             results[length] = result
-            key = TuneKey(kernel, src, ident.gpu, ident.capability, tv, dtype_name(dtype), head_dim, gqa,
-                          cache.seq_bucket(length))
-            cache.write(configs={key: result.best}, path=path)
+            cache.write(configs={TuneKey.of(kernel, measured_on, length): result.best}, path=path)
             if length in grid:
                 dense_ms[length] = float(timer(workload.dense(length)))
                 bar.step(f"dense @ {length}")
@@ -176,6 +176,5 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     crossover = None
     if grid:
         crossover = find_crossover(grid, dense_ms, sparse_ms, margin=CROSSOVER_MARGIN)
-        ckey = CrossoverKey(src, ident.gpu, ident.capability, tv, dtype_name(dtype), head_dim, gqa)
-        cache.write(crossovers={ckey: crossover}, path=path)
+        cache.write(crossovers={measured_on: crossover}, path=path)
     return WarmUpReport(path, results, dense_ms, sparse_ms, crossover)
