@@ -168,7 +168,8 @@ def _eval(args) -> int:
     config, config_name = evaluate.resolve_config(model, args.config, longest=max(lengths))
     results = evaluate.run_eval(
         model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
-        model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner)
+        model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
+        window_seed=args.window_seed)
     print("\n" + results.table())
     if args.out:
         results.save(args.out)
@@ -200,6 +201,7 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--lengths", default="2k,4k,8k")
     e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths")
     e.add_argument("--seeds", type=int, default=1, help="needle seeds per (length, depth)")
+    e.add_argument("--window-seed", type=int, default=0, help="which held-out window perplexity and recall read")
     e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")
     e.add_argument("--data", default="austen", help="'austen' or a text file")
     e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])

@@ -511,8 +511,11 @@ def _guard_counts() -> dict:
 
 def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "recall"), config: SemanticConfig,
              config_name: str, model_name: str = "", depths=(0.1, 0.5, 0.9), seeds=(0,), inner: str = "eager",
-             rows: int = 256, progress: Callable[[str], None] = print) -> EvalResults:
-    """Every requested task at every length; progress lines as it goes."""
+             rows: int = 256, window_seed: int = 0, progress: Callable[[str], None] = print) -> EvalResults:
+    """Every requested task at every length; progress lines as it goes.
+
+    ``window_seed`` picks the held-out window of perplexity and recall; another seed checks that a
+    result is not one window's luck."""
     device = str(next(model.parameters()).device)
     results = EvalResults(model_name, config_name, list(lengths), device)
     unknown = set(tasks) - {"ppl", "niah", "recall"}
@@ -523,7 +526,7 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         compiled = sparse_model(model, config, inner=inner)
     if "ppl" in tasks:
         for n in lengths:
-            row = compare_perplexity(model, compiled, held_out_ids(tokenizer, text, n).to(device))
+            row = compare_perplexity(model, compiled, held_out_ids(tokenizer, text, n, seed=window_seed).to(device))
             results.ppl.append(row)
             progress(f"ppl L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} ({100 * row.rel_delta:+.3f}%) "
                      f"[{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
@@ -535,7 +538,7 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         results.guard = {k: after[k] - guard_before.get(k, 0) for k in after}
     if "recall" in tasks:
         for n in lengths:
-            heads = index_recall(model, held_out_ids(tokenizer, text, n).to(device), config, rows=rows)
+            heads = index_recall(model, held_out_ids(tokenizer, text, n, seed=window_seed).to(device), config, rows=rows)
             results.recall += heads
             s = RecallSummary.of(heads)
             progress(f"recall L={n}: mean {s.mean:.4f} worst {s.worst:.4f} ({s.worst_head}) "
@@ -543,7 +546,7 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
                      f"({s.guard_dense_heads} heads dense) mean {s.guarded_mean:.4f} worst {s.guarded_worst:.4f}")
     results.notes += [
         f"sparse = torch.compile(backend='minference', inner={inner!r}, min_sparse_len=0); perplexity and recall "
-        f"on windows of the text's last quarter, needles in its first three quarters",
+        f"on windows of the text's last quarter (window seed {window_seed}), needles in its first three quarters",
         f"recall: dense attention mass of the last {rows} query rows inside the online index's key set (these rows "
         "include the vertical-slash estimate's own last 64); oracle: the top-n keys of each row, n = the index's "
         "count; density: physical (tiles x 64 x 64 + columns x 64) / causal pairs, mean over heads (dense heads = 1)",

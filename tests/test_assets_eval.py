@@ -5,6 +5,7 @@ directory and converts the GGUF once (~30 s); later runs load from the cache.
 Each test stays under ~2 minutes on 2 CPU cores.
 """
 import math
+import random
 
 import pytest
 import torch
@@ -152,3 +153,18 @@ def test_shipped_config_is_the_one_calibrated_for_the_length(tmp_path, monkeypat
     assert evaluate.shipped_config_for(model, 16384).name == "tiny_16k.json"
     assert evaluate.shipped_config_for(model, 32768).name == "tiny_16k.json"  # none covers: the longest
     assert evaluate.shipped_config_for(tiny_model("llama", num_hidden_layers=3)) is None
+
+
+def test_window_seed_moves_the_held_out_window_inside_the_last_quarter():
+    class CharTokenizer:  # one token per character, enough to see where the window lies
+        def __call__(self, text, return_tensors="pt"):
+            return type("Enc", (), {"input_ids": torch.tensor([[ord(c) for c in text]])})()
+
+    rng = random.Random(0)
+    text = "".join(chr(rng.randrange(32, 122)) for _ in range(40_000))  # aperiodic: a window is found once
+    tok = CharTokenizer()
+    windows = [evaluate.held_out_ids(tok, text, 512, seed=s) for s in (0, 1)]
+    assert not torch.equal(windows[0], windows[1])
+    for ids in windows:
+        start = text.find("".join(chr(int(t)) for t in ids[0, :64]))
+        assert start >= int(len(text) * evaluate.HELD_OUT_FROM)
