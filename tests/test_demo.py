@@ -1,0 +1,30 @@
+"""``minference-fx demo``: the answer check, and the whole demo on CPU at a short prompt (real SmolLM2 + Austen)."""
+import pytest
+
+from minference_fx import demo
+
+
+@pytest.mark.parametrize("answer", [" green teapot.", "green\nteapot", " green\ntea-\npot", "a green tea-  \n pot"])
+def test_found_reads_through_line_breaks_and_hyphenation(answer):
+    assert demo.found("green teapot", answer)
+
+
+@pytest.mark.parametrize("answer", [" green tea", " blue teapot", "green tea-pot", " red\ntea-\npot"])
+def test_found_refuses_other_answers(answer):
+    assert not demo.found("green teapot", answer)
+
+
+def test_demo_on_cpu_at_a_short_prompt():
+    from minference_fx.assets import AssetError
+
+    lines = []
+    try:
+        result = demo.run_demo(512, device="cpu", progress=lines.append)
+    except AssetError as exc:  # no registry on this machine: the machine's trouble, not the code's
+        pytest.skip(f"SmolLM2 / Austen unavailable: {str(exc)[:300]}")
+    assert "30/30 attention sites rewritten" in result.inspection
+    assert len(result.layers) == 30 and all(0 < r.density <= 1 for r in result.layers)
+    assert result.dense_pass, f"dense SmolLM2 should retrieve the needle at 512 tokens: {result.dense_answer!r}"
+    assert result.sparse_pass == result.dense_pass, (result.sparse_answer, result.dense_answer)
+    text = result.summary()
+    assert "answer (sparse)" in text and "mean physical density" in text
