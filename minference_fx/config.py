@@ -486,14 +486,7 @@ def _parse_config(doc, problems: list[str]) -> SemanticConfig:
                 layers.append([_parse_head(f"layer {li} head {hi}", h, problems) for hi, h in enumerate(raw_layer)])
             elif isinstance(raw_layer, Mapping) and n_heads is not None:
                 # A partial layer: heads keyed by index, unlisted heads take the default head.
-                layer = [default_entry] * n_heads
-                for key, h in raw_layer.items():
-                    hi = _head_index(key, n_heads)
-                    if hi is None:
-                        problems.append(f"layer {li}: head key {key!r} is not an index in 0..{n_heads - 1}")
-                        continue
-                    layer[hi] = _parse_head(f"layer {li} head {hi}", h, problems)
-                layers.append(layer)
+                layers.append(_keyed_layer(li, raw_layer, n_heads, default_entry, _parse_head, problems))
             else:
                 problems.append(f"layer {li} must be a list of heads (or an object keyed by head index)")
                 layers.append([])
@@ -515,6 +508,20 @@ def _head_index(key, n_heads: int) -> int | None:
     if str(hi) != str(key).strip() or not 0 <= hi < n_heads:
         return None
     return hi
+
+
+def _keyed_layer(li: int, raw_layer: Mapping, n_heads: int, default, parse, problems: list) -> list:
+    """A layer given as {head index: entry}: unlisted heads keep ``default``; ``parse`` returns None to keep it too."""
+    layer = [default] * n_heads
+    for key, value in raw_layer.items():
+        hi = _head_index(key, n_heads)
+        if hi is None:
+            problems.append(f"layer {li}: head key {key!r} is not an index in 0..{n_heads - 1}")
+            continue
+        entry = parse(f"layer {li} head {hi}", value, problems)
+        if entry is not None:
+            layer[hi] = entry
+    return layer
 
 
 def _raise_if(problems: list[str], source) -> None:
@@ -656,16 +663,7 @@ def import_minference_best_pattern(path_or_list, model: ModelIdentity) -> Semant
         if not isinstance(raw_layer, Mapping):
             problems.append(f"layer {li}: expected an object keyed by head index, got {type(raw_layer).__name__}")
             continue
-        layer = [default] * n_heads
-        for key, value in raw_layer.items():
-            hi = _head_index(key, n_heads)
-            if hi is None:
-                problems.append(f"layer {li}: head key {key!r} is not an index in 0..{n_heads - 1}")
-                continue
-            entry = _minference_entry(f"layer {li} head {hi}", value, problems)
-            if entry is not None:
-                layer[hi] = entry
-        layers.append(layer)
+        layers.append(_keyed_layer(li, raw_layer, n_heads, default, _minference_entry, problems))
     name = source.name if source is not None else "an in-memory list"
     config = SemanticConfig(
         model=model,
