@@ -1,17 +1,19 @@
 """Search space of each tunable kernel: a comprehension of launch configs plus a ``keep`` predicate.
 
-The space lists more than the kernels accept today (BLOCK_M / BLOCK_N other
-than the index granularity) so that widening a kernel means widening
-``ACCEPTED_BLOCKS``, not rewriting the space.
+The space lists more than the kernels accept today (BLOCK_M other than the
+index granularity) so that widening a kernel means widening ``ACCEPTED_BLOCKS``,
+not rewriting the space.
 """
 from __future__ import annotations
 
 from ..kernels.reference import BLOCK
 from .cache import TuneEntry
 
-# The index lists key tiles and query tiles of BLOCK rows/columns: a kernel tile of
-# another size would read the lists wrongly, so only BLOCK is accepted for now.
-ACCEPTED_BLOCKS = {"sparse_attention": frozenset({BLOCK})}
+# The index lists query tiles of BLOCK rows, so a program owns exactly one: BLOCK_M is BLOCK.
+# Key steps of BLOCK_N = BLOCK or 2 * BLOCK (two listed tiles gathered side by side) are tuned;
+# the kernel also runs BLOCK // 2 (half tiles), left out of the search: it halves the MMA width
+# and doubles the loop's bookkeeping for nothing the 64-row query tile could gain.
+ACCEPTED_BLOCKS = {"sparse_attention": {"BLOCK_M": frozenset({BLOCK}), "BLOCK_N": frozenset({BLOCK, 2 * BLOCK})}}
 
 SPACE = {
     "sparse_attention": [
@@ -53,7 +55,7 @@ def keep(config: TuneEntry, head_dim: int, dtype_bytes: int, smem_limit: int = S
          kernel: str = "sparse_attention") -> bool:
     """Whether ``config`` can run the kernel at this head dim and dtype within ``smem_limit`` bytes."""
     accepted = ACCEPTED_BLOCKS[kernel]
-    if config.BLOCK_M not in accepted or config.BLOCK_N not in accepted:
+    if config.BLOCK_M not in accepted["BLOCK_M"] or config.BLOCK_N not in accepted["BLOCK_N"]:
         return False
     d = block_d(head_dim)
     if not MIN_BLOCK_D <= d <= MAX_BLOCK_D:

@@ -15,6 +15,8 @@ read no key ends as exactly 0.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -54,16 +56,30 @@ def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, windo
 
 
 @triton.jit
+def _load_block(ptrs, desc, b, hk, row0, col_ok, d_ok, FULL_TILE: tl.constexpr, USE_DESC: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One [BLOCK_N, BLOCK_D] block of K or V: a TMA copy of rows row0.. (zero past the end), or a pointer load."""
+    if USE_DESC:
+        blk = desc.load([b.to(tl.int32), hk.to(tl.int32), row0.to(tl.int32), 0]).reshape(BLOCK_N, BLOCK_D)
+    elif FULL_TILE:
+        blk = tl.load(ptrs)
+    else:
+        blk = tl.load(ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    return blk
+
+
+@triton.jit
 def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, d_ok, col_ok,
-            APPLY_MASK: tl.constexpr = True, FULL_TILE: tl.constexpr = False):
+            APPLY_MASK: tl.constexpr = True, FULL_TILE: tl.constexpr = False,
+            k_desc=None, v_desc=None, b=0, hk=0, row0=0, USE_DESC: tl.constexpr = False):
     """One key block of the online softmax.
 
     ``FULL_TILE``: every key of the block exists and the head dim fills BLOCK_D, so the loads need
-    no mask; and with ``APPLY_MASK`` off every row sees a finite score, so the max needs no -inf guard."""
-    if FULL_TILE:
-        k = tl.load(k_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    no mask; and with ``APPLY_MASK`` off every row sees a finite score, so the max needs no -inf guard.
+    ``USE_DESC``: the block is the contiguous rows ``row0..`` of K and V, copied by TMA."""
+    BLOCK_N: tl.constexpr = k_ptrs.shape[0]
+    BLOCK_D: tl.constexpr = k_ptrs.shape[1]
+    k = _load_block(k_ptrs, k_desc, b, hk, row0, col_ok, d_ok, FULL_TILE, USE_DESC, BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if APPLY_MASK:
         s = tl.where(ok, s, float("-inf"))
@@ -77,20 +93,18 @@ def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
     alpha = tl.exp2(m_i - m_sub)
     p = tl.exp2(s * qk_scale - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FULL_TILE:
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    v = _load_block(v_ptrs, v_desc, b, hk, row0, col_ok, d_ok, FULL_TILE, USE_DESC, BLOCK_N, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first):
-    """Key tile of the i-th visit: listed (VS/BS), or enumerated for dense and A-shape (sinks, then the window)."""
+def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first, slot_ok=True):
+    """Key tile in slot i (scalar or vector) of a query tile's visits: listed (VS/BS), or enumerated for
+    dense and A-shape (sinks, then the window)."""
     n = tl.where(i < sink_tiles, i, win_first + i - sink_tiles)
     n = tl.where(pattern == DENSE, i, n)
-    return tl.where(listed, tl.load(tile_list + i, mask=listed, other=0), n)
+    return tl.where(listed, tl.load(tile_list + i, mask=listed & slot_ok, other=0), n)
 
 
 # Lengths and offsets change with every prompt: specialising on them (==1, %16) would
@@ -102,14 +116,15 @@ def _sparse_attn_fwd(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
+    KDesc, VDesc,
     TileCount, TileIndex, ColCount, ColIndex,
     stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
     Patterns, BudgetA, BudgetB, ForceDense,
     KeyMask, stride_km, DocIds, stride_doc,
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_FORCE: tl.constexpr,
+    HAS_FORCE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
@@ -135,16 +150,16 @@ def _sparse_attn_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # -- stage 1: key tiles, listed or enumerated from the pattern
+    # -- stage 1: key tiles (TILE keys each), listed or enumerated from the pattern
     pattern = tl.load(Patterns + h)
     forced = False
     if HAS_FORCE:  # the quality guard switched this (batch, head) to dense
         forced = tl.load(ForceDense + pid_bh) != 0
         pattern = tl.where(forced, DENSE, pattern)
-    last_tile = tl.minimum(pos_hi, seq_k - 1) // BLOCK_N
+    last_tile = tl.minimum(pos_hi, seq_k - 1) // TILE
     listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
-    sink_tiles = tl.cdiv(tl.load(BudgetA + h), BLOCK_N)
-    win_first = tl.maximum(pos_lo - tl.load(BudgetB + h) + 1, 0) // BLOCK_N
+    sink_tiles = tl.cdiv(tl.load(BudgetA + h), TILE)
+    win_first = tl.maximum(pos_lo - tl.load(BudgetB + h) + 1, 0) // TILE
     sink_tiles = tl.minimum(sink_tiles, win_first)
     n_tiles = last_tile + 1  # dense
     if pattern == A_SHAPE:
@@ -155,28 +170,58 @@ def _sparse_attn_fwd(
     # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
     # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
     # The ones before need no causal mask (issue: mask only where a tile crosses the diagonal).
-    first_crossing = tl.minimum(pos_lo + 1, seq_k) // BLOCK_N
+    first_crossing = tl.minimum(pos_lo + 1, seq_k) // TILE
     n_clear = tl.maximum(n_tiles - tl.maximum(last_tile - first_crossing + 1, 0), 0)
     EXTRA_MASKS: tl.constexpr = HAS_KEY_MASK or HAS_DOC or HAS_WINDOW
-    for i in range(0, n_clear):
-        n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
-        cols = n * BLOCK_N + offs_n
-        col_ok = cols >= 0  # all true: the tile is inside the keys
-        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=False)
-        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS,
-                                FULL_TILE=HEAD_DIM == BLOCK_D)
-    for i in range(n_clear, n_tiles):
-        n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
-        cols = n * BLOCK_N + offs_n
-        col_ok = cols < seq_k
-        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
-        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
+    FULL: tl.constexpr = HEAD_DIM == BLOCK_D
+    if BLOCK_N == TILE:
+        for i in tl.range(0, n_clear, warp_specialize=WARP_SPEC):
+            n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
+            cols = n * TILE + offs_n
+            col_ok = cols >= 0  # all true: the tile is inside the keys
+            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=False)
+            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS,
+                                    FULL_TILE=FULL, k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=n * TILE,
+                                    USE_DESC=KV_DESC)
+        for i in range(n_clear, n_tiles):
+            n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
+            cols = n * TILE + offs_n
+            col_ok = cols < seq_k
+            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
+            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok,
+                                    k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=n * TILE, USE_DESC=KV_DESC)
+    else:
+        # A block of BLOCK_N keys is part of one tile (BLOCK_N < TILE), or several listed tiles side
+        # by side (BLOCK_N > TILE: a gather, so no TMA). Block v holds slots (v*BLOCK_N + offs_n) // TILE.
+        n_clear_blocks = n_clear * TILE // BLOCK_N
+        for v in range(0, n_clear_blocks):
+            at = v * BLOCK_N + offs_n
+            n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first)
+            cols = n * TILE + at % TILE
+            col_ok = cols >= 0
+            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=False)
+            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS,
+                                    FULL_TILE=FULL)
+        for v in range(n_clear_blocks, tl.cdiv(n_tiles * TILE, BLOCK_N)):
+            at = v * BLOCK_N + offs_n
+            slot_ok = at // TILE < n_tiles
+            n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first, slot_ok)
+            cols = n * TILE + at % TILE
+            col_ok = slot_ok & (cols < seq_k)
+            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
+            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
 
     # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
     n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + pid_m)
@@ -205,9 +250,21 @@ def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
     return SparseIndex(zeros, none, zeros, none)
 
 
+def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
+    """Whether TMA can copy [block_n, block_d] tiles of ``t`` ``[B, H, S, D]``: sm90+, 16-byte aligned
+    base and strides, contiguous head dim (a descriptor's block may run past D: it reads zeros)."""
+    # the interpreter copies descriptor tiles too, so CPU tests cover this path
+    on_device = t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] >= 9
+    if not (on_device or os.environ.get("TRITON_INTERPRET") == "1") or t.stride(-1) != 1:
+        return False
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1]) and block_d * size >= 16
+
+
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
-    q_offset=0, window=0, force_dense=None, num_warps=4, num_stages=2,
+    q_offset=0, window=0, force_dense=None, num_warps=4, num_stages=2, block_n=BLOCK, kv_desc=True,
+    warp_spec=False,
 ) -> torch.Tensor:
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
@@ -218,6 +275,11 @@ def sparse_attention_triton(
     patterns, budget_a, budget_b : the plan as int lists (see :mod:`minference_fx.plan`).
     key_mask : optional bool ``[B, Skv]``; doc_ids : optional int ``[B, S >= Skv]``.
     force_dense : optional bool ``[B, Hq]``: (batch, head) pairs to run dense (the quality guard).
+    num_warps, num_stages, block_n : launch config (speed only). ``block_n`` keys per step: 32, 64 or
+        128 (two listed tiles gathered side by side); query tiles are always the index's 64 rows.
+    kv_desc : read K/V tiles by TMA (Hopper+, ``block_n == 64``); falls back to pointer loads where the
+        layout does not allow it.
+    warp_spec : ask Triton to warp-specialise the unmasked tile loop (``block_n == 64``).
 
     Returns
     -------
@@ -235,18 +297,29 @@ def sparse_attention_triton(
     cc = index.col_count.reshape(B * Hq, -1)
     km = key_mask if key_mask is not None else q  # any pointer; unused when HAS_KEY_MASK is False
     doc = doc_ids if doc_ids is not None else q
+    if block_n not in (32, 64, 128):
+        raise ValueError(f"block_n must be 32, 64 or 128, got {block_n}")
+    block_d = triton.next_power_of_2(D)
+    use_desc = kv_desc and block_n == BLOCK and _tma_ok(k, block_d) and _tma_ok(v, block_d)
+    if use_desc:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in (k, v))
+    else:
+        k_desc = v_desc = q  # unused
     grid = (triton.cdiv(sq, BLOCK), B * Hq)
     _sparse_attn_fwd[grid](
         q, k, v, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        k_desc, v_desc,
         tc, ti, cc, ci,
         tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
         pat_t, a_t, b_t, force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
         km, km.stride(0) if key_mask is not None else 0, doc, doc.stride(0) if doc_ids is not None else 0,
         Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=BLOCK, BLOCK_N=block_n, TILE=BLOCK,
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_FORCE=force_dense is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        KV_DESC=use_desc, WARP_SPEC=bool(warp_spec) and block_n == BLOCK, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -170,7 +170,8 @@ def _vs_colsum_kernel(
     HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Softmax probabilities of one key block: its column sums, and its diagonal sums added atomically."""
+    """Softmax probabilities of one key block: its column sums and its share of the diagonal sums."""
+    tl.static_assert(ROWS == BLOCK_N, "the diagonal gather pairs estimate rows with key columns")
     kblk = tl.program_id(0)
     slot_row = tl.program_id(1)
     q, pos, row_ok, K_off, KM_b, DOC_b, doc_row = _vs_load_rows(
@@ -186,9 +187,21 @@ def _vs_colsum_kernel(
     p = tl.where(allowed, tl.exp(s - row_max[:, None]) / row_sum[:, None], 0.0)
     out = slot_row.to(tl.int64) * skv
     tl.store(VERT + out + j, tl.sum(p, 0), mask=j < skv)
-    delta = pos[:, None] - j[None, :]
-    # allowed implies delta >= 0; a position past the keys can make delta >= skv, which the reference drops
-    tl.atomic_add(SLASH + out + delta, p, mask=allowed & (delta < skv), sem="relaxed")
+    # Diagonal sums without atomics. Rows sit at consecutive positions, so element (r, c) lies on
+    # diagonal d0 + (r - c), d0 = pos[0] - j[0]. Diagonals d0..d0+63 (r >= c) are summed by this key
+    # block alone and go to LOWER; d0-63..d0-1 (r < c) likewise to UPPER: the key blocks split both
+    # ranges without overlap, so each slot is written once and slash = LOWER + UPPER.
+    c = tl.arange(0, BLOCK_N)
+    below = tl.gather(p, tl.maximum(r[:, None] - c[None, :], 0), 1)  # [r, u] = p[r, r - u]
+    lower = tl.sum(tl.where(r[:, None] >= c[None, :], below, 0.0), 0)
+    above = tl.gather(p, tl.minimum(r[:, None] + c[None, :], BLOCK_N - 1), 1)  # [r, s] = p[r, r + s]
+    upper = tl.sum(tl.where((r[:, None] + c[None, :] < BLOCK_N) & (c[None, :] > 0), above, 0.0), 0)
+    d0 = q_offset + sq - last_q - kblk * BLOCK_N
+    # a diagonal below 0 holds nothing; one at skv or more (a position past the keys) the reference drops
+    d_lo = d0 + c
+    tl.store(SLASH + out + d_lo, lower, mask=(d_lo >= 0) & (d_lo < skv))
+    d_up = d0 - c
+    tl.store(SLASH + tl.num_programs(1).to(tl.int64) * skv + out + d_up, upper, mask=(c > 0) & (d_up >= 0) & (d_up < skv))
 
 
 def _mask_args(key_mask, doc_ids, B: int, skv: int, sq: int, q_offset: int, dummy: torch.Tensor):
@@ -222,9 +235,10 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     dev = q.device
     rows = B * n_vs
     vertical = torch.zeros(rows, skv, dtype=torch.float32, device=dev)
-    slash = torch.zeros(rows, skv, dtype=torch.float32, device=dev)
+    # the two halves of every diagonal sum (see _vs_colsum_kernel), added at the end
+    slash_parts = torch.zeros(2, rows, skv, dtype=torch.float32, device=dev)
     if rows == 0 or skv == 0 or sq == 0:
-        return vertical.view(B, n_vs, skv), slash.view(B, n_vs, skv)
+        return vertical.view(B, n_vs, skv), slash_parts[0].view(B, n_vs, skv)
     last_q = min(VS_LAST_Q, sq)
     km, kmb, doc, docb = _mask_args(key_mask, doc_ids, B, skv, sq, q_offset, q)
     # tl.dot cannot mix dtypes, the interpreter multiplies bf16 wrongly, and fp32 must stay ieee
@@ -247,8 +261,9 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     row_sum = (l_part * torch.exp(m_part - row_max[:, None])).sum(1)
     row_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
-    _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](q, k, km, doc, heads, row_max, row_sum, vertical, slash, **common)
-    return vertical.view(B, n_vs, skv), slash.view(B, n_vs, skv)
+    _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](q, k, km, doc, heads, row_max, row_sum, vertical, slash_parts,
+                                                      **common)
+    return vertical.view(B, n_vs, skv), (slash_parts[0] + slash_parts[1]).view(B, n_vs, skv)
 
 
 def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0):
@@ -276,16 +291,16 @@ def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=
 
 
 @triton.jit
-def _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K: tl.constexpr):
+def _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K: tl.constexpr, wanted=True):
     """Whether any selected diagonal crosses key tile ``n`` within rows [lo, hi].
 
     Diagonal delta reads keys [lo - delta, hi - delta] clipped to [0, skv-1]; it
     touches tile n iff lo - min(64n+63, skv-1) <= delta <= hi - 64n. P holds the
-    prefix counts of the selected diagonals, so the test is one difference.
+    prefix counts of the selected diagonals, so the test is one difference. Only ``wanted`` lanes read.
     """
     a = tl.maximum(lo - tl.minimum(n * BLOCK_K + BLOCK_K - 1, skv - 1), 0)
     b = tl.minimum(hi - n * BLOCK_K, skv - 1)
-    ok = a <= b
+    ok = (a <= b) & wanted
     pa = tl.load(P + a, mask=ok, other=0)
     pb = tl.load(P + b + 1, mask=ok, other=0)
     return ok & (pb > pa)
@@ -317,7 +332,7 @@ def _vs_to_tiles_kernel(
         # is a coalesced read of SHIFT_HITS; only the last query / key tile (maybe short) is
         # tested against the prefix counts.
         edge = (n == n_tiles - 1) | (m == m_tiles - 1)
-        sel_edge = _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K) & edge
+        sel_edge = _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K, edge & in_range)
         sel_shift = tl.load(S + (m - n) + shift0, mask=in_range & (edge == 0), other=0) != 0
         sel = (sel_edge | sel_shift) & in_range
         sel_i = sel.to(tl.int32)
@@ -333,7 +348,11 @@ def _vs_to_tiles_kernel(
         c = c0 + tl.arange(0, BLOCK_C)
         j = tl.load(COLS + slot_row.to(tl.int64) * n_cols + c, mask=c < col_end, other=skv)
         valid = (j < skv) & (j <= hi)
-        covered = _diag_hits_tile(P, j // BLOCK_K, lo, hi, skv, BLOCK_K)
+        # the same split as for tiles: the small shift table, the prefix counts only at the edges
+        n = j // BLOCK_K
+        edge = (n == n_tiles - 1) | (m == m_tiles - 1)
+        covered = _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K, valid & edge)
+        covered = covered | (tl.load(S + (m - n) + shift0, mask=valid & (edge == 0), other=0) != 0)
         keep = valid & (covered == 0)
         keep_i = keep.to(tl.int32)
         dest = ccount + tl.cumsum(keep_i, 0) - 1

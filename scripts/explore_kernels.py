@@ -1,29 +1,84 @@
-"""GPU exploration (not a test): what the index costs without launch overhead, and where its device time goes.
+"""GPU exploration (not a test): launch variants of the sparse kernel, and the index against a saved older one.
 
-usage: python scripts/explore_kernels.py [lengths, default 32k,128k]
-Prints the index time eager vs CUDA-graph replay, and at 128K+ the index's top device kernels.
-(The tile-size sweep in results/explore_kernels_h200_2026-11-30.txt used a temporary launcher argument
-that was not kept; see results/README.md.)
+usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k] [--dense-at 32k] [--index-at 8k,32k,128k]
+
+* launch variants (block_n, warps, stages, TMA copies, warp specialisation) on the bench's VS(1000, 6096)
+  index over structured inputs, and on dense work (every head DENSE) against cuDNN, in one run; each
+  variant's output is checked against the first;
+* the index, eager and CUDA-graph replay, and with ``--old-index`` the same inputs through an older
+  ``kernels/index.py`` (e.g. ``git show REV:kernels/index.py``) for an A/B in the same run.
 """
 from __future__ import annotations
 
-import sys
+import argparse
+import importlib.util
 
 import torch
+import torch.nn.functional as F
 
-from minference_fx.bench import LLAMA3_8B, _ms, structured_qkv
+from minference_fx.bench import LLAMA3_8B, _index_work, _ms, structured_qkv
 from minference_fx.cli import parse_lengths
+from minference_fx.kernels.attend import sparse_attention_triton
 from minference_fx.kernels.index import build_index_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
+# (block_n, num_warps, num_stages, kv_desc, warp_spec); the first is the shipped H200 config
+VARIANTS = [
+    (64, 4, 3, False, False), (64, 4, 2, False, False), (128, 4, 2, False, False), (128, 4, 3, False, False),
+    (128, 8, 2, False, False), (128, 8, 3, False, False), (64, 4, 2, True, False), (64, 4, 3, True, False),
+    (64, 8, 3, True, False), (64, 4, 3, True, True), (64, 8, 3, True, True), (64, 4, 3, False, True),
+]
 
-def index_graph(seq: int) -> None:
+
+def _vs_plan(budgets=(1000, 6096)) -> LayerPlan:
+    return LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),) * LLAMA3_8B["num_q_heads"])
+
+
+def launch_variants(seq: int, dense_seq: int) -> None:
     shape = LLAMA3_8B
-    q, k, _ = structured_qkv(seq, **shape)
-    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * shape["num_q_heads"])
     scale = shape["head_dim"] ** -0.5
-    fn = lambda: build_index_gpu(q, k, plan, scale=scale)  # noqa: E731
-    eager = _ms(fn, 5)
+    for label, n, plan in (("VS(1000,6096)", seq, _vs_plan()),
+                           ("dense", dense_seq, LayerPlan((HeadPlan(Pattern.DENSE),) * shape["num_q_heads"]))):
+        q, k, v = structured_qkv(n, **shape)
+        args = plan.op_arguments()
+        index = build_index_gpu(q, k, plan, scale=scale)
+        if label == "dense":
+            m = -(-n // 64)
+            physical = q.shape[1] * 64 * 64 * m * (m + 1) / 2
+            group = shape["num_q_heads"] // shape["num_kv_heads"]
+            kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), 3)
+            del kr, vr
+            print(f"{label} @ {n}: cuDNN {cudnn:.2f} ms", flush=True)
+        else:
+            physical, _ = _index_work(index, *args, n, n)
+            cudnn = None
+        base = None
+        for bn, w, st, desc, ws in VARIANTS:
+            name = f"bn{bn} w{w} s{st}{' tma' if desc else ''}{' ws' if ws else ''}"
+            fn = lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, num_warps=w,  # noqa: E731
+                                                 num_stages=st, block_n=bn, kv_desc=desc, warp_spec=ws)
+            try:
+                out = fn()
+                ms = _ms(fn, 5)
+            except Exception as exc:  # a variant that cannot compile is a finding, not a stop
+                print(f"{label} @ {n}: {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            if base is None:
+                base, base_ms = out, ms
+            err = (out.float() - base.float()).abs().max().item()
+            tf = 4 * shape["head_dim"] * physical / (ms * 1e-3) / 1e12
+            vs_cudnn = f", {cudnn / ms:.2f}x cuDNN" if cudnn else ""
+            print(f"{label} @ {n}: {name:<18} {ms:8.2f} ms {tf:5.0f} TF/s, {base_ms / ms:.3f}x first{vs_cudnn}, "
+                  f"max|diff| {err:.2e}", flush=True)
+        del q, k, v, index, base
+        torch.cuda.empty_cache()
+
+
+def _graph_ms(fn) -> float:
     fn()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -33,23 +88,52 @@ def index_graph(seq: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    replay = _ms(graph.replay, 5)
-    print(f"index {seq}: eager {eager:.2f} ms, CUDA-graph replay {replay:.2f} ms", flush=True)
+    return _ms(graph.replay, 5)
+
+
+def index_ab(seq: int, old_path: str | None) -> None:
+    shape = LLAMA3_8B
+    q, k, _ = structured_qkv(seq, **shape)
+    plan = _vs_plan()
+    scale = shape["head_dim"] ** -0.5
+    builders = {"current": build_index_gpu}
+    if old_path:
+        spec = importlib.util.spec_from_file_location("index_old", old_path)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        builders["old"] = old.build_index_gpu
+    results = {}
+    for name, build in builders.items():
+        fn = lambda: build(q, k, plan, scale=scale)  # noqa: E731
+        results[name] = fn()
+        print(f"index {seq} {name}: eager {_ms(fn, 5):.2f} ms, CUDA-graph replay {_graph_ms(fn):.2f} ms", flush=True)
+    if "old" in results:
+        a, b = results["current"], results["old"]
+        same = (a.tile_count == b.tile_count).float().mean().item()
+        print(f"index {seq}: tile counts equal in {100 * same:.3f} % of (head, query tile); "
+              f"column counts equal in {100 * (a.col_count == b.col_count).float().mean().item():.3f} %", flush=True)
     if seq >= 131072:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                fn()
+                build_index_gpu(q, k, plan, scale=scale)
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18), flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 
 
 def main() -> None:
-    lengths = parse_lengths(sys.argv[1] if len(sys.argv) > 1 else "32k,128k")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old-index")
+    ap.add_argument("--variants-at", default="128k")
+    ap.add_argument("--dense-at", default="32k")
+    ap.add_argument("--index-at", default="8k,32k,128k")
+    a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    for seq in lengths:
-        index_graph(seq)
+    for seq in parse_lengths(a.index_at):
+        index_ab(seq, a.old_index)
+    if a.variants_at:
+        launch_variants(parse_lengths(a.variants_at)[0], parse_lengths(a.dense_at)[0])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 # usage: scripts/gpu_session.sh STEPS   (comma list of: tests, tune, bench, prefill)
 #   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu
 #   TUNE_LENGTHS / TUNE_TIMEOUT     minference-fx autotune into $OUT/autotune, then a second process reads it
+#   TUNE_EXTRA                      autotune arguments of a second shape, tuned into the same cache
 #   BENCH_LENGTHS / BENCH_TIMEOUT / BENCH_ARGS    minference-fx bench kernels
 #   PREFILL_ARGS / PREFILL_TIMEOUT                minference-fx bench prefill
 set -uo pipefail
@@ -20,6 +21,9 @@ if [[ $steps == *,tune,* ]]; then
   tl=${TUNE_LENGTHS:-32k,128k}
   export MINFERENCE_FX_CACHE_DIR="${MINFERENCE_FX_CACHE_DIR:-$OUT/autotune}"  # kept for the steps after: bench uses the tuned configs
   timeout "${TUNE_TIMEOUT:-300}" minference-fx autotune --lengths "$tl" --head-dim 128 --gqa 4 --dtype bf16 2>&1 | tee "$OUT/autotune.txt"
+  if [[ -n ${TUNE_EXTRA:-} ]]; then  # another shape, e.g. "--lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3"
+    timeout "${TUNE_TIMEOUT:-300}" minference-fx autotune $TUNE_EXTRA --dtype bf16 2>&1 | tee "$OUT/autotune_extra.txt"
+  fi
   minference-fx autotune --show 2>&1 | tee -a "$OUT/autotune.txt"
   python3 scripts/autotune_reads_cache.py "$tl" --head-dim 128 --gqa 4 2>&1 | tee "$OUT/autotune_second_process.txt"
 fi

@@ -20,13 +20,41 @@ def _inputs(b, hq, hkv, sq, skv, d, dtype, seed=0):
     return make(hq, sq), make(hkv, skv), make(hkv, skv)
 
 
-def _check(q, k, v, plan, atol, **mask_args):
+def _check(q, k, v, plan, atol, launch=None, **mask_args):
     scale = q.shape[-1] ** -0.5
     index = reference.build_index(q, k, plan, scale=scale, **mask_args)
     want = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **mask_args)
-    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **mask_args)
+    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **(launch or {}), **mask_args)
     assert got.dtype == q.dtype and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+# Launch configs change speed, never the result: key blocks of half a tile, of two listed tiles
+# gathered side by side (an odd count leaves half a block empty), and TMA copies of K/V tiles.
+LAUNCHES = [dict(block_n=32), dict(block_n=128), dict(kv_desc=True), dict(kv_desc=True, warp_spec=True)]
+LAUNCH_IDS = ["bn32", "bn128", "tma", "tma-ws"]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
+@pytest.mark.parametrize("length", [65, 200])
+def test_launch_configs_same_result(launch, length):
+    q, k, v = _inputs(1, 8, 2, length, length, 16, torch.float32, seed=length)
+    _check(q, k, v, _plan(8), atol=1e-5, launch=launch)
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
+def test_launch_configs_with_masks_and_offset(launch):
+    q, k, v = _inputs(2, 4, 2, 100, 300, 16, torch.float32)
+    key_mask = torch.ones(2, 300, dtype=torch.bool)
+    key_mask[1, :70] = False
+    _check(q, k, v, _plan(4), atol=1e-5, launch=launch, q_offset=200, window=150, key_mask=key_mask)
+
+
+def test_launch_config_rejects_other_block_n():
+    q, k, v = _inputs(1, 4, 2, 64, 64, 16, torch.float32)
+    index = reference.build_index(q, k, _plan(4), scale=0.25)
+    with pytest.raises(ValueError, match="block_n must be 32, 64 or 128"):
+        sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, block_n=96)
 
 
 def _plan(hq):

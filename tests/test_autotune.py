@@ -86,8 +86,12 @@ def test_dispatch_keys_take_shape_dtype_and_bucket_from_the_tensors():
 
 def test_space_keeps_only_what_the_kernel_accepts_and_fits():
     kept = space.candidates("sparse_attention", 128, 2)
-    assert {(c.BLOCK_M, c.BLOCK_N) for c in kept} == {(reference.BLOCK, reference.BLOCK)}
-    assert {(c.num_warps, c.num_stages) for c in kept} == {(w, s) for w in (4, 8) for s in (1, 2, 3, 4)}
+    # query tiles are the index's; key steps of one or two index tiles
+    assert {(c.BLOCK_M, c.BLOCK_N) for c in kept} == {(reference.BLOCK, reference.BLOCK), (reference.BLOCK, 2 * reference.BLOCK)}
+    one_tile = {(c.num_warps, c.num_stages) for c in kept if c.BLOCK_N == reference.BLOCK}
+    assert one_tile == {(w, s) for w in (4, 8) for s in (1, 2, 3, 4)}
+    # two tiles of K and V per stage: four stages of 128-wide d128 steps pass Hopper's shared memory
+    assert max(c.num_stages for c in kept if c.BLOCK_N == 2 * reference.BLOCK) == 3
     for config in space.SPACE["sparse_attention"]:
         for head_dim, dtype_bytes, limit in ((128, 2, space.SM90_SMEM_BYTES), (256, 2, space.SM90_SMEM_BYTES),
                                              (128, 4, space.SM90_SMEM_BYTES), (128, 2, 100 * 1024)):

@@ -32,8 +32,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("seq", [4096, 16384, 65536])
-def test_bf16_kernel_error_within_twice_bf16_reference(seq):
+@pytest.mark.parametrize(("seq", "launch"), [(4096, {}), (16384, {}), (65536, {}), (16384, dict(block_n=128)),
+                                             (16384, dict(kv_desc=False))], ids=["4096", "16384", "65536", "16384-bn128",
+                                                                                 "16384-pointer-loads"])
+def test_bf16_kernel_error_within_twice_bf16_reference(seq, launch):
     from minference_fx.bench import structured_qkv
 
     q, k, v = structured_qkv(seq, num_q_heads=8, num_kv_heads=2, head_dim=128)
@@ -41,7 +43,7 @@ def test_bf16_kernel_error_within_twice_bf16_reference(seq):
                       HeadPlan(Pattern.BLOCK_SPARSE, 64), HeadPlan(Pattern.DENSE)) * 2)
     scale = 128 ** -0.5
     index = reference.build_index(q, k, plan, scale=scale)
-    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale)
+    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **launch)
     exact = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, index=index, rows_per_chunk=1024)
     bf16 = _bf16_math(q, k, v, index, plan, scale)
     assert torch.isfinite(got).all()
@@ -88,14 +90,16 @@ def test_fuzz_op_against_reference_on_1000_shapes():
         from minference_fx.kernels.index import build_index_gpu
 
         index = build_index_gpu(q, k, plan, scale=scale, key_mask=key_mask, q_offset=offset, window=window)
+        # every launch config the tuner may pick: TMA or pointer loads, one or two key tiles a step
+        launch = rng.choice([dict(), dict(kv_desc=False), dict(block_n=128, num_stages=3)])
         out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, key_mask=key_mask,
-                                      q_offset=offset, window=window)
+                                      q_offset=offset, window=window, **launch)
         want = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, key_mask=key_mask,
                                                     q_offset=offset, window=window, index=_full_index(index, q, k, plan, key_mask, offset, window, scale))
         assert torch.isfinite(out).all(), case
         err = (out.float() - want).abs().max().item()
         worst = max(worst, err)
-        assert err < 3e-2, (case, b, hq, hkv, sq, skv, d, dtype, window, plan, err)
+        assert err < 3e-2, (case, b, hq, hkv, sq, skv, d, dtype, window, launch, plan, err)
         if case % 100 == 99:
             print(f"fuzz: {case + 1} shapes, worst max-abs error so far {worst:.2e}", flush=True)
     print(f"fuzz: worst max-abs error {worst:.2e}")
