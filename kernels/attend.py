@@ -108,8 +108,12 @@ def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first, slot_ok=T
 
 
 # Lengths and offsets change with every prompt: specialising on them (==1, %16) would
-# compile new variants as prompts vary. Strides stay specialised (vectorised loads).
-@triton.jit(do_not_specialize=["num_heads", "group", "seq_q", "seq_k", "q_offset", "window"])
+# compile new variants as prompts vary. So do the index's and the masks' strides (query
+# tiles, list capacities, key count), which are read a scalar or a row at a time anyway.
+# Q/K/V/Out strides stay specialised (vectorised loads); a multiple of 16 for any length.
+@triton.jit(do_not_specialize=["num_heads", "group", "seq_q", "seq_k", "q_offset", "window",
+                               "stride_tc_bh", "stride_ti_bh", "stride_ti_m", "stride_cc_bh", "stride_ci_bh",
+                               "stride_ci_m", "stride_km", "stride_doc"])
 def _sparse_attn_fwd(
     Q, K, V, Out,
     stride_qb, stride_qh, stride_qm, stride_qd,
