@@ -50,6 +50,19 @@ def test_launch_configs_with_masks_and_offset(launch):
     _check(q, k, v, _plan(4), atol=1e-5, launch=launch, q_offset=200, window=150, key_mask=key_mask)
 
 
+def test_tma_request_falls_back_to_pointer_loads_where_the_layout_forbids_it():
+    from minference_fx.kernels.attend import _tma_ok
+
+    q, k, v = _inputs(1, 4, 2, 130, 130, 40, torch.float16)
+    k_strided = torch.randn(1, 2, 130, 80).to(torch.float16)[..., ::2]  # head dim not contiguous
+    k_rows_40b = torch.randn(1, 2, 130, 20).to(torch.float16)  # 40-byte rows: not a multiple of 16
+    assert _tma_ok(k, 64) and not _tma_ok(k_strided, 64) and not _tma_ok(k_rows_40b, 32)
+    k_strided.copy_(k)
+    _check(q, k_strided, v, _plan(4), atol=2e-3, launch=dict(kv_desc=True))
+    q20, k20, v20 = _inputs(1, 4, 2, 130, 130, 20, torch.float16)
+    _check(q20, k20, v20, _plan(4), atol=2e-3, launch=dict(kv_desc=True))
+
+
 def test_launch_config_rejects_other_block_n():
     q, k, v = _inputs(1, 4, 2, 64, 64, 16, torch.float32)
     index = reference.build_index(q, k, _plan(4), scale=0.25)
