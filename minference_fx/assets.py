@@ -280,18 +280,29 @@ def smollm2_dir(cache_dir=None) -> Path:
     return out
 
 
+SMOLLM2_CONTEXT = 8192  # the context SmolLM2 was trained to
+
+
+def smollm2_yarn_factor(longest: int, trained: int = SMOLLM2_CONTEXT) -> float:
+    """The power-of-two YaRN factor that stretches the trained context over ``longest`` tokens (1.0: none)."""
+    factor = 1
+    while trained * factor < longest:
+        factor *= 2
+    return float(factor)
+
+
 def load_smollm2(dtype=None, attn_implementation: str = "sdpa", yarn_factor: float | None = None, cache_dir=None):
     """(model, tokenizer) of SmolLM2-135M-Instruct, in eval mode.
 
-    ``yarn_factor`` (e.g. 2.0) stretches the 8K context with YaRN, which the
-    asset notes measured to keep 16K prompts coherent.
+    ``yarn_factor`` (e.g. 2.0; None or <= 1: none) stretches the 8K context with YaRN,
+    which the asset notes measured to keep 16K prompts coherent.
     """
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
     path = smollm2_dir(cache_dir)
     config = AutoConfig.from_pretrained(path)
-    if yarn_factor:
+    if yarn_factor and yarn_factor > 1:
         original = config.max_position_embeddings
         theta = config.rope_parameters.get("rope_theta", 100000.0)
         config.rope_parameters = {"rope_type": "yarn", "factor": float(yarn_factor), "rope_theta": theta,

@@ -46,6 +46,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .assets import smollm2_yarn_factor
+
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
@@ -97,18 +99,10 @@ SMOLLM2 = "smollm2"
 MODELS = ("llama3-8b-random", SMOLLM2)
 
 
-def smollm2_yarn_factor(max_len: int, trained: int = 8192) -> float:
-    factor = 1
-    while trained * factor < max_len:
-        factor *= 2
-    return float(factor)
-
-
 def build_smollm2(max_len: int, device, dtype: torch.dtype):
     from .assets import load_smollm2
 
-    factor = smollm2_yarn_factor(max_len)
-    model, tokenizer = load_smollm2(dtype=dtype, yarn_factor=factor if factor > 1 else None)
+    model, tokenizer = load_smollm2(dtype=dtype, yarn_factor=smollm2_yarn_factor(max_len))
     return model.to(device).eval(), tokenizer
 
 

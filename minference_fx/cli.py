@@ -99,11 +99,11 @@ def _search(args) -> int:
     lengths = parse_lengths(args.lengths)
     yarn = args.yarn
     if args.model == "smollm2":
-        from .assets import load_smollm2
+        from .assets import load_smollm2, smollm2_yarn_factor
 
-        if yarn is None:  # as eval loads it: YaRN x2 past the 8K context
-            yarn = 2.0 if max(lengths) > 8192 else 0.0
-        model, tokenizer = load_smollm2(dtype=__import__("torch").float32, yarn_factor=yarn or None)
+        if yarn is None:  # as eval loads it: YaRN past the 8K context
+            yarn = smollm2_yarn_factor(max(lengths))
+        model, tokenizer = load_smollm2(dtype=__import__("torch").float32, yarn_factor=yarn if yarn > 1 else None)
     else:
         if yarn:
             sys.exit("search --yarn: only with --model smollm2 (set rope scaling in the config.json otherwise)")
@@ -119,7 +119,7 @@ def _search(args) -> int:
         text, data_name = austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
     else:
         text, data_name = Path(args.data).read_text(), str(args.data)
-    if yarn:
+    if yarn and yarn > 1:
         data_name += f"; model with YaRN x{yarn:g} rope scaling"
     samples = [s for n in lengths for s in text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
     config = search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound,
@@ -258,7 +258,8 @@ def main(argv=None) -> int:
     sp.add_argument("--bound", type=float, default=0.05, help="largest mean relative output error a sparse head may have")
     sp.add_argument("--target-density", type=float, default=0.24, help="mean physical density the choice aims at")
     sp.add_argument("--yarn", type=float, default=None, metavar="FACTOR", help="smollm2: YaRN rope scaling factor "
-                    "(default: 2 when a length is past its 8K context, as eval loads it; 0: none)")
+                    "(default: the power of two that stretches its 8K context over the longest length, as eval "
+                    "loads it; 0: none)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")
     sp.set_defaults(run=_search)

@@ -39,7 +39,6 @@ ANSWER_TOKENS = 8
 
 CPU_LENGTH = 2048  # ~1 min per sparse prefill on 2 CPU cores with the reference op
 GPU_LENGTH = 8000  # inside SmolLM2's native 8K context
-NATIVE_CONTEXT = 8192
 
 
 def _words(text: str) -> str:
@@ -121,12 +120,7 @@ def demo_config(model, length: int) -> SemanticConfig:
 
 def build_prompt(tokenizer, text: str, length: int, depth: float = DEPTH) -> torch.Tensor:
     """``[1, length]`` ids: Emma's opening chapters, the needle at ``depth`` (at a sentence start), the question."""
-    needle = tokenizer(NEEDLE).input_ids
-    question = tokenizer(QUESTION).input_ids
-    n_hay = length - len(needle) - len(question)
-    hay = tokenizer(text[: n_hay * evaluate.CHARS_PER_TOKEN_ROOM]).input_ids[:n_hay]
-    at = evaluate._sentence_start(tokenizer, hay, int(depth * n_hay))
-    return torch.tensor([hay[:at] + needle + hay[at:] + question])
+    return evaluate.haystack_prompt(tokenizer, text, length, NEEDLE, QUESTION, depth)
 
 
 def _sync(device) -> None:
@@ -153,7 +147,7 @@ def timed_prefill(run, ids, *, warm_up: bool = False) -> tuple[object, float]:
 
 def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, config_path=None, inner: Optional[str] = None,
              progress: Callable[[str], None] = print) -> DemoResult:
-    from .assets import austen_text, load_smollm2
+    from .assets import austen_text, load_smollm2, smollm2_yarn_factor
     from .inspection import inspect
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -161,8 +155,9 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
     length = length or (GPU_LENGTH if on_gpu else CPU_LENGTH)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     inner = inner or ("inductor" if on_gpu else "eager")
-    yarn = 2.0 if length > NATIVE_CONTEXT else None
-    progress(f"loading SmolLM2-135M-Instruct ({dtype}, {dev}{', YaRN x2 for >8K' if yarn else ''}) and Jane Austen's novels")
+    yarn = smollm2_yarn_factor(length)
+    progress(f"loading SmolLM2-135M-Instruct ({dtype}, {dev}{f', YaRN x{yarn:g} for >8K' if yarn > 1 else ''}) "
+             "and Jane Austen's novels")
     model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
     model.to(dev)
     ids = build_prompt(tok, austen_text(), length).to(dev)

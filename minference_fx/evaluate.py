@@ -193,20 +193,28 @@ def _sentence_start(tokenizer, ids: list[int], at: int) -> int:
     return at
 
 
-def needle_prompt(tokenizer, text: str, length: int, depth: float, seed: int) -> tuple[torch.Tensor, str]:
-    """(``[1, length]`` prompt ids, passkey): prose from the text's start, a needle at ``depth``, the question."""
-    passkey = _passkey(length, depth, seed)
-    needle = tokenizer(NEEDLE.format(passkey=passkey)).input_ids
-    question = tokenizer(QUESTION).input_ids
-    n_hay = length - len(needle) - len(question)
-    # the haystack comes from the first three quarters (perplexity uses the rest); seeds move it along
-    offset = (seed * 97_003) % max(1, int(len(text) * HELD_OUT_FROM) - n_hay * CHARS_PER_TOKEN_ROOM)
+def haystack_prompt(tokenizer, text: str, length: int, needle: str, question: str, depth: float,
+                    offset: int = 0) -> torch.Tensor:
+    """``[1, length]`` ids: prose of ``text`` from character ``offset``, ``needle`` at ``depth`` (moved to a
+    sentence start), then ``question``."""
+    needle_ids = tokenizer(needle).input_ids
+    question_ids = tokenizer(question).input_ids
+    n_hay = length - len(needle_ids) - len(question_ids)
     hay = tokenizer(text[offset : offset + n_hay * CHARS_PER_TOKEN_ROOM]).input_ids[:n_hay]
     if len(hay) < n_hay:
         raise ValueError(f"text too short for a {length}-token haystack")
     at = _sentence_start(tokenizer, hay, int(depth * n_hay))
-    ids = hay[:at] + needle + hay[at:] + question
-    return torch.tensor([ids]), passkey
+    return torch.tensor([hay[:at] + needle_ids + hay[at:] + question_ids])
+
+
+def needle_prompt(tokenizer, text: str, length: int, depth: float, seed: int) -> tuple[torch.Tensor, str]:
+    """(``[1, length]`` prompt ids, passkey): prose from the text's start, a needle at ``depth``, the question."""
+    passkey = _passkey(length, depth, seed)
+    needle = NEEDLE.format(passkey=passkey)
+    n_hay = length - len(tokenizer(needle).input_ids) - len(tokenizer(QUESTION).input_ids)
+    # the haystack comes from the first three quarters (perplexity uses the rest); seeds move it along
+    offset = (seed * 97_003) % max(1, int(len(text) * HELD_OUT_FROM) - n_hay * CHARS_PER_TOKEN_ROOM)
+    return haystack_prompt(tokenizer, text, length, needle, QUESTION, depth, offset), passkey
 
 
 def greedy_answer(model, ids: torch.Tensor, *, prefill=None, new_tokens: int = 7) -> list[int]:
@@ -563,15 +571,15 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
 
 
 def load_model(spec: str = "smollm2", *, longest: int = 8192, device: Optional[str] = None, dtype=None):
-    """(model, tokenizer, name) for ``eval``: "smollm2" (YaRN x2 past its 8K context) or an HF model directory."""
+    """(model, tokenizer, name) for ``eval``: "smollm2" (YaRN past its 8K context) or an HF model directory."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if spec == "smollm2":
-        from .assets import load_smollm2
+        from .assets import load_smollm2, smollm2_yarn_factor
 
-        yarn = 2.0 if longest > 8192 else None
+        yarn = smollm2_yarn_factor(longest)
         model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
-        name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)" + (" + YaRN x2" if yarn else "")
+        name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)" + (f" + YaRN x{yarn:g}" if yarn > 1 else "")
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
