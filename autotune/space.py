@@ -1,19 +1,20 @@
 """Search space of each tunable kernel: a comprehension of launch configs plus a ``keep`` predicate.
 
-The space lists more than the kernels accept today (BLOCK_M other than the
-index granularity) so that widening a kernel means widening ``ACCEPTED_BLOCKS``,
-not rewriting the space.
+The space lists more than the kernels accept today (BLOCK_M of two index
+query tiles) so that widening a kernel means widening ``ACCEPTED_BLOCKS``, not
+rewriting the space.
 """
 from __future__ import annotations
 
 from ..kernels.reference import BLOCK
 from .cache import TuneEntry
 
-# The index lists query tiles of BLOCK rows, so a program owns exactly one: BLOCK_M is BLOCK.
-# Key steps of BLOCK_N = BLOCK or 2 * BLOCK (two listed tiles gathered side by side) are tuned;
-# the kernel also runs BLOCK // 2 (half tiles), left out of the search: it halves the MMA width
-# and doubles the loop's bookkeeping for nothing the 64-row query tile could gain.
-ACCEPTED_BLOCKS = {"sparse_attention": {"BLOCK_M": frozenset({BLOCK}), "BLOCK_N": frozenset({BLOCK, 2 * BLOCK})}}
+# The index lists query tiles of BLOCK rows: a program owns one (BLOCK_M = BLOCK) or a part of one
+# (BLOCK // 2 rows: more programs for short prompts). Key steps of BLOCK_N = BLOCK or 2 * BLOCK (two
+# listed tiles gathered side by side) are tuned. The kernel also runs BLOCK // 4 rows and BLOCK // 2
+# keys a step, left out of the search: they narrow the MMA for nothing the index could gain.
+ACCEPTED_BLOCKS = {"sparse_attention": {"BLOCK_M": frozenset({BLOCK // 2, BLOCK}),
+                                        "BLOCK_N": frozenset({BLOCK, 2 * BLOCK})}}
 
 SPACE = {
     "sparse_attention": [

@@ -107,14 +107,14 @@ class WarmUpReport:
     crossover: Optional[int]
 
     def __str__(self) -> str:
-        lines = [f"{'length':>8} {'config (N, warps, stages)':>26} {'kernel ms':>10} {'default ms':>10} {'tuned gain':>10} "
+        lines = [f"{'length':>8} {'config (M, N, warps, stages)':>29} {'kernel ms':>10} {'default ms':>10} {'tuned gain':>10} "
                  f"{'sparse ms':>10} {'dense ms':>10}"]
         for length, r in sorted(self.results.items()):
             sp, de = self.sparse_ms.get(length), self.dense_ms.get(length)
             default_ms = r.timings.get(cache.DEFAULT_ENTRY)  # what an untuned lookup would launch
             gain = "-" if default_ms is None else f"{default_ms / r.best_ms:.2f}x"
-            best = f"{r.best.BLOCK_N}, {r.best.num_warps}, {r.best.num_stages}"
-            lines.append(f"{length:>8} {best:>26} {r.best_ms:>10.3f} "
+            best = f"{r.best.BLOCK_M}, {r.best.BLOCK_N}, {r.best.num_warps}, {r.best.num_stages}"
+            lines.append(f"{length:>8} {best:>29} {r.best_ms:>10.3f} "
                          f"{'-' if default_ms is None else f'{default_ms:.3f}':>10} {gain:>10} "
                          f"{'-' if sp is None else f'{sp:.3f}':>10} {'-' if de is None else f'{de:.3f}':>10}")
         if self.dense_ms:
@@ -164,7 +164,7 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     try:
         for length in todo:
             result = tune(kernel, candidates, lambda c, n=length: workload.kernel(n, c)(), timer,
-                          on_timed=lambda c, n=length: bar.step(f"{kernel} @ {n}: BLOCK_N {c.BLOCK_N} warps {c.num_warps} "
+                          on_timed=lambda c, n=length: bar.step(f"{kernel} @ {n}: BLOCK_M {c.BLOCK_M} BLOCK_N {c.BLOCK_N} warps {c.num_warps} "
                                                                      f"stages {c.num_stages}"))
             results[length] = result
             cache.write(configs={TuneKey.of(kernel, measured_on, length): result.best}, path=path)

@@ -63,7 +63,7 @@ class CudaWorkload:
 
         return sparse_attention_triton(q, k, v, index, *self.plan.op_arguments(), scale=scale, force_dense=force_dense,
                                        num_warps=config.num_warps, num_stages=config.num_stages,
-                                       block_n=config.BLOCK_N)
+                                       block_m=config.BLOCK_M, block_n=config.BLOCK_N)
 
     def kernel(self, length: int, config: TuneEntry) -> Callable[[], object]:
         """The attention kernel alone on a prebuilt index: what the launch config changes."""

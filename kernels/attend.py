@@ -31,6 +31,7 @@ VERTICAL_SLASH = tl.constexpr(PATTERN_CODES[Pattern.VERTICAL_SLASH])
 BLOCK_SPARSE = tl.constexpr(PATTERN_CODES[Pattern.BLOCK_SPARSE])
 
 LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first, slot_ok=T
 # Q/K/V/Out strides stay specialised (vectorised loads); a multiple of 16 for any length.
 @triton.jit(do_not_specialize=["num_heads", "group", "seq_q", "seq_k", "q_offset", "window",
                                "stride_tc_bh", "stride_ti_bh", "stride_ti_m", "stride_cc_bh", "stride_ci_bh",
-                               "stride_ci_m", "stride_km", "stride_doc"])
+                               "stride_ci_m", "stride_km", "stride_doc", "stride_lb", "stride_lh"])
 def _sparse_attn_fwd(
     Q, K, V, Out,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -124,11 +125,11 @@ def _sparse_attn_fwd(
     TileCount, TileIndex, ColCount, ColIndex,
     stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
     Patterns, BudgetA, BudgetB, ForceDense,
-    KeyMask, stride_km, DocIds, stride_doc,
+    KeyMask, stride_km, DocIds, stride_doc, Lse, stride_lb, stride_lh,
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_FORCE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HAS_FORCE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
@@ -140,6 +141,17 @@ def _sparse_attn_fwd(
     pos = q_offset + rows
     pos_lo = q_offset + pid_m * BLOCK_M
     pos_hi = q_offset + tl.minimum(pid_m * BLOCK_M + BLOCK_M, seq_q) - 1
+    # The index lists keys per query tile of TILE rows; a program of BLOCK_M < TILE rows reads the
+    # lists of the tile holding its rows (tiles past its own diagonal are then fully masked).
+    # A-shape windows are defined per query tile too, so they start from the tile's first row.
+    if BLOCK_M == TILE:
+        m_list = pid_m
+        list_lo = pos_lo
+        list_hi = pos_hi
+    else:
+        m_list = pid_m * BLOCK_M // TILE
+        list_lo = q_offset + m_list * TILE
+        list_hi = q_offset + tl.minimum(m_list * TILE + TILE, seq_q) - 1
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
@@ -163,19 +175,22 @@ def _sparse_attn_fwd(
     last_tile = tl.minimum(pos_hi, seq_k - 1) // TILE
     listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
     sink_tiles = tl.cdiv(tl.load(BudgetA + h), TILE)
-    win_first = tl.maximum(pos_lo - tl.load(BudgetB + h) + 1, 0) // TILE
+    win_first = tl.maximum(list_lo - tl.load(BudgetB + h) + 1, 0) // TILE
     sink_tiles = tl.minimum(sink_tiles, win_first)
     n_tiles = last_tile + 1  # dense
     if pattern == A_SHAPE:
         n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
     if listed:
-        n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + pid_m)
-    tile_list = TileIndex + pid_bh * stride_ti_bh + pid_m * stride_ti_m
+        n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + m_list)
+    tile_list = TileIndex + pid_bh * stride_ti_bh + m_list * stride_ti_m
     # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
     # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
     # The ones before need no causal mask (issue: mask only where a tile crosses the diagonal).
     first_crossing = tl.minimum(pos_lo + 1, seq_k) // TILE
-    n_clear = tl.maximum(n_tiles - tl.maximum(last_tile - first_crossing + 1, 0), 0)
+    crossing_last = last_tile
+    if BLOCK_M != TILE:
+        crossing_last = tl.where(listed, tl.minimum(list_hi, seq_k - 1) // TILE, last_tile)
+    n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
     EXTRA_MASKS: tl.constexpr = HAS_KEY_MASK or HAS_DOC or HAS_WINDOW
     FULL: tl.constexpr = HEAD_DIM == BLOCK_D
     if BLOCK_N == TILE:
@@ -228,9 +243,9 @@ def _sparse_attn_fwd(
                                     ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
 
     # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
-    n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + pid_m)
+    n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + m_list)
     n_cols = tl.where(forced, 0, n_cols)  # dense already covers every column
-    col_list = ColIndex + pid_bh * stride_ci_bh + pid_m * stride_ci_m
+    col_list = ColIndex + pid_bh * stride_ci_bh + m_list * stride_ci_m
     for c0 in range(0, n_cols, BLOCK_N):
         slot_ok = c0 + offs_n < n_cols
         cols = tl.load(col_list + c0 + offs_n, mask=slot_ok, other=0)
@@ -245,6 +260,10 @@ def _sparse_attn_fwd(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        # m and l live in base 2 with the scale folded in: ln sum exp(scale * s) = ln2 * (m + log2 l)
+        lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
+        tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
 
 
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
@@ -267,9 +286,9 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
 
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
-    q_offset=0, window=0, force_dense=None, num_warps=4, num_stages=2, block_n=BLOCK, kv_desc=True,
-    warp_spec=False,
-) -> torch.Tensor:
+    q_offset=0, window=0, force_dense=None, num_warps=4, num_stages=2, block_m=BLOCK, block_n=BLOCK, kv_desc=True,
+    warp_spec=False, return_lse=False,
+):
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
     Parameters
@@ -279,21 +298,25 @@ def sparse_attention_triton(
     patterns, budget_a, budget_b : the plan as int lists (see :mod:`minference_fx.plan`).
     key_mask : optional bool ``[B, Skv]``; doc_ids : optional int ``[B, S >= Skv]``.
     force_dense : optional bool ``[B, Hq]``: (batch, head) pairs to run dense (the quality guard).
-    num_warps, num_stages, block_n : launch config (speed only). ``block_n`` keys per step: 32, 64 or
-        128 (two listed tiles gathered side by side); query tiles are always the index's 64 rows.
+    num_warps, num_stages, block_m, block_n : launch config (speed only). ``block_m`` query rows per
+        program: 16, 32 or 64 (a part of one of the index's 64-row query tiles); ``block_n`` keys per
+        step: 32, 64 or 128 (two listed tiles gathered side by side).
     kv_desc : read K/V tiles by TMA (Hopper+, ``block_n == 64``); falls back to pointer loads where the
         layout does not allow it.
     warp_spec : ask Triton to warp-specialise the unmasked tile loop (``block_n == 64``).
+    return_lse : also return the natural-log sum of exp(scale * q·k) over the keys each row read,
+        fp32 ``[B, Hq, Sq]`` (``-inf`` for a row that read none), e.g. to merge with other attention.
 
     Returns
     -------
-    ``[B, Hq, Sq, D]`` contiguous, dtype of q.
+    ``[B, Hq, Sq, D]`` contiguous, dtype of q; with ``return_lse``, ``(out, lse)``.
     """
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     out = torch.empty(B, Hq, sq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if sq == 0:
-        return out
+        return (out, lse) if return_lse else out
     pat_t, a_t, b_t = (int_table(xs, q.device) for xs in (patterns, budget_a, budget_b))
     ti = index.tile_index.reshape(B * Hq, index.tile_index.shape[2], -1)
     ci = index.col_index.reshape(B * Hq, index.col_index.shape[2], -1)
@@ -303,6 +326,8 @@ def sparse_attention_triton(
     doc = doc_ids if doc_ids is not None else q
     if block_n not in (32, 64, 128):
         raise ValueError(f"block_n must be 32, 64 or 128, got {block_n}")
+    if block_m not in (16, 32, 64):
+        raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
     block_d = triton.next_power_of_2(D)
     use_desc = kv_desc and block_n == BLOCK and _tma_ok(k, block_d) and _tma_ok(v, block_d)
     if use_desc:
@@ -311,7 +336,8 @@ def sparse_attention_triton(
         k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in (k, v))
     else:
         k_desc = v_desc = q  # unused
-    grid = (triton.cdiv(sq, BLOCK), B * Hq)
+    grid = (triton.cdiv(sq, block_m), B * Hq)
+    lse_t = lse if return_lse else q  # any pointer; unused without RETURN_LSE
     _sparse_attn_fwd[grid](
         q, k, v, out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -320,10 +346,12 @@ def sparse_attention_triton(
         tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
         pat_t, a_t, b_t, force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
         km, km.stride(0) if key_mask is not None else 0, doc, doc.stride(0) if doc_ids is not None else 0,
+        lse_t, Hq * sq if return_lse else 0, sq if return_lse else 0,
         Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=BLOCK, BLOCK_N=block_n, TILE=BLOCK,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK,
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_FORCE=force_dense is not None,
-        KV_DESC=use_desc, WARP_SPEC=bool(warp_spec) and block_n == BLOCK, num_warps=num_warps, num_stages=num_stages,
+        KV_DESC=use_desc, WARP_SPEC=bool(warp_spec) and block_n == BLOCK, RETURN_LSE=return_lse,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    return out
+    return (out, lse) if return_lse else out

@@ -2,7 +2,7 @@
 
 usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k] [--dense-at 32k] [--index-at 8k,32k,128k]
 
-* launch variants (block_n, warps, stages, TMA copies, warp specialisation) on the bench's VS(1000, 6096)
+* launch variants (block_m, block_n, warps, stages, TMA copies) on the bench's VS(1000, 6096)
   index over structured inputs, and on dense work (every head DENSE) against cuDNN, in one run; each
   variant's output is checked against the first;
 * the index, eager and CUDA-graph replay, and with ``--old-index`` the same inputs through an older
@@ -22,11 +22,10 @@ from minference_fx.kernels.attend import sparse_attention_triton
 from minference_fx.kernels.index import build_index_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
-# (block_n, num_warps, num_stages, kv_desc, warp_spec); the first is the shipped H200 config
+# (block_m, block_n, num_warps, num_stages, kv_desc); the first is the shipped H200 config
 VARIANTS = [
-    (64, 4, 3, False, False), (64, 4, 2, False, False), (128, 4, 2, False, False), (128, 4, 3, False, False),
-    (128, 8, 2, False, False), (128, 8, 3, False, False), (64, 4, 2, True, False), (64, 4, 3, True, False),
-    (64, 8, 3, True, False), (64, 4, 3, True, True), (64, 8, 3, True, True), (64, 4, 3, False, True),
+    (64, 64, 4, 3, True), (64, 64, 4, 3, False), (64, 64, 4, 2, True), (64, 128, 4, 3, False),
+    (32, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 128, 4, 3, False), (16, 64, 4, 3, True),
 ]
 
 
@@ -57,10 +56,10 @@ def launch_variants(seq: int, dense_seq: int) -> None:
             physical, _ = _index_work(index, *args, n, n)
             cudnn = None
         base = None
-        for bn, w, st, desc, ws in VARIANTS:
-            name = f"bn{bn} w{w} s{st}{' tma' if desc else ''}{' ws' if ws else ''}"
+        for bm, bn, w, st, desc in VARIANTS:
+            name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if desc else ''}"
             fn = lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, num_warps=w,  # noqa: E731
-                                                 num_stages=st, block_n=bn, kv_desc=desc, warp_spec=ws)
+                                                 num_stages=st, block_m=bm, block_n=bn, kv_desc=desc)
             try:
                 out = fn()
                 ms = _ms(fn, 5)

@@ -31,8 +31,9 @@ def _check(q, k, v, plan, atol, launch=None, **mask_args):
 
 # Launch configs change speed, never the result: key blocks of half a tile, of two listed tiles
 # gathered side by side (an odd count leaves half a block empty), and TMA copies of K/V tiles.
-LAUNCHES = [dict(block_n=32), dict(block_n=128), dict(kv_desc=True), dict(kv_desc=True, warp_spec=True)]
-LAUNCH_IDS = ["bn32", "bn128", "tma", "tma-ws"]
+LAUNCHES = [dict(block_n=32), dict(block_n=128), dict(kv_desc=True), dict(kv_desc=True, warp_spec=True),
+            dict(block_m=32), dict(block_m=16, block_n=128)]
+LAUNCH_IDS = ["bn32", "bn128", "tma", "tma-ws", "bm32", "bm16-bn128"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
@@ -63,11 +64,38 @@ def test_tma_request_falls_back_to_pointer_loads_where_the_layout_forbids_it():
     _check(q20, k20, v20, _plan(4), atol=2e-3, launch=dict(kv_desc=True))
 
 
-def test_launch_config_rejects_other_block_n():
+def test_launch_config_rejects_other_block_sizes():
     q, k, v = _inputs(1, 4, 2, 64, 64, 16, torch.float32)
     index = reference.build_index(q, k, _plan(4), scale=0.25)
     with pytest.raises(ValueError, match="block_n must be 32, 64 or 128"):
         sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, block_n=96)
+    with pytest.raises(ValueError, match="block_m must be 16, 32 or 64"):
+        sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, block_m=128)
+
+
+@pytest.mark.parametrize("launch", [dict(), dict(block_m=32, block_n=128)], ids=["default", "bm32-bn128"])
+def test_lse_is_the_log_sum_exp_over_the_keys_each_row_read(launch):
+    """The LSE over exactly the index's keys under the base mask; -inf where a row read nothing."""
+    q, k, v = _inputs(2, 4, 2, 100, 300, 16, torch.float32, seed=5)
+    key_mask = torch.ones(2, 300, dtype=torch.bool)
+    key_mask[1, :260] = False  # batch 1: its first query rows see no key at all
+    plan, scale = _plan(4), 0.25
+    masks = dict(q_offset=200, window=150, key_mask=key_mask)
+    index = reference.build_index(q, k, plan, scale=scale, **masks)
+    out, lse = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, return_lse=True,
+                                       **launch, **masks)
+    torch.testing.assert_close(out, reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index,
+                                                                         **masks), atol=1e-5, rtol=0)
+    listed = reference.index_to_mask(index, range(0, 100), 300)
+    pos = 200 + torch.arange(100)[:, None]
+    j = torch.arange(300)[None, :]
+    base = (j <= pos) & (pos - j < 150)
+    allowed = listed & base & key_mask[:, None, None, :]
+    s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * scale
+    want = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
+    assert lse.shape == (2, 4, 100) and lse.dtype == torch.float32
+    assert torch.isneginf(want[1, :, :5]).all()  # the case the kernel must not turn into NaN
+    torch.testing.assert_close(lse, want, atol=1e-5, rtol=0)
 
 
 def _plan(hq):

@@ -33,8 +33,8 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize(("seq", "launch"), [(4096, {}), (16384, {}), (65536, {}), (16384, dict(block_n=128)),
-                                             (16384, dict(kv_desc=False))], ids=["4096", "16384", "65536", "16384-bn128",
-                                                                                 "16384-pointer-loads"])
+                                             (16384, dict(kv_desc=False)), (16384, dict(block_m=32))],
+                         ids=["4096", "16384", "65536", "16384-bn128", "16384-pointer-loads", "16384-bm32"])
 def test_bf16_kernel_error_within_twice_bf16_reference(seq, launch):
     from minference_fx.bench import structured_qkv
 
@@ -92,7 +92,8 @@ def test_fuzz_op_against_reference_on_1000_shapes():
         index = build_index_gpu(q, k, plan, scale=scale, key_mask=key_mask, q_offset=offset, window=window)
         # every launch config the tuner may pick: TMA copies (the default) for bf16; pointer loads or
         # two key tiles a step for fp16 (tied to the dtype: each pairing is one more set of compiles)
-        launch = {} if dtype == torch.bfloat16 else rng.choice([dict(kv_desc=False), dict(block_n=128, num_stages=3)])
+        launch = {} if dtype == torch.bfloat16 else rng.choice([dict(kv_desc=False), dict(block_n=128, num_stages=3),
+                                                               dict(block_m=32)])
         out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, key_mask=key_mask,
                                       q_offset=offset, window=window, **launch)
         want = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, key_mask=key_mask,
