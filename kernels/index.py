@@ -51,6 +51,8 @@ _STATS_CHUNK = 1024
 _KEY_BLOCK = 64
 _TILE_VEC = 256
 _COL_VEC = 128
+_KEY_VEC = 1024
+_SCAN_CHUNK = 2048
 # Elements of one block-sparse score chunk [B*heads, query tiles, key tiles]:
 # about 128 MB of fp32 scores plus top-k scratch, whatever the length.
 _BS_CHUNK_ELEMS = 1 << 25
@@ -64,14 +66,23 @@ def _cdiv(a: int, b: int) -> int:
 
 
 
-def _rank_key(score: torch.Tensor) -> torch.Tensor:
-    """int64 key whose descending order is (score desc, index asc) along the last dim."""
-    # -0.0 would rank below +0.0 although the reference sees them equal
-    bits = (score.float() + 0.0).view(torch.int32)
-    # negative floats order backwards as signed ints: flip their magnitude bits
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    idx = torch.arange(score.shape[-1], device=score.device, dtype=torch.int64)
-    return (ordered << 32) | ((1 << 32) - 1 - idx)
+@triton.jit(do_not_specialize=["total", "skv"])
+def _rank_keys_kernel(VERT, SLASH_PARTS, KEY_V, KEY_S, total, skv, forced_cols, forced_diags, BLOCK: tl.constexpr):
+    """int64 top-k keys of the vertical and slash scores: descending order is (score desc, index asc).
+
+    Scores that are not > 0 (+0, -0, NaN from inf inputs) rank as +0; the forced columns / diagonals
+    rank as +inf. Every key is then >= +0, whose fp32 bits order like the values, and the low word
+    ``2**32 - 1 - j`` makes ties go to the lower index, as the reference's stable sort does."""
+    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = off < total
+    j = off % skv
+    v = tl.load(VERT + off, mask=ok, other=0.0)
+    s = tl.load(SLASH_PARTS + off, mask=ok, other=0.0) + tl.load(SLASH_PARTS + total + off, mask=ok, other=0.0)
+    v = tl.where(j < forced_cols, float("inf"), tl.where(v > 0, v, 0.0))
+    s = tl.where(j < forced_diags, float("inf"), tl.where(s > 0, s, 0.0))
+    low = tl.full([BLOCK], 4294967295, tl.int64) - j
+    tl.store(KEY_V + off, (v.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low, mask=ok)
+    tl.store(KEY_S + off, (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low, mask=ok)
 
 
 # --------------------------------------------------------------------------- vertical-slash estimate
@@ -204,6 +215,24 @@ def _vs_colsum_kernel(
     tl.store(SLASH + tl.num_programs(1).to(tl.int64) * skv + out + d_up, upper, mask=(c > 0) & (d_up >= 0) & (d_up < skv))
 
 
+@triton.jit(do_not_specialize=["n_chunks"])
+def _vs_row_reduce_kernel(M_PART, L_PART, ROW_MAX, ROW_SUM, n_chunks, ROWS: tl.constexpr):
+    """Combine the per-chunk (max, sum) of each estimate row: the max (0 if no key was allowed) and the
+    sum of exp(score - max) (1 if nothing was allowed, so the probabilities come out 0, not NaN)."""
+    slot_row = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, ROWS)
+    base = slot_row * n_chunks * ROWS
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    for c in range(0, n_chunks):
+        m = tl.maximum(m, tl.load(M_PART + base + c * ROWS + r))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([ROWS], tl.float32)
+    for c in range(0, n_chunks):
+        total += tl.load(L_PART + base + c * ROWS + r) * tl.exp(tl.load(M_PART + base + c * ROWS + r) - m)
+    tl.store(ROW_MAX + slot_row * ROWS + r, m)
+    tl.store(ROW_SUM + slot_row * ROWS + r, tl.where(total > 0, total, 1.0))
+
+
 def _mask_args(key_mask, doc_ids, B: int, skv: int, sq: int, q_offset: int, dummy: torch.Tensor):
     """(key-mask tensor, its batch stride, doc tensor, its batch stride) for the kernels."""
     dev = dummy.device
@@ -228,7 +257,8 @@ def _mask_args(key_mask, doc_ids, B: int, skv: int, sq: int, q_offset: int, dumm
 
 
 def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids, q_offset, window):
-    """Raw vertical and slash scores ``[B, n_vs, Skv]`` fp32 of the query heads listed in ``heads``."""
+    """Raw vertical scores ``[B, n_vs, Skv]`` fp32 of the query heads listed in ``heads``, and their
+    slash scores as two halves ``[2, B, n_vs, Skv]`` whose sum is the score."""
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -238,7 +268,7 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     # the two halves of every diagonal sum (see _vs_colsum_kernel), added at the end
     slash_parts = torch.zeros(2, rows, skv, dtype=torch.float32, device=dev)
     if rows == 0 or skv == 0 or sq == 0:
-        return vertical.view(B, n_vs, skv), slash_parts[0].view(B, n_vs, skv)
+        return vertical.view(B, n_vs, skv), slash_parts.view(2, B, n_vs, skv)
     last_q = min(VS_LAST_Q, sq)
     km, kmb, doc, docb = _mask_args(key_mask, doc_ids, B, skv, sq, q_offset, q)
     # tl.dot cannot mix dtypes, the interpreter multiplies bf16 wrongly, and fp32 must stay ieee
@@ -257,13 +287,12 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     l_part = torch.empty_like(m_part)
     _vs_row_stats_kernel[(n_chunks, rows)](q, k, km, doc, heads, m_part, l_part, n_chunks=n_chunks,
                                            CHUNK=_STATS_CHUNK, **common)
-    row_max = m_part.amax(1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    row_sum = (l_part * torch.exp(m_part - row_max[:, None])).sum(1)
-    row_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    row_max = torch.empty(rows, VS_LAST_Q, dtype=torch.float32, device=dev)
+    row_sum = torch.empty_like(row_max)
+    _vs_row_reduce_kernel[(rows,)](m_part, l_part, row_max, row_sum, n_chunks, ROWS=VS_LAST_Q)
     _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](q, k, km, doc, heads, row_max, row_sum, vertical, slash_parts,
                                                       **common)
-    return vertical.view(B, n_vs, skv), (slash_parts[0] + slash_parts[1]).view(B, n_vs, skv)
+    return vertical.view(B, n_vs, skv), slash_parts.view(2, B, n_vs, skv)
 
 
 def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=0):
@@ -284,7 +313,9 @@ def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=
     if Hq % k.shape[1]:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({k.shape[1]})")
     heads = int_table(range(Hq), q.device)
-    return _vs_scores(q, k, heads, Hq, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
+    vertical, slash_parts = _vs_scores(q, k, heads, Hq, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
+                                       q_offset=q_offset, window=window)
+    return vertical, slash_parts[0] + slash_parts[1]
 
 
 # --------------------------------------------------------------------------- vertical-slash -> tiles
@@ -304,6 +335,36 @@ def _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K: tl.constexpr, wanted=True):
     pa = tl.load(P + a, mask=ok, other=0)
     pb = tl.load(P + b + 1, mask=ok, other=0)
     return ok & (pb > pa)
+
+
+@triton.jit(do_not_specialize=["skv", "q_offset", "n_shift", "shift0"])
+def _diag_prefix_kernel(MARKS, PREFIX, SHIFT_HITS, skv, q_offset, n_shift, shift0,
+                        BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """Per row: PREFIX = inclusive prefix counts of MARKS[0..skv], then the shift table read off it.
+
+    One program scans a whole row, then reads back what it wrote (after a barrier) to test, for each
+    m - n + shift0, whether keys [64(m-n) + off - 63, 64(m-n) + off + 63] (clipped) hold a selected
+    diagonal: the hit of a full query tile m by a full key tile n."""
+    row = tl.program_id(0).to(tl.int64)
+    marks = MARKS + row * (skv + 2)
+    prefix = PREFIX + row * (skv + 1)
+    offs = tl.arange(0, CHUNK)
+    carry = 0
+    for c0 in range(0, skv + 1, CHUNK):
+        ok = c0 + offs < skv + 1
+        x = tl.load(marks + c0 + offs, mask=ok, other=0)
+        tl.store(prefix + c0 + offs, tl.cumsum(x, 0) + carry, mask=ok)
+        carry += tl.sum(x, 0)
+    tl.debug_barrier()  # the whole row is written before any thread reads it back
+    for s0 in range(0, n_shift, CHUNK):
+        at = s0 + offs
+        d = at - shift0
+        a = tl.maximum(d * BLOCK_K + q_offset - (BLOCK_K - 1), 0)
+        z = tl.minimum(d * BLOCK_K + q_offset + (BLOCK_K - 1), skv - 1)
+        want = (at < n_shift) & (a <= z)
+        pz = tl.load(prefix + tl.minimum(tl.maximum(z + 1, 0), skv), mask=want, other=0)
+        pa = tl.load(prefix + tl.minimum(a, skv), mask=want, other=0)
+        tl.store(SHIFT_HITS + row * n_shift + at, (want & (pz > pa)).to(tl.int8), mask=at < n_shift)
 
 
 @triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "n_tiles", "q_offset", "n_shift", "shift0", "n_cols", "tile_cap", "col_cap"])
@@ -368,40 +429,37 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
     n_vs = len(vs_heads)
     m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
     heads = int_table(vs_heads, dev)
-    vertical, slash = _vs_scores(q, k, heads, n_vs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
-                                 q_offset=q_offset, window=window)
-    raw_vertical = vertical
-    j = torch.arange(skv, device=dev)
-    inf = float("inf")
-    # sums of +0 are +0, but NaN (from inf inputs) must not outrank everything
-    vertical = torch.where(vertical > 0, vertical, 0.0).masked_fill(j < VS_FORCED_COLUMNS, inf)
-    slash = torch.where(slash > 0, slash, 0.0).masked_fill(j < VS_FORCED_DIAGONALS, inf)
+    raw_vertical, slash_parts = _vs_scores(q, k, heads, n_vs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
+                                           q_offset=q_offset, window=window)
+    key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=dev)
+    key_s = torch.empty_like(key_v)
+    total = B * n_vs * skv
+    _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](raw_vertical, slash_parts, key_v, key_s, total, skv,
+                                                 VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS, BLOCK=_KEY_VEC)
 
     n_cols = [min(max(hp.budget_a, VS_MIN_COLUMNS), skv) for hp in vs_plans]
     n_diags = [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) for hp in vs_plans]
     rank_c = torch.arange(max(n_cols), device=dev)
     rank_d = torch.arange(max(n_diags), device=dev)
     # one top-k at the largest budget; a head keeps only the first picks of its own budget
-    top_c = _rank_key(vertical).topk(max(n_cols), dim=-1, sorted=True).indices
+    top_c = key_v.topk(max(n_cols), dim=-1, sorted=True).indices
+    del key_v
     keep_c = rank_c < int_table(n_cols, dev)[:, None]
     cols = torch.where(keep_c, top_c, skv).sort(dim=-1).values.to(torch.int32).contiguous()
 
-    top_d = _rank_key(slash).topk(max(n_diags), dim=-1, sorted=True).indices
+    top_d = key_s.topk(max(n_diags), dim=-1, sorted=True).indices
+    del key_s
     keep_d = rank_d < int_table(n_diags, dev)[:, None]
     # slot delta+1 counts diagonal delta; slot skv+1 swallows the dropped picks
     marks = torch.zeros(B, n_vs, skv + 2, dtype=torch.int32, device=dev)
     marks.scatter_(2, torch.where(keep_d, top_d + 1, skv + 1), 1)
-    prefix = marks.cumsum(-1, dtype=torch.int32)[..., : skv + 1].contiguous()
-
-    # Hit of a full query tile m by a full key tile n, indexed by m - n + shift0:
-    # keys [64(m-n) + off - 63, 64(m-n) + off + 63] (clipped) hold a selected diagonal.
+    # Hit of a full query tile m by a full key tile n, indexed by m - n + shift0 (see _diag_prefix_kernel)
     shift0 = (q_offset + BLOCK - 1) // BLOCK  # n can exceed m by this much when q_offset > 0
     n_shift = m_tiles + shift0
-    d = torch.arange(n_shift, device=dev) - shift0
-    a = torch.clamp(d * BLOCK + q_offset - (BLOCK - 1), min=0)
-    z = torch.clamp(d * BLOCK + q_offset + (BLOCK - 1), max=skv - 1)
-    span = torch.clamp(z + 1, 0, skv).expand(B, n_vs, -1), torch.clamp(a, max=skv).expand(B, n_vs, -1)
-    shift_hits = ((a <= z) & (prefix.gather(2, span[0]) > prefix.gather(2, span[1]))).to(torch.int8).contiguous()
+    prefix = torch.empty(B, n_vs, skv + 1, dtype=torch.int32, device=dev)
+    shift_hits = torch.empty(B, n_vs, n_shift, dtype=torch.int8, device=dev)
+    _diag_prefix_kernel[(B * n_vs,)](marks, prefix, shift_hits, skv, q_offset, n_shift, shift0,
+                                     BLOCK_K=BLOCK, CHUNK=_SCAN_CHUNK)
 
     # how many selected columns each query tile can read: its loop stops there
     hi = q_offset + torch.clamp(torch.arange(m_tiles, device=dev) * BLOCK + BLOCK - 1, max=sq - 1)
@@ -551,10 +609,9 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
         rows = batch * len(vs)
         n_cols = min(max(max(hp.budget_a, VS_MIN_COLUMNS) for hp in vs), skv)
         n_diags = min(max(max(hp.budget_b, VS_MIN_DIAGONALS) for hp in vs), skv)
-        raw = 2 * rows * skv * 4  # vertical and slash scores, alive throughout
-        # the worst moment: the forced scores (fp32), the rank key being built (int32 bits, two
-        # int64 temporaries) and its top-k (int64 indices and values)
-        rank = rows * skv * (4 + 4 + 8 + 8) + rows * max(n_cols, n_diags) * 16
+        raw = 3 * rows * skv * 4  # vertical scores and the slash scores' two halves, alive throughout
+        # the worst moment: both int64 rank keys and the first top-k (int64 indices and values)
+        rank = rows * skv * 16 + rows * max(n_cols, n_diags) * 16
         # later: sorted columns, the diagonal marks and their prefix counts (int32), the shift table
         tiles = rows * (n_cols * 4 + 2 * (skv + 2) * 4 + (m_tiles + 1) * 9 + m_tiles * 8)
         stats = 2 * rows * _cdiv(skv, _STATS_CHUNK) * VS_LAST_Q * 4
