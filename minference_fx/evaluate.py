@@ -249,10 +249,12 @@ def needle_grid(model, tokenizer, lengths, depths, seeds, *, compiled=None, text
 
         text = austen_text()
     cells = []
+    device = next(model.parameters()).device
     for length in lengths:
         for depth in depths:
             for seed in seeds:
                 ids, passkey = needle_prompt(tokenizer, text, length, depth, seed)
+                ids = ids.to(device)
                 dense = tokenizer.decode(greedy_answer(model, ids))
                 sparse = tokenizer.decode(greedy_answer(model, ids, prefill=compiled)) if compiled is not None else ""
                 cell = NiahCell(length, depth, seed, passkey, passkey in dense, passkey in sparse, dense, sparse)
