@@ -12,6 +12,11 @@ pytestmark = pytest.mark.gpu
 OP = torch.ops.minference.sparse_attention.default
 
 
+# every pattern twice over 8 query heads, with the bench's default budgets
+MIXED_8_HEADS = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.A_SHAPE, 128, 2048),
+                           HeadPlan(Pattern.BLOCK_SPARSE, 64), HeadPlan(Pattern.DENSE)) * 2)
+
+
 def _bf16_math(q, k, v, index, plan, scale, rows_per_chunk=1024):
     """Masked attention with bf16 matmuls and fp32 softmax: the error budget a bf16 kernel is allowed."""
     B, Hq, sq, _ = q.shape
@@ -39,8 +44,7 @@ def test_bf16_kernel_error_within_twice_bf16_reference(seq, launch):
     from minference_fx.bench import structured_qkv
 
     q, k, v = structured_qkv(seq, num_q_heads=8, num_kv_heads=2, head_dim=128)
-    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.A_SHAPE, 128, 2048),
-                      HeadPlan(Pattern.BLOCK_SPARSE, 64), HeadPlan(Pattern.DENSE)) * 2)
+    plan = MIXED_8_HEADS
     scale = 128 ** -0.5
     index = reference.build_index(q, k, plan, scale=scale)
     got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **launch)
@@ -57,8 +61,7 @@ def test_bf16_lse_matches_fp32_logsumexp_over_the_index_keys(launch):
 
     seq = 16384
     q, k, v = structured_qkv(seq, num_q_heads=8, num_kv_heads=2, head_dim=128)
-    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.A_SHAPE, 128, 2048),
-                      HeadPlan(Pattern.BLOCK_SPARSE, 64), HeadPlan(Pattern.DENSE)) * 2)
+    plan = MIXED_8_HEADS
     scale = 128 ** -0.5
     index = reference.build_index(q, k, plan, scale=scale)
     out, lse = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, return_lse=True, **launch)
