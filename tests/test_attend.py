@@ -114,6 +114,13 @@ def test_odd_lengths(length):
     _check(q, k, v, _plan(4), atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_fp16_model_head_dims(head_dim):
+    """The head dims real models use (Llama/Qwen 128, SmolLM2/Phi 64, StableLM 80, Gemma-2B 256, 96)."""
+    q, k, v = _inputs(1, 4, 2, 130, 130, head_dim, torch.float16, seed=head_dim)
+    _check(q, k, v, _plan(4), atol=2e-3)
+
+
 def test_fp16_head_dim_not_power_of_two():
     q, k, v = _inputs(1, 4, 1, 192, 192, 24, torch.float16)
     _check(q, k, v, _plan(4), atol=2e-3)

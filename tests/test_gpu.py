@@ -54,6 +54,25 @@ def test_bf16_kernel_error_within_twice_bf16_reference(seq, launch):
     assert _rel(got, exact) <= 2 * _rel(bf16, exact) + 1e-4, (_rel(got, exact), _rel(bf16, exact))
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
+def test_bf16_head_dims_with_the_ops_launch_config(head_dim):
+    """Head dims other than the benchmark's 128, launched as the op launches them (tuned or default config)."""
+    from minference_fx.autotune.dispatch import launch_config
+    from minference_fx.bench import structured_qkv
+
+    q, k, v = structured_qkv(4096, num_q_heads=8, num_kv_heads=2, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    index = reference.build_index(q, k, MIXED_8_HEADS, scale=scale)
+    cfg = launch_config(q, k)
+    got = sparse_attention_triton(q, k, v, index, *MIXED_8_HEADS.op_arguments(), scale=scale, num_warps=cfg.num_warps,
+                                  num_stages=cfg.num_stages, block_m=cfg.BLOCK_M, block_n=cfg.BLOCK_N)
+    exact = reference.sparse_attention_reference(q.float(), k.float(), v.float(), MIXED_8_HEADS, scale=scale, index=index,
+                                                 rows_per_chunk=1024)
+    bf16 = _bf16_math(q, k, v, index, MIXED_8_HEADS, scale)
+    assert torch.isfinite(got).all()
+    assert _rel(got, exact) <= 2 * _rel(bf16, exact) + 1e-4, (cfg, _rel(got, exact), _rel(bf16, exact))
+
+
 @pytest.mark.parametrize("launch", [{}, dict(block_m=32, block_n=128)], ids=["default", "bm32-bn128"])
 def test_bf16_lse_matches_fp32_logsumexp_over_the_index_keys(launch):
     """``return_lse`` on the GPU: the LSE of bf16 inputs against fp32 scores over exactly the index's keys."""
@@ -100,7 +119,7 @@ def test_fuzz_op_against_reference_on_1000_shapes():
     worst = 0.0
     for case in range(1000):
         b, hkv, group = rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4])
-        d = rng.choice([64, 128])  # 80/96 are covered by the CPU tests; each head dim is one more compile here
+        d = rng.choice([64, 128])  # 80/96/256: test_bf16_head_dims_with_the_ops_launch_config; each is more compiles
         sq = rng.randint(1, 700)
         offset = rng.choice([0, 0, rng.randint(1, 300)])
         skv = sq + offset
