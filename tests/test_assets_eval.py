@@ -6,6 +6,7 @@ Each test stays under ~2 minutes on 2 CPU cores.
 """
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -168,3 +169,22 @@ def test_window_seed_moves_the_held_out_window_inside_the_last_quarter():
     for ids in windows:
         start = text.find("".join(chr(int(t)) for t in ids[0, :64]))
         assert start >= int(len(text) * evaluate.HELD_OUT_FROM)
+
+
+def test_needle_prompts_go_to_the_models_device(monkeypatch):
+    """The prompt ids follow the model's parameters (an H200 run once fed CPU ids to a CUDA model)."""
+    class Seen(Exception):
+        pass
+
+    class MetaModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(1, device="meta"))
+
+        def forward(self, ids, **kwargs):
+            raise Seen(ids.device)
+
+    monkeypatch.setattr(evaluate, "needle_prompt", lambda *a: (torch.zeros(1, 8, dtype=torch.long), "123"))
+    with pytest.raises(Seen) as seen:
+        evaluate.needle_grid(MetaModel(), types.SimpleNamespace(decode=str), [8], [0.5], [0], text="")
+    assert seen.value.args[0].type == "meta"
