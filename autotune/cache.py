@@ -50,6 +50,10 @@ class TuneEntry:
     num_warps: int = 4
     num_stages: int = 2
 
+    def launch(self) -> dict:
+        """Keyword arguments of ``sparse_attention_triton`` for this config."""
+        return dict(block_m=self.BLOCK_M, block_n=self.BLOCK_N, num_warps=self.num_warps, num_stages=self.num_stages)
+
 
 DEFAULT_ENTRY = TuneEntry()
 

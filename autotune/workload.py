@@ -62,8 +62,7 @@ class CudaWorkload:
         from ..kernels.attend import sparse_attention_triton
 
         return sparse_attention_triton(q, k, v, index, *self.plan.op_arguments(), scale=scale, force_dense=force_dense,
-                                       num_warps=config.num_warps, num_stages=config.num_stages,
-                                       block_m=config.BLOCK_M, block_n=config.BLOCK_N)
+                                       **config.launch())
 
     def kernel(self, length: int, config: TuneEntry) -> Callable[[], object]:
         """The attention kernel alone on a prebuilt index: what the launch config changes."""

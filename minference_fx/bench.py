@@ -266,15 +266,15 @@ def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=("cudnn", "flash",
         from .autotune.dispatch import launch_config
 
         tuned = launch_config(q, k)  # what the op launches at this length: the tuned config, else the default
-        warps, stages, block_m, block_n = num_warps or tuned.num_warps, num_stages or tuned.num_stages, tuned.BLOCK_M, tuned.BLOCK_N
-        print(f"seq {seq}: kernel launch config BLOCK_M={block_m} BLOCK_N={block_n} num_warps={warps} num_stages={stages}",
-              flush=True)
+        config = dataclasses.replace(tuned, num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages)
+        print(f"seq {seq}: kernel launch config BLOCK_M={config.BLOCK_M} BLOCK_N={config.BLOCK_N} "
+              f"num_warps={config.num_warps} num_stages={config.num_stages}", flush=True)
         index_fn = lambda: build_index_gpu(q, k, plan, scale=scale)  # noqa: E731
         index = index_fn()
         kernel_fn = lambda: sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale,  # noqa: E731
-                                                    num_warps=warps, num_stages=stages, block_m=block_m, block_n=block_n)
+                                                    **config.launch())
         total_fn = lambda: sparse_attention_triton(q, k, v, index_fn(), patterns, budget_a, budget_b, scale=scale,  # noqa: E731
-                                                   num_warps=warps, num_stages=stages, block_m=block_m, block_n=block_n)
+                                                   **config.launch())
         index_ms, kernel_ms, total_ms = _ms(index_fn, reps), _ms(kernel_fn, reps), _ms(total_fn, reps)
         physical, logical = _index_work(index, patterns, budget_a, budget_b, seq, seq)
         causal_pairs = q.shape[0] * q.shape[1] * seq * (seq + 1) / 2

@@ -130,8 +130,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, 
             guard.record(force, q.shape[0] * sum(is_vs))
         tuned = launch_config(q, k)
         return sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, force_dense=force,
-                                       num_warps=tuned.num_warps, num_stages=tuned.num_stages, block_m=tuned.BLOCK_M,
-                                       block_n=tuned.BLOCK_N, **masks)
+                                       **tuned.launch(), **masks)
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
 

@@ -440,3 +440,9 @@ def test_op_without_a_tuned_crossover_uses_the_default_length(cache_dir, monkeyp
     OP(*_qkv(96), None, None, 0.25, 0, 0, *VS, -1)
     assert ran == ["dense", "dense"]  # 80, 96 < 8192
     assert len([r for r in _warnings(caplog) if "crossover" in r.getMessage()]) == 1
+
+
+def test_launch_kwargs_carry_every_field_of_the_config():
+    entry = TuneEntry(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3)
+    assert entry.launch() == dict(block_m=32, block_n=128, num_warps=8, num_stages=3)
+    assert len(entry.launch()) == len(dataclasses.fields(TuneEntry))

@@ -64,8 +64,7 @@ def test_bf16_head_dims_with_the_ops_launch_config(head_dim):
     scale = head_dim ** -0.5
     index = reference.build_index(q, k, MIXED_8_HEADS, scale=scale)
     cfg = launch_config(q, k)
-    got = sparse_attention_triton(q, k, v, index, *MIXED_8_HEADS.op_arguments(), scale=scale, num_warps=cfg.num_warps,
-                                  num_stages=cfg.num_stages, block_m=cfg.BLOCK_M, block_n=cfg.BLOCK_N)
+    got = sparse_attention_triton(q, k, v, index, *MIXED_8_HEADS.op_arguments(), scale=scale, **cfg.launch())
     exact = reference.sparse_attention_reference(q.float(), k.float(), v.float(), MIXED_8_HEADS, scale=scale, index=index,
                                                  rows_per_chunk=1024)
     bf16 = _bf16_math(q, k, v, index, MIXED_8_HEADS, scale)
