@@ -2,6 +2,7 @@
 crossover on fake timings, the CLI's --show, and the op's dispatch on a tuned crossover."""
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import multiprocessing
@@ -446,3 +447,6 @@ def test_launch_kwargs_carry_every_field_of_the_config():
     entry = TuneEntry(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3)
     assert entry.launch() == dict(block_m=32, block_n=128, num_warps=8, num_stages=3)
     assert len(entry.launch()) == len(dataclasses.fields(TuneEntry))
+    from minference_fx.kernels.attend import sparse_attention_triton
+
+    assert set(entry.launch()) <= set(inspect.signature(sparse_attention_triton).parameters)
