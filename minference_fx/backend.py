@@ -33,6 +33,8 @@ DEFAULT_GUARD_THRESHOLD = DEFAULT_DEFAULTS["guard_threshold"]
 # Recent reports, newest last; inspect() and the CLI read them.
 _REPORTS: collections.deque[Report] = collections.deque(maxlen=64)
 
+_SPARSE_OP = torch.ops.minference.sparse_attention.default
+
 _LAYER_PARAM = re.compile(r"layers_modules_(\d+)_")
 
 
@@ -143,5 +145,9 @@ def minference_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options
         from .autotune import dispatch
 
         dispatch.set_on_miss(True)
-    rewrite_graph(gm, opts)
+    report = rewrite_graph(gm, opts)
+    if opts.precompile and report.rewritten:
+        from . import precompile
+
+        precompile.start(n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SPARSE_OP)
     return _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config)

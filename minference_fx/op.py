@@ -100,6 +100,12 @@ def sparse_attention(
     guard_threshold: float = 0.0,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b)
+    if q.is_cuda:
+        from . import precompile
+
+        # the first call, dense or sparse, waits for the kernels compiling in the background (at once when
+        # none is): no CUDA work of that thread can then overlap a graph capture that follows this call
+        precompile.wait()
     if min_sparse_len < 0:
         from .autotune.dispatch import tuned_min_sparse_len
 
@@ -119,18 +125,11 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, 
     last_rows = min(guard.VS_LAST_Q, q.shape[-2])
     if q.is_cuda:
         from .autotune.dispatch import launch_config
-        from .kernels.attend import sparse_attention_triton
-        from .kernels.index import build_index_gpu
 
-        mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
-        index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)
-        force = None
-        if guarded:
-            force = mass < guard_threshold
+        out, force = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0, launch_config(q, k))
+        if force is not None:
             guard.record(force, q.shape[0] * sum(is_vs))
-        tuned = launch_config(q, k)
-        return sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, force_dense=force,
-                                       **tuned.launch(), **masks)
+        return out
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
 
@@ -143,6 +142,22 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, 
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
+
+
+def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_threshold: float, tuned):
+    """The op's GPU path with launch config ``tuned``: index, quality guard, kernel.
+
+    Returns (output, the (batch, head) pairs the guard forced dense, or None without a guard)."""
+    from .kernels.attend import sparse_attention_triton
+    from .kernels.index import build_index_gpu
+
+    guarded = guard_threshold > 0
+    mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
+    index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)
+    force = mass < guard_threshold if guarded else None
+    out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, force_dense=force,
+                                  **tuned.launch(), **masks)
+    return out, force
 
 
 @sparse_attention.register_fake

@@ -41,8 +41,12 @@ class BackendOptions:
     """"off": a shape missing from the autotune cache runs a safe default (logged once); "on-miss": it is
     tuned on the GPU at its first call, once per process, and stored. Process-wide once turned on."""
 
+    precompile: bool = True
+    """on a GPU, JIT the sparse kernels in a background thread while Inductor compiles the graph (the first
+    call waits for it); False: the first sparse call compiles them"""
+
     _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold",
-              "autotune")
+              "autotune", "precompile")
     AUTOTUNE_POLICIES = ("off", "on-miss")
 
     @classmethod
@@ -65,6 +69,8 @@ class BackendOptions:
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
+        if not isinstance(options.get("precompile", True), bool):
+            problems.append(f"precompile={options['precompile']!r}; expected True or False")
         if not isinstance(options.get("inductor_config", {}), dict):
             problems.append("inductor_config must be a dict of Inductor config patches")
         if problems:
@@ -80,4 +86,5 @@ class BackendOptions:
             observer=options.get("observer"),
             guard_threshold=None if guard is None else float(guard),
             autotune=options.get("autotune", "off"),
+            precompile=options.get("precompile", True),
         )

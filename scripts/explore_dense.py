@@ -1,0 +1,132 @@
+"""GPU exploration (not a test): how close the sparse kernel gets to cuDNN on dense work, and what
+the online index keeps on diffuse (random-weight-like) attention.
+
+usage: python scripts/explore_dense.py [--lengths 32k,128k]
+
+* dense work (every head DENSE, tiles enumerated): launch variants including BLOCK_M 128 with 8 warps,
+  launched straight into ``_sparse_attn_fwd`` (the public entry point accepts BLOCK_M <= 64 only,
+  because listed heads share one 64-row list per program; dense heads list nothing);
+* diffuse Q/K (N(0, 1.28^2) entries, logits of std ~1.6, as a std-0.02 random Llama gives): the
+  VS(1000, 6096) index's physical density, kernel time, and cuDNN on the same inputs.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from minference_fx.bench import LLAMA3_8B, _index_work, _ms, structured_qkv
+from minference_fx.cli import parse_lengths
+from minference_fx.kernels import attend
+from minference_fx.kernels.index import build_index_gpu
+from minference_fx.kernels.tables import int_table
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+# (block_m, block_n, num_warps, num_stages, tma, warp_spec)
+DENSE_VARIANTS = [
+    (64, 64, 4, 3, True, False), (64, 64, 4, 2, True, False),
+    (128, 64, 8, 2, True, False), (128, 64, 8, 3, True, False), (128, 64, 8, 3, True, True),
+    (128, 128, 8, 2, False, False), (128, 128, 8, 3, False, False), (128, 64, 4, 2, True, False),
+]
+
+
+def launch(q, k, v, index, patterns, budget_a, budget_b, scale, bm, bn, warps, stages, tma, ws):
+    """``sparse_attention_triton``'s launch without its BLOCK_M check (dense heads only past 64)."""
+    B, Hq, sq, D = q.shape
+    out = torch.empty_like(q)
+    pat_t, a_t, b_t = (int_table(xs, q.device) for xs in (patterns, budget_a, budget_b))
+    ti = index.tile_index.reshape(B * Hq, index.tile_index.shape[2], -1)
+    ci = index.col_index.reshape(B * Hq, index.col_index.shape[2], -1)
+    tc, cc = index.tile_count.reshape(B * Hq, -1), index.col_count.reshape(B * Hq, -1)
+    block_d = triton.next_power_of_2(D)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kd, vd = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, block_d]) for t in (k, v))
+    else:
+        kd = vd = q
+    attend._sparse_attn_fwd[(triton.cdiv(sq, bm), B * Hq)](
+        q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(), kd, vd,
+        tc, ti, cc, ci, tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
+        pat_t, a_t, b_t, pat_t, q, 0, q, 0, q, 0, 0,
+        Hq, Hq // k.shape[1], sq, k.shape[2], 0, 0, scale * attend.LOG2E,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, TILE=64, HAS_KEY_MASK=False, HAS_DOC=False,
+        HAS_WINDOW=False, DOT_PRECISION="tf32", HAS_FORCE=False, KV_DESC=tma, WARP_SPEC=ws, RETURN_LSE=False,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def cudnn_ms(q, k, v) -> float:
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ms = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), 3)
+    return ms
+
+
+def dense_variants(n: int) -> None:
+    shape = LLAMA3_8B
+    scale = shape["head_dim"] ** -0.5
+    q, k, v = structured_qkv(n, **shape)
+    plan = LayerPlan((HeadPlan(Pattern.DENSE),) * shape["num_q_heads"])
+    args = plan.op_arguments()
+    index = attend.empty_index(1, shape["num_q_heads"], -(-n // 64), q.device)
+    cud = cudnn_ms(q, k, v)
+    flops = 4 * shape["head_dim"] * shape["num_q_heads"] * n * (n + 1) / 2
+    print(f"dense @ {n}: cuDNN {cud:.2f} ms ({flops / cud / 1e9:.0f} TF/s causal)", flush=True)
+    base = None
+    for bm, bn, w, st, tma, ws in DENSE_VARIANTS:
+        name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if tma else ''}{' ws' if ws else ''}"
+        fn = lambda: launch(q, k, v, index, *args, scale, bm, bn, w, st, tma, ws)  # noqa: E731
+        try:
+            out = fn()
+            ms = _ms(fn, 5)
+        except Exception as exc:  # a variant that cannot compile is a finding, not a stop
+            print(f"dense @ {n}: {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        if base is None:
+            base = out
+        err = (out.float() - base.float()).abs().max().item()
+        print(f"dense @ {n}: {name:<24} {ms:8.2f} ms {flops / ms / 1e9:5.0f} TF/s causal, {cud / ms:.3f}x cuDNN, "
+              f"max|diff| {err:.2e}", flush=True)
+    del q, k, v, base
+    torch.cuda.empty_cache()
+
+
+def diffuse(n: int) -> None:
+    shape = LLAMA3_8B
+    scale = shape["head_dim"] ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: (1.28 * torch.randn(1, h, n, shape["head_dim"], device="cuda", generator=g)).bfloat16()  # noqa: E731
+    q, k, v = mk(shape["num_q_heads"]), mk(shape["num_kv_heads"]), mk(shape["num_kv_heads"])
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * shape["num_q_heads"])
+    args = plan.op_arguments()
+    index = build_index_gpu(q, k, plan, scale=scale)
+    physical, _ = _index_work(index, *args, n, n)
+    causal = shape["num_q_heads"] * n * (n + 1) / 2
+    idx_ms = _ms(lambda: build_index_gpu(q, k, plan, scale=scale), 5)
+    kern = _ms(lambda: attend.sparse_attention_triton(q, k, v, index, *args, scale=scale, num_stages=3), 5)
+    cols = index.col_count.float().mean().item()
+    cud = cudnn_ms(q, k, v)
+    print(f"diffuse VS(1000,6096) @ {n}: physical density {physical / causal:.4f}, leftover columns/query tile "
+          f"{cols:.1f}, index {idx_ms:.2f} ms, kernel {kern:.2f} ms, cuDNN {cud:.2f} ms, "
+          f"{cud / (idx_ms + kern):.3f}x cuDNN", flush=True)
+    del q, k, v, index
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="32k,128k")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for n in parse_lengths(a.lengths):
+        diffuse(n)
+        dense_variants(n)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Background compile of the sparse kernels: the specs it reads off a graph, the layouts and launch
+configs it guesses (CPU), and that the first real call finds its kernels compiled (GPU)."""
+import threading
+import time
+
+import pytest
+import torch
+import torch.fx as fx
+
+from minference_fx import precompile
+from minference_fx.autotune import cache
+from minference_fx.options import BackendOptions
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+OP = torch.ops.minference.sparse_attention.default
+
+
+def _layouts(seq):
+    """q-like tensors [B, H, S, D] in the layouts a traced model hands the op."""
+    b, h, d = 2, 4, 64
+    return {
+        "contiguous": torch.zeros(b, h, seq, d),
+        "from [B, S, H, D]": torch.zeros(b, seq, h, d).transpose(1, 2),
+        "from [S, B, H, D]": torch.zeros(seq, b, h, d).permute(1, 2, 0, 3),
+    }
+
+
+def _flags(t):
+    # what Triton specialises an int argument on: == 1 and divisibility by 16
+    return [(s == 1, s % 16 == 0) for s in t.stride()]
+
+
+@pytest.mark.parametrize("layout", list(_layouts(8)))
+def test_dummy_inputs_specialise_like_the_real_ones(layout):
+    real = _layouts(3001)[layout]  # a prompt length that is not a multiple of anything
+    spec = _spec(order=precompile._order(real))
+    dummy = precompile._dummy(tuple(real.shape[:2]) + (precompile.DUMMY_LEN, real.shape[3]), spec.q_order, spec)
+    assert precompile._order(dummy) == precompile._order(real)
+    assert _flags(dummy) == _flags(real)
+
+
+def _spec(order=(0, 1, 2, 3), **kw):
+    fields = dict(device=torch.device("cpu"), dtype=torch.float16, batch=1, q_heads=8, kv_heads=2, head_dim=64,
+                  q_order=order, k_order=order, v_order=order, has_key_mask=False, has_doc_ids=False, window=0,
+                  scale=0.125, patterns=(2,) * 8, budget_a=(1000,) * 8, budget_b=(6096,) * 8, guard_threshold=0.5,
+                  min_sparse_len=-1)
+    fields.update(kw)
+    return precompile.KernelSpec(**fields)
+
+
+def test_spec_is_read_off_the_op_node(monkeypatch):
+    g = fx.Graph()
+    q, k, v, km = (g.placeholder(n) for n in ("q", "k", "v", "km"))
+    q.meta["example_value"] = torch.empty(1, 8, 4096, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2).transpose(1, 2)
+    k.meta["example_value"] = torch.empty(1, 4096, 2, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    v.meta["example_value"] = torch.empty(1, 2, 4096, 64, dtype=torch.bfloat16, device="meta")
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 100, 200),) * 4 + (HeadPlan(Pattern.DENSE),) * 4)
+    node = g.call_function(OP, (q, k, v, km, None, 0.125, 0, 512, *plan.op_arguments(), 32768, 0.5))
+    assert precompile.spec_of(node) is None  # meta tensors are not on a GPU: nothing to compile for
+    monkeypatch.setattr(precompile, "_on_gpu", lambda t: True)
+    spec = precompile.spec_of(node)
+    assert (spec.batch, spec.q_heads, spec.kv_heads, spec.head_dim, spec.dtype) == (1, 8, 2, 64, torch.bfloat16)
+    assert (spec.q_order, spec.k_order, spec.v_order) == ((0, 1, 2, 3), (0, 2, 1, 3), (0, 1, 2, 3))
+    assert (spec.has_key_mask, spec.has_doc_ids, spec.window, spec.min_sparse_len, spec.guard_threshold) == (True, False, 512, 32768, 0.5)
+    assert [list(spec.patterns), list(spec.budget_a), list(spec.budget_b)] == [list(x) for x in plan.op_arguments()]
+
+
+def _fake_table(monkeypatch, crossover, entries):
+    """cache lookups answered from ``entries`` {bucket: TuneEntry}, crossover ``crossover``."""
+    from minference_fx.autotune import dispatch
+
+    monkeypatch.setattr(dispatch, "crossover_key", lambda *a: "shape")
+    monkeypatch.setattr(dispatch, "tune_key", lambda kernel, dev, dtype, d, g, bucket: bucket)
+    monkeypatch.setattr(cache, "lookup_crossover", lambda key: crossover)
+    monkeypatch.setattr(cache, "find", lambda key: entries.get(key))
+
+
+def test_launch_configs_are_those_of_the_buckets_the_sparse_path_runs_at(monkeypatch):
+    small, big = cache.TuneEntry(BLOCK_M=32), cache.TuneEntry(num_stages=3)
+    every_bucket = {1 << b: big for b in range(22)}
+    q = torch.zeros(1, 8, 64, 64)
+    _fake_table(monkeypatch, 32768, {**every_bucket, 8192: small})
+    assert precompile.launch_configs(_spec(), q, q) == [big]  # 8K is below the crossover: never launched
+    _fake_table(monkeypatch, 4096, {**every_bucket, 8192: small})
+    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([small, big])
+    _fake_table(monkeypatch, 4096, {1 << 14: big})  # untuned buckets run the default
+    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([big, cache.DEFAULT_ENTRY])
+    _fake_table(monkeypatch, cache.DENSE_ALWAYS, every_bucket)
+    assert precompile.launch_configs(_spec(), q, q) == []
+    # an explicit min_sparse_len wins over the stored crossover
+    _fake_table(monkeypatch, cache.DENSE_ALWAYS, {**every_bucket, 8192: small})
+    assert sorted(precompile.launch_configs(_spec(min_sparse_len=8192), q, q)) == sorted([small, big])
+
+
+def test_wait_returns_after_the_background_compile(monkeypatch):
+    done = threading.Event()
+
+    def slow_run(specs):
+        time.sleep(0.3)
+        done.set()
+
+    monkeypatch.setattr(precompile, "spec_of", lambda node: _spec())
+    monkeypatch.setattr(precompile, "_run", slow_run)
+    assert precompile.start(["node", "node"]) is not None  # one spec after de-duplication
+    precompile.wait()
+    assert done.is_set()
+    precompile.wait()  # nothing pending: returns at once
+
+
+def test_nothing_starts_without_a_gpu_spec():
+    assert precompile.start([]) is None
+
+
+def test_precompile_option_is_validated():
+    assert BackendOptions.from_user({}).precompile is True
+    assert BackendOptions.from_user({"precompile": False}).precompile is False
+    with pytest.raises(ValueError, match="precompile"):
+        BackendOptions.from_user({"precompile": "yes"})
+
+
+@pytest.mark.gpu
+def test_first_call_finds_its_kernels_compiled_by_the_background_thread():
+    import os
+    import sys
+
+    import triton
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import tiny_model
+
+    from minference_fx.kernels import attend, guard, index
+
+    # forget what earlier tests compiled in this process, so every kernel this call needs is compiled anew
+    for module in (attend, index, guard):
+        for fn in vars(module).values():
+            if isinstance(fn, triton.runtime.jit.JITFunction):
+                fn.device_caches.clear()
+    compiled_by = []
+
+    def hook(*, fn, **_):
+        if fn.module.startswith("minference_fx."):
+            compiled_by.append((threading.current_thread().name, fn.name))
+        return None
+
+    model = tiny_model("llama", hidden_size=256, intermediate_size=512).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 3001), device="cuda")
+    before = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(model, backend="minference", options={"min_sparse_len": 0})
+            compiled(ids, use_cache=False)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = before
+    in_background = {name for thread, name in compiled_by if thread == "minference-precompile"}
+    in_call = {name for thread, name in compiled_by if thread != "minference-precompile"}
+    assert "_sparse_attn_fwd" in in_background, compiled_by
+    assert not in_call, f"the first call compiled {in_call} itself: the background guess missed its specialisation"
