@@ -14,7 +14,9 @@ read when all of these hold:
 * ``p_i - j < window`` when ``window > 0`` (sliding-window models);
 * ``j`` is in the head's sparse key set (its plan entry), unless the prompt is
   shorter than ``min_sparse_len``, in which case every head is dense and the
-  call goes to the device's dense SDPA (cuDNN / flash on GPU). A negative
+  call goes to the device's dense SDPA (cuDNN / flash on GPU). So do a layer
+  whose plan is dense on every head and, on GPU, the dense heads of a mixed
+  plan (cuDNN is faster than the sparse kernel's tile walk on dense work). A negative
   ``min_sparse_len`` means the tuned crossover of this device and shape
   (``minference-fx autotune``; untuned: 8192).
 
@@ -27,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .plan import PATTERN_CODES, LayerPlan, Pattern
+from .plan import PATTERN_CODES, HeadPlan, LayerPlan, Pattern
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
@@ -110,7 +112,8 @@ def sparse_attention(
         from .autotune.dispatch import tuned_min_sparse_len
 
         min_sparse_len = tuned_min_sparse_len(q, k)
-    if q.shape[-2] < min_sparse_len:
+    if q.shape[-2] < min_sparse_len or all(p == _DENSE for p in patterns):
+        # a layer the plan keeps wholly dense runs the device's fused SDPA, faster than any tile walk
         return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
     return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, guard_threshold)
 
@@ -145,19 +148,46 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, 
 
 
 def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_threshold: float, tuned):
-    """The op's GPU path with launch config ``tuned``: index, quality guard, kernel.
+    """The op's GPU path with launch config ``tuned``: index, quality guard, kernel; the plan's dense heads
+    through the device's fused SDPA.
 
     Returns (output, the (batch, head) pairs the guard forced dense, or None without a guard)."""
     from .kernels.attend import sparse_attention_triton
     from .kernels.index import build_index_gpu
 
+    dense_heads = [h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE]
+    if dense_heads:
+        # cuDNN runs dense causal attention faster than the kernel's tile walk (0.76-0.80x of it on an
+        # H200): those heads go to SDPA, and the kernel runs them at the cost of one tile per query tile
+        plan = LayerPlan(tuple(_LEFT_TO_SDPA if hp.pattern is Pattern.DENSE else hp for hp in plan.heads))
     guarded = guard_threshold > 0
     mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)
     force = mass < guard_threshold if guarded else None
     out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, force_dense=force,
                                   **tuned.launch(), **masks)
+    if dense_heads:
+        _dense_heads_by_sdpa(q, k, v, out, dense_heads, scale, masks)
     return out, force
+
+
+# What the kernel runs for a head SDPA computes instead: A-shape without sinks and a one-token window
+# reads only the diagonal tile of each query tile, and its output is overwritten.
+_LEFT_TO_SDPA = HeadPlan(Pattern.A_SHAPE, 0, 1)
+_DENSE = PATTERN_CODES[Pattern.DENSE]
+
+
+def _dense_heads_by_sdpa(q, k, v, out, dense_heads: list[int], scale: float, masks: dict) -> None:
+    """Write dense attention of query heads ``dense_heads`` into ``out`` (each with its own kv head, no repeat
+    of the others). The head lists are device tables: no host copy, so a CUDA graph can capture this."""
+    from .kernels.tables import int_table
+
+    group = q.shape[1] // k.shape[1]
+    heads = int_table(dense_heads, q.device)
+    kv_heads = int_table([h // group for h in dense_heads], q.device)
+    dense = dense_attention(q.index_select(1, heads), k.index_select(1, kv_heads), v.index_select(1, kv_heads),
+                            masks["key_mask"], masks["doc_ids"], scale, masks["q_offset"], masks["window"])
+    out.index_copy_(1, heads.long(), dense)
 
 
 @sparse_attention.register_fake

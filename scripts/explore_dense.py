@@ -1,13 +1,16 @@
 """GPU exploration (not a test): how close the sparse kernel gets to cuDNN on dense work, and what
 the online index keeps on diffuse (random-weight-like) attention.
 
-usage: python scripts/explore_dense.py [--lengths 32k,128k]
+usage: python scripts/explore_dense.py [--lengths 32k,128k] [--split-at 128k]
 
 * dense work (every head DENSE, tiles enumerated): launch variants including BLOCK_M 128 with 8 warps,
   launched straight into ``_sparse_attn_fwd`` (the public entry point accepts BLOCK_M <= 64 only,
   because listed heads share one 64-row list per program; dense heads list nothing);
 * diffuse Q/K (N(0, 1.28^2) entries, logits of std ~1.6, as a std-0.02 random Llama gives): the
-  VS(1000, 6096) index's physical density, kernel time, and cuDNN on the same inputs.
+  VS(1000, 6096) index's physical density, kernel time, and cuDNN on the same inputs;
+* ``--split-at``: the op's GPU path on plans with dense heads, those heads through SDPA (as shipped)
+  against the same plan with every head in the kernel (as before), on SmolLM2's layer 0 (7 of 9 heads
+  dense, d64) and a Llama-3-8B-shaped layer with half its heads dense.
 """
 from __future__ import annotations
 
@@ -118,12 +121,47 @@ def diffuse(n: int) -> None:
     torch.cuda.empty_cache()
 
 
+def split_dense_heads(n: int) -> None:
+    from minference_fx.autotune.dispatch import launch_config
+    from minference_fx.kernels.attend import sparse_attention_triton
+    from minference_fx.op import sparse_on_gpu
+
+    vs, bs, dense = (HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.BLOCK_SPARSE, 64),
+                     HeadPlan(Pattern.DENSE))
+    cases = {
+        "SmolLM2 layer 0 (7/9 dense, d64)": (dict(num_q_heads=9, num_kv_heads=3, head_dim=64),
+                                             LayerPlan((dense,) * 3 + (vs,) + (dense,) * 3 + (bs, dense))),
+        "Llama-3-8B shape, 16/32 dense": (dict(num_q_heads=32, num_kv_heads=8, head_dim=128),
+                                          LayerPlan((vs, dense) * 16)),
+    }
+    for label, (shape, plan) in cases.items():
+        q, k, v = structured_qkv(n, **shape)
+        scale = shape["head_dim"] ** -0.5
+        masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+        tuned = launch_config(q, k)
+
+        def in_kernel():
+            index = build_index_gpu(q, k, plan, scale=scale)
+            return sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **tuned.launch())
+
+        split = lambda: sparse_on_gpu(q, k, v, plan, scale, masks, 0.0, tuned)[0]  # noqa: E731
+        err = (split().float() - in_kernel().float()).abs().max().item()
+        old, new = _ms(in_kernel, 3), _ms(split, 3)
+        print(f"split @ {n} {label}: every head in the kernel {old:.2f} ms, dense heads by SDPA {new:.2f} ms, "
+              f"{old / new:.3f}x; max|diff| {err:.2e}", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="32k,128k")
+    ap.add_argument("--split-at", default="")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    for n in parse_lengths(a.lengths):
+    for n in parse_lengths(a.split_at) if a.split_at else []:
+        split_dense_heads(n)
+    for n in parse_lengths(a.lengths) if a.lengths else []:
         diffuse(n)
         dense_variants(n)
 

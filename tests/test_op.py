@@ -64,3 +64,38 @@ def test_bad_inputs_are_named():
 def test_opcheck():
     q, k, v = _qkv(sq=70, skv=70)
     torch.library.opcheck(OP, (q, k, v, None, None, 0.25, 0, 0, *VS, 0), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_layer_dense_on_every_head_runs_sdpa_not_the_reference(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the sparse path ran for a wholly dense layer")
+
+    monkeypatch.setattr(reference, "sparse_attention_reference", boom)
+    q, k, v = _qkv()
+    out = OP(q, k, v, None, None, 0.25, 0, 0, [0] * 4, [0] * 4, [0] * 4, 0)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded):
+    """sparse_on_gpu (Triton under the interpreter here): the plan's dense heads come from SDPA, the others
+    from the kernel, and together they equal the reference on the same plan."""
+    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.op import sparse_on_gpu
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 200, 32, generator=g)
+    k, v = (torch.randn(2, 2, 200, 32, generator=g) for _ in range(2))
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 30, 40), HeadPlan(Pattern.DENSE),
+                      HeadPlan(Pattern.A_SHAPE, 16, 64), HeadPlan(Pattern.DENSE)))
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, 200, dtype=torch.bool)
+        key_mask[1, :90] = False  # left padding: the first rows of batch 1 read nothing
+    masks = dict(key_mask=key_mask, doc_ids=None, q_offset=0, window=0)
+    got, force = sparse_on_gpu(q, k, v, plan, 0.2, masks, 0.0, DEFAULT_ENTRY)
+    index = reference.build_index(q, k, plan, scale=0.2, **masks)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.2, index=index, **masks)
+    assert force is None and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.to(got.dtype), atol=2e-5, rtol=2e-5)
