@@ -28,6 +28,8 @@ from minference_fx.kernels.index import build_index_gpu
 from minference_fx.kernels.tables import int_table
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
+from explore_kernels import time_variant  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 # (block_m, block_n, num_warps, num_stages, tma, warp_spec)
 DENSE_VARIANTS = [
     (64, 64, 4, 3, True, False), (64, 64, 4, 2, True, False),
@@ -84,12 +86,10 @@ def dense_variants(n: int) -> None:
     for bm, bn, w, st, tma, ws in DENSE_VARIANTS:
         name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if tma else ''}{' ws' if ws else ''}"
         fn = lambda: launch(q, k, v, index, *args, scale, bm, bn, w, st, tma, ws)  # noqa: E731
-        try:
-            out = fn()
-            ms = _ms(fn, 5)
-        except Exception as exc:  # a variant that cannot compile is a finding, not a stop
-            print(f"dense @ {n}: {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        timed = time_variant(f"dense @ {n}: {name}", fn)
+        if timed is None:
             continue
+        out, ms = timed
         if base is None:
             base = out
         err = (out.float() - base.float()).abs().max().item()

@@ -33,6 +33,15 @@ def _vs_plan(budgets=(1000, 6096)) -> LayerPlan:
     return LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),) * LLAMA3_8B["num_q_heads"])
 
 
+def time_variant(what: str, fn):
+    """(output, median ms) of one launch variant, or None (printed) when it cannot compile or run."""
+    try:
+        return fn(), _ms(fn, 5)
+    except Exception as exc:  # a variant that cannot compile is a finding, not a stop
+        print(f"{what}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+
+
 def launch_variants(seq: int, dense_seq: int) -> None:
     shape = LLAMA3_8B
     scale = shape["head_dim"] ** -0.5
@@ -60,12 +69,10 @@ def launch_variants(seq: int, dense_seq: int) -> None:
             name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if desc else ''}"
             fn = lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, num_warps=w,  # noqa: E731
                                                  num_stages=st, block_m=bm, block_n=bn, kv_desc=desc)
-            try:
-                out = fn()
-                ms = _ms(fn, 5)
-            except Exception as exc:  # a variant that cannot compile is a finding, not a stop
-                print(f"{label} @ {n}: {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            timed = time_variant(f"{label} @ {n}: {name}", fn)
+            if timed is None:
                 continue
+            out, ms = timed
             if base is None:
                 base, base_ms = out, ms
             err = (out.float() - base.float()).abs().max().item()
