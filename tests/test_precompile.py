@@ -156,3 +156,21 @@ def test_first_call_finds_its_kernels_compiled_by_the_background_thread():
     in_call = {name for thread, name in compiled_by if thread != "minference-precompile"}
     assert "_sparse_attn_fwd" in in_background, compiled_by
     assert not in_call, f"the first call compiled {in_call} itself: the background guess missed its specialisation"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_backend_hands_the_rewritten_calls_to_the_background_compile(monkeypatch, enabled):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import tiny_model
+
+    handed = []
+    monkeypatch.setattr(precompile, "start", lambda nodes: handed.append([n.target for n in nodes]))
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    compiled = torch.compile(model, backend="minference", options={"inner": "aot_eager", "precompile": enabled})
+    with torch.no_grad():
+        compiled(torch.randint(0, 128, (1, 32)), use_cache=False)
+    assert handed == ([[OP, OP]] if enabled else [])  # the two layers' sparse calls, once per compiled graph
