@@ -2,15 +2,17 @@
 
 On a cold cache the index, guard and attention kernels take about 10 s to JIT on an H200 host, and the
 first sparse call would pay that after Inductor's compile, in series. Triton's compile mostly runs
-outside the GIL (measured: pure-Python work in the main thread slowed by ~20 % while it ran; see
+outside the GIL (measured: pure-Python work in the main thread slowed by about a fifth while it ran; see
 ``scripts/explore_compile.py``), so it overlaps Inductor's own work when started as soon as the graph
 is rewritten.
 
 The thread runs the op's GPU path once per distinct (site shape, launch config) on small zero inputs
 laid out like the site's query, key and value, so each kernel is compiled with the specialisation
 the real call will ask for (dtype, head dim, stride divisibility, mask flags, launch config). A guess
-that misses costs nothing but the thread's time: the real call compiles what it lacks. The op waits
-for the thread before its first sparse call, so the two never compile the same kernel at once.
+that misses costs nothing but the thread's time: the real call compiles what it lacks. The op's first
+GPU call, dense or sparse, waits for the thread, so the two never compile the same kernel at once and
+none of the thread's GPU work can overlap a CUDA-graph capture that follows (cudagraph trees warm a
+graph up eagerly before they capture it).
 """
 from __future__ import annotations
 
