@@ -107,6 +107,20 @@ def test_wait_returns_after_the_background_compile(monkeypatch):
     precompile.wait()  # nothing pending: returns at once
 
 
+def test_a_failing_guess_is_logged_not_raised(monkeypatch, caplog):
+    def broken(spec):
+        raise RuntimeError("no such kernel variant")
+
+    monkeypatch.setattr(precompile, "compile_spec", broken)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda d: None)
+    with caplog.at_level("DEBUG", logger="minference_fx"):
+        precompile._run([_spec(), _spec(window=8)])  # the second spec still runs after the first failed
+    failures = [r for r in caplog.records if "background precompile failed" in r.getMessage()]
+    assert len(failures) == 2 and "no such kernel variant" in failures[0].getMessage()
+
+
 def test_nothing_starts_without_a_gpu_spec():
     assert precompile.start([]) is None
 
