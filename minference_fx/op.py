@@ -24,12 +24,14 @@ A row with no readable key yields zeros, never NaN.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .plan import PATTERN_CODES, HeadPlan, LayerPlan, Pattern
+from .plan import HeadPlan, LayerPlan, Pattern
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
@@ -112,36 +114,36 @@ def sparse_attention(
         from .autotune.dispatch import tuned_min_sparse_len
 
         min_sparse_len = tuned_min_sparse_len(q, k)
-    if q.shape[-2] < min_sparse_len or all(p == _DENSE for p in patterns):
+    plan = _layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
+    if q.shape[-2] < min_sparse_len or _split(plan).all_dense:
         # a layer the plan keeps wholly dense runs the device's fused SDPA, faster than any tile walk
         return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
-    return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, guard_threshold)
+    return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan, guard_threshold)
 
 
-def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, guard_threshold):
+def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: LayerPlan, guard_threshold):
     from .kernels import guard
 
-    plan = LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
     masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
-    is_vs = [p == PATTERN_CODES[Pattern.VERTICAL_SLASH] for p in patterns]
-    guarded = guard_threshold > 0 and any(is_vs)
+    vs_mask = _split(plan).vs_mask
+    n_vs = sum(vs_mask)
+    guarded = guard_threshold > 0 and n_vs > 0
     last_rows = min(guard.VS_LAST_Q, q.shape[-2])
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
         out, force = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0, launch_config(q, k))
         if force is not None:
-            guard.record(force, q.shape[0] * sum(is_vs))
+            guard.record(force, q.shape[0] * n_vs)
         return out
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
     if guarded:
-        vs_heads = torch.tensor(is_vs)[None, :]
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index, last_rows)
-        force = (mass < guard_threshold) & vs_heads
-        guard.record(force, q.shape[0] * sum(is_vs))
+        force = (mass < guard_threshold) & torch.tensor(vs_mask)[None, :]
+        guard.record(force, q.shape[0] * n_vs)
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
@@ -155,29 +157,55 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     from .kernels.attend import sparse_attention_triton
     from .kernels.index import build_index_gpu
 
-    dense_heads = [h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE]
-    if dense_heads:
-        # cuDNN runs dense causal attention faster than the kernel's tile walk (0.76-0.80x of it on an
-        # H200): those heads go to SDPA, and the kernel runs them at the cost of one tile per query tile
-        plan = LayerPlan(tuple(_LEFT_TO_SDPA if hp.pattern is Pattern.DENSE else hp for hp in plan.heads))
+    split = _split(plan)
     guarded = guard_threshold > 0
     mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
-    index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)
+    index = build_index_gpu(q, k, split.kernel_plan, scale=scale, mass_out=mass, **masks)
     force = mass < guard_threshold if guarded else None
-    out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, force_dense=force,
+    out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force,
                                   **tuned.launch(), **masks)
-    if dense_heads:
-        _dense_heads_by_sdpa(q, k, v, out, dense_heads, scale, masks)
+    if split.dense_heads:
+        _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, scale, masks)
     return out, force
 
 
 # What the kernel runs for a head SDPA computes instead: A-shape without sinks and a one-token window
 # reads only the diagonal tile of each query tile, and its output is overwritten.
 _LEFT_TO_SDPA = HeadPlan(Pattern.A_SHAPE, 0, 1)
-_DENSE = PATTERN_CODES[Pattern.DENSE]
 
 
-def _dense_heads_by_sdpa(q, k, v, out, dense_heads: list[int], scale: float, masks: dict) -> None:
+@dataclasses.dataclass(frozen=True)
+class _PlanSplit:
+    """What the op derives from a layer's plan, once per distinct plan (not per call, not per head)."""
+
+    kernel_plan: LayerPlan
+    """the plan with its dense heads made nearly free (cuDNN runs dense causal attention faster than the
+    kernel's tile walk: 0.76-0.80x of it on an H200, so those heads go to SDPA)"""
+    kernel_args: tuple
+    """``kernel_plan.op_arguments()``"""
+    dense_heads: tuple
+    vs_mask: tuple
+    """per head, whether it is vertical-slash (what the quality guard checks)"""
+
+    @property
+    def all_dense(self) -> bool:
+        return len(self.dense_heads) == len(self.vs_mask)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_plan(patterns: tuple, budget_a: tuple, budget_b: tuple) -> LayerPlan:
+    return LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(plan: LayerPlan) -> _PlanSplit:
+    kernel_plan = LayerPlan(tuple(_LEFT_TO_SDPA if hp.pattern is Pattern.DENSE else hp for hp in plan.heads))
+    return _PlanSplit(kernel_plan, kernel_plan.op_arguments(),
+                      tuple(h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE),
+                      tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads))
+
+
+def _dense_heads_by_sdpa(q, k, v, out, dense_heads: tuple, scale: float, masks: dict) -> None:
     """Write dense attention of query heads ``dense_heads`` into ``out`` (each with its own kv head, no repeat
     of the others). The head lists are device tables: no host copy, so a CUDA graph can capture this."""
     from .kernels.tables import int_table
