@@ -48,14 +48,19 @@ def _spec(order=(0, 1, 2, 3), **kw):
     return precompile.KernelSpec(**fields)
 
 
-def test_spec_is_read_off_the_op_node(monkeypatch):
+def _op_node():
+    """A sparse call node over meta tensors (no GPU), q contiguous and k from a [B, S, H, D] layout."""
     g = fx.Graph()
     q, k, v, km = (g.placeholder(n) for n in ("q", "k", "v", "km"))
     q.meta["example_value"] = torch.empty(1, 8, 4096, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2).transpose(1, 2)
     k.meta["example_value"] = torch.empty(1, 4096, 2, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2)
     v.meta["example_value"] = torch.empty(1, 2, 4096, 64, dtype=torch.bfloat16, device="meta")
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 100, 200),) * 4 + (HeadPlan(Pattern.DENSE),) * 4)
-    node = g.call_function(OP, (q, k, v, km, None, 0.125, 0, 512, *plan.op_arguments(), 32768, 0.5))
+    return g.call_function(OP, (q, k, v, km, None, 0.125, 0, 512, *plan.op_arguments(), 32768, 0.5)), plan
+
+
+def test_spec_is_read_off_the_op_node(monkeypatch):
+    node, plan = _op_node()
     assert precompile.spec_of(node) is None  # meta tensors are not on a GPU: nothing to compile for
     monkeypatch.setattr(precompile, "_on_gpu", lambda t: True)
     spec = precompile.spec_of(node)
@@ -122,7 +127,9 @@ def test_a_failing_guess_is_logged_not_raised(monkeypatch, caplog):
 
 
 def test_nothing_starts_without_a_gpu_spec():
+    node, _ = _op_node()
     assert precompile.start([]) is None
+    assert precompile.start([node, node]) is None and not precompile._threads
 
 
 def test_precompile_option_is_validated():
