@@ -29,6 +29,10 @@ DENSE = tl.constexpr(PATTERN_CODES[Pattern.DENSE])
 A_SHAPE = tl.constexpr(PATTERN_CODES[Pattern.A_SHAPE])
 VERTICAL_SLASH = tl.constexpr(PATTERN_CODES[Pattern.VERTICAL_SLASH])
 BLOCK_SPARSE = tl.constexpr(PATTERN_CODES[Pattern.BLOCK_SPARSE])
+SKIP_CODE = -1
+"""A kernel-only pattern code (no semantic pattern has it): the head's programs read no key and write
+zeros, for heads whose rows another kernel writes (the op's dense heads go to cuDNN)."""
+SKIP = tl.constexpr(SKIP_CODE)
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -129,7 +133,7 @@ def _sparse_attn_fwd(
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_FORCE: tl.constexpr, KV_DESC: tl.constexpr, WARP_SPEC: tl.constexpr, RETURN_LSE: tl.constexpr,
+    HAS_FORCE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
@@ -182,6 +186,7 @@ def _sparse_attn_fwd(
         n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
     if listed:
         n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + m_list)
+    n_tiles = tl.where(pattern == SKIP, 0, n_tiles)
     tile_list = TileIndex + pid_bh * stride_ti_bh + m_list * stride_ti_m
     # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
     # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
@@ -194,7 +199,7 @@ def _sparse_attn_fwd(
     EXTRA_MASKS: tl.constexpr = HAS_KEY_MASK or HAS_DOC or HAS_WINDOW
     FULL: tl.constexpr = HEAD_DIM == BLOCK_D
     if BLOCK_N == TILE:
-        for i in tl.range(0, n_clear, warp_specialize=WARP_SPEC):
+        for i in range(0, n_clear):
             n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
             cols = n * TILE + offs_n
             col_ok = cols >= 0  # all true: the tile is inside the keys
@@ -244,7 +249,7 @@ def _sparse_attn_fwd(
 
     # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
     n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + m_list)
-    n_cols = tl.where(forced, 0, n_cols)  # dense already covers every column
+    n_cols = tl.where(forced | (pattern == SKIP), 0, n_cols)  # dense already covers every column
     col_list = ColIndex + pid_bh * stride_ci_bh + m_list * stride_ci_m
     for c0 in range(0, n_cols, BLOCK_N):
         slot_ok = c0 + offs_n < n_cols
@@ -287,7 +292,7 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
     q_offset=0, window=0, force_dense=None, num_warps=4, num_stages=2, block_m=BLOCK, block_n=BLOCK, kv_desc=True,
-    warp_spec=False, return_lse=False,
+    return_lse=False,
 ):
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
@@ -295,7 +300,8 @@ def sparse_attention_triton(
     ----------
     q : ``[B, Hq, Sq, D]``; k, v : ``[B, Hkv, Skv, D]``; any strides, fp16/bf16 (fp32 too).
     index : :class:`SparseIndex` with ``M = ceil(Sq / BLOCK)`` query tiles.
-    patterns, budget_a, budget_b : the plan as int lists (see :mod:`minference_fx.plan`).
+    patterns, budget_a, budget_b : the plan as int lists (see :mod:`minference_fx.plan`); a pattern of
+        ``SKIP_CODE`` makes the head's rows zeros at the cost of a q load and a store.
     key_mask : optional bool ``[B, Skv]``; doc_ids : optional int ``[B, S >= Skv]``.
     force_dense : optional bool ``[B, Hq]``: (batch, head) pairs to run dense (the quality guard).
     num_warps, num_stages, block_m, block_n : launch config (speed only). ``block_m`` query rows per
@@ -303,7 +309,6 @@ def sparse_attention_triton(
         step: 32, 64 or 128 (two listed tiles gathered side by side).
     kv_desc : read K/V tiles by TMA (Hopper+, ``block_n == 64``); falls back to pointer loads where the
         layout does not allow it.
-    warp_spec : ask Triton to warp-specialise the unmasked tile loop (``block_n == 64``).
     return_lse : also return the natural-log sum of exp(scale * q·k) over the keys each row read,
         fp32 ``[B, Hq, Sq]`` (``-inf`` for a row that read none), e.g. to merge with other attention.
 
@@ -351,7 +356,7 @@ def sparse_attention_triton(
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK,
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_FORCE=force_dense is not None,
-        KV_DESC=use_desc, WARP_SPEC=bool(warp_spec) and block_n == BLOCK, RETURN_LSE=return_lse,
+        KV_DESC=use_desc, RETURN_LSE=return_lse,
         num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out

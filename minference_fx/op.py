@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .plan import HeadPlan, LayerPlan, Pattern
+from .plan import LayerPlan, Pattern
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
@@ -160,7 +160,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     split = _split(plan)
     guarded = guard_threshold > 0
     mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
-    index = build_index_gpu(q, k, split.kernel_plan, scale=scale, mass_out=mass, **masks)
+    index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)  # dense heads list nothing
     force = mass < guard_threshold if guarded else None
     out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force,
                                   **tuned.launch(), **masks)
@@ -169,20 +169,13 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     return out, force
 
 
-# What the kernel runs for a head SDPA computes instead: A-shape without sinks and a one-token window
-# reads only the diagonal tile of each query tile, and its output is overwritten.
-_LEFT_TO_SDPA = HeadPlan(Pattern.A_SHAPE, 0, 1)
-
-
 @dataclasses.dataclass(frozen=True)
 class _PlanSplit:
     """What the op derives from a layer's plan, once per distinct plan (not per call, not per head)."""
 
-    kernel_plan: LayerPlan
-    """the plan with its dense heads made nearly free (cuDNN runs dense causal attention faster than the
-    kernel's tile walk: 0.76-0.80x of it on an H200, so those heads go to SDPA)"""
     kernel_args: tuple
-    """``kernel_plan.op_arguments()``"""
+    """the plan's op arguments with its dense heads skipped (``SKIP_CODE``): cuDNN runs dense causal
+    attention faster than the kernel's tile walk (0.76-0.80x of it on an H200), so those heads go to SDPA"""
     dense_heads: tuple
     vs_mask: tuple
     """per head, whether it is vertical-slash (what the quality guard checks)"""
@@ -199,9 +192,12 @@ def _layer_plan(patterns: tuple, budget_a: tuple, budget_b: tuple) -> LayerPlan:
 
 @functools.lru_cache(maxsize=4096)
 def _split(plan: LayerPlan) -> _PlanSplit:
-    kernel_plan = LayerPlan(tuple(_LEFT_TO_SDPA if hp.pattern is Pattern.DENSE else hp for hp in plan.heads))
-    return _PlanSplit(kernel_plan, kernel_plan.op_arguments(),
-                      tuple(h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE),
+    from .kernels.attend import SKIP_CODE
+
+    patterns, budget_a, budget_b = plan.op_arguments()
+    dense = tuple(h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE)
+    patterns = tuple(SKIP_CODE if h in dense else code for h, code in enumerate(patterns))
+    return _PlanSplit((patterns, tuple(budget_a), tuple(budget_b)), dense,
                       tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads))
 
 

@@ -30,15 +30,14 @@ from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 from explore_kernels import time_variant  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-# (block_m, block_n, num_warps, num_stages, tma, warp_spec)
+# (block_m, block_n, num_warps, num_stages, tma)
 DENSE_VARIANTS = [
-    (64, 64, 4, 3, True, False), (64, 64, 4, 2, True, False),
-    (128, 64, 8, 2, True, False), (128, 64, 8, 3, True, False), (128, 64, 8, 3, True, True),
-    (128, 128, 8, 2, False, False), (128, 128, 8, 3, False, False), (128, 64, 4, 2, True, False),
+    (64, 64, 4, 3, True), (64, 64, 4, 2, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
+    (128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 64, 4, 2, True),
 ]
 
 
-def launch(q, k, v, index, patterns, budget_a, budget_b, scale, bm, bn, warps, stages, tma, ws):
+def launch(q, k, v, index, patterns, budget_a, budget_b, scale, bm, bn, warps, stages, tma):
     """``sparse_attention_triton``'s launch without its BLOCK_M check (dense heads only past 64)."""
     B, Hq, sq, D = q.shape
     out = torch.empty_like(q)
@@ -59,7 +58,7 @@ def launch(q, k, v, index, patterns, budget_a, budget_b, scale, bm, bn, warps, s
         pat_t, a_t, b_t, pat_t, q, 0, q, 0, q, 0, 0,
         Hq, Hq // k.shape[1], sq, k.shape[2], 0, 0, scale * attend.LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, TILE=64, HAS_KEY_MASK=False, HAS_DOC=False,
-        HAS_WINDOW=False, DOT_PRECISION="tf32", HAS_FORCE=False, KV_DESC=tma, WARP_SPEC=ws, RETURN_LSE=False,
+        HAS_WINDOW=False, DOT_PRECISION="tf32", HAS_FORCE=False, KV_DESC=tma, RETURN_LSE=False,
         num_warps=warps, num_stages=stages)
     return out
 
@@ -83,9 +82,9 @@ def dense_variants(n: int) -> None:
     flops = 4 * shape["head_dim"] * shape["num_q_heads"] * n * (n + 1) / 2
     print(f"dense @ {n}: cuDNN {cud:.2f} ms ({flops / cud / 1e9:.0f} TF/s causal)", flush=True)
     base = None
-    for bm, bn, w, st, tma, ws in DENSE_VARIANTS:
-        name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if tma else ''}{' ws' if ws else ''}"
-        fn = lambda: launch(q, k, v, index, *args, scale, bm, bn, w, st, tma, ws)  # noqa: E731
+    for bm, bn, w, st, tma in DENSE_VARIANTS:
+        name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if tma else ''}"
+        fn = lambda: launch(q, k, v, index, *args, scale, bm, bn, w, st, tma)  # noqa: E731
         timed = time_variant(f"dense @ {n}: {name}", fn)
         if timed is None:
             continue
