@@ -267,15 +267,37 @@ def find(key: TuneKey, path=None) -> Optional[TuneEntry]:
     return None
 
 
-def lookup(key: TuneKey, path=None) -> TuneEntry:
-    """The tuned launch config for ``key``, or :data:`DEFAULT_ENTRY` (logged once per key)."""
+def resolve(key: TuneKey, path=None) -> tuple[TuneEntry, Optional[int]]:
+    """The config for ``key`` and the bucket it was tuned at: its own bucket's; else the nearest tuned bucket
+    (log scale, the larger on a tie) of the same kernel and shape; else ``(DEFAULT_ENTRY, None)``.
+
+    A launch config changes speed only, and a neighbour's is the better guess: on the H200 the tuned
+    configs of 32K, 64K and 128K agree, so a 256K prompt runs the 128K config rather than the untuned one."""
     entry = find(key, path)
     if entry is not None:
-        return entry
-    if key not in _missed:
+        return entry, key.bucket
+    shape = dataclasses.replace(key, bucket=0)
+    tuned = {}
+    for table in reversed(_tables(path)):  # the user cache last, so it wins
+        tuned.update({k.bucket: e for k, e in table.configs.items() if dataclasses.replace(k, bucket=0) == shape})
+    if not tuned:
+        return DEFAULT_ENTRY, None
+    distance = lambda b: (abs(b.bit_length() - key.bucket.bit_length()), -b)  # noqa: E731 (buckets are powers of 2)
+    nearest = min(tuned, key=distance)
+    return tuned[nearest], nearest
+
+
+def lookup(key: TuneKey, path=None) -> TuneEntry:
+    """The tuned launch config for ``key`` (see :func:`resolve`); a key not tuned itself is logged once."""
+    entry, bucket = resolve(key, path)
+    if bucket != key.bucket and key not in _missed:
         _missed.add(key)
-        log.warning("no tuned config for %s; using %s (run `minference-fx autotune` on this GPU)", key, DEFAULT_ENTRY)
-    return DEFAULT_ENTRY
+        if bucket is None:
+            log.warning("no tuned config for %s; using %s (run `minference-fx autotune` on this GPU)", key, DEFAULT_ENTRY)
+        else:
+            log.warning("no tuned config for %s; using %s, tuned for the %d-token bucket (run `minference-fx autotune "
+                        "--lengths %d` to tune this one)", key, entry, bucket, key.bucket)
+    return entry
 
 
 def has_crossover(key: CrossoverKey, path=None) -> bool:

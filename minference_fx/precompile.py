@@ -101,16 +101,10 @@ def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
         min_len = cache.lookup_crossover(dispatch.crossover_key(q.device, q.dtype, spec.head_dim, group))
     if min_len >= cache.DENSE_ALWAYS:
         return []
-    configs, missing = set(), False
+    configs = set()
     for bits in range(max(min_len, 1).bit_length() - 1, 22):  # buckets up to 2M tokens
         key = dispatch.tune_key("sparse_attention", q.device, q.dtype, spec.head_dim, group, 1 << bits)
-        entry = cache.find(key)
-        if entry is None:
-            missing = True
-        else:
-            configs.add(entry)
-    if missing:
-        configs.add(cache.DEFAULT_ENTRY)
+        configs.add(cache.resolve(key)[0])  # what the op's lookup will answer, without its log line
     return sorted(configs)
 
 

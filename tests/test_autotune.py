@@ -120,6 +120,32 @@ def test_lookup_gives_the_default_and_logs_once_per_missing_key(cache_dir, caplo
     assert cache.lookup_crossover(_xkey()) == cache.DEFAULT_MIN_SPARSE_LEN
 
 
+def test_an_untuned_bucket_runs_the_nearest_tuned_bucket_of_its_shape_and_logs_once(cache_dir, caplog):
+    caplog.set_level(logging.WARNING, LOGGER)
+    at_8k, at_128k, other_shape = TuneEntry(32, 128, 4, 1), TuneEntry(64, 64, 4, 3), TuneEntry(16, 32, 2, 1)
+    cache.write(configs={_key(bucket=8192): at_8k, _key(bucket=131072): at_128k,
+                         _key(bucket=1 << 20, head_dim=64): other_shape, _key(bucket=1 << 20, kernel="other"): other_shape})
+    assert cache.resolve(_key(bucket=131072)) == (at_128k, 131072)
+    assert cache.resolve(_key(bucket=1 << 20)) == (at_128k, 131072)  # past the largest tuned length
+    assert cache.resolve(_key(bucket=4096)) == (at_8k, 8192)
+    assert cache.resolve(_key(bucket=16384)) == (at_8k, 8192)
+    assert cache.resolve(_key(bucket=32768)) == (at_128k, 131072)  # 2 doublings from both: the larger
+    assert cache.resolve(_key(bucket=32768, group=8)) == (cache.DEFAULT_ENTRY, None)  # no bucket of this shape
+    assert cache.lookup(_key(bucket=1 << 20)) == at_128k
+    assert cache.lookup(_key(bucket=1 << 20)) == at_128k
+    assert cache.lookup(_key(bucket=131072)) == at_128k
+    logged = [r.getMessage() for r in _warnings(caplog)]
+    assert len(logged) == 1 and "tuned for the 131072-token bucket" in logged[0]
+
+
+def test_the_user_cache_wins_for_the_nearest_bucket_too(cache_dir, tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(Table({_key(bucket=65536): TuneEntry(64, 64, 8, 3)}).to_json())
+    monkeypatch.setattr(cache, "shipped_paths", lambda: [shipped])
+    cache.write(configs={_key(bucket=65536): TuneEntry(64, 64, 4, 4)})
+    assert cache.resolve(_key(bucket=1 << 18)) == (TuneEntry(64, 64, 4, 4), 65536)
+
+
 def test_user_cache_is_read_before_the_shipped_tables(cache_dir, tmp_path, monkeypatch):
     shipped = tmp_path / "shipped.json"
     shipped.write_text(Table({_key(): TuneEntry(64, 64, 8, 3), _key(bucket=65536): TuneEntry(64, 64, 8, 1)},

@@ -74,10 +74,14 @@ def _fake_table(monkeypatch, crossover, entries):
     """cache lookups answered from ``entries`` {bucket: TuneEntry}, crossover ``crossover``."""
     from minference_fx.autotune import dispatch
 
+    def key(bucket):
+        return cache.TuneKey("src", "NVIDIA H200", "9.0", "3.6.0", "bfloat16", 64, 4, "sparse_attention", bucket)
+
     monkeypatch.setattr(dispatch, "crossover_key", lambda *a: "shape")
-    monkeypatch.setattr(dispatch, "tune_key", lambda kernel, dev, dtype, d, g, bucket: bucket)
+    monkeypatch.setattr(dispatch, "tune_key", lambda kernel, dev, dtype, d, g, bucket: key(bucket))
     monkeypatch.setattr(cache, "lookup_crossover", lambda key: crossover)
-    monkeypatch.setattr(cache, "find", lambda key: entries.get(key))
+    table = cache.Table({key(bucket): entry for bucket, entry in entries.items()})
+    monkeypatch.setattr(cache, "_tables", lambda path=None: [table])
 
 
 def test_launch_configs_are_those_of_the_buckets_the_sparse_path_runs_at(monkeypatch):
@@ -88,8 +92,10 @@ def test_launch_configs_are_those_of_the_buckets_the_sparse_path_runs_at(monkeyp
     assert precompile.launch_configs(_spec(), q, q) == [big]  # 8K is below the crossover: never launched
     _fake_table(monkeypatch, 4096, {**every_bucket, 8192: small})
     assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([small, big])
-    _fake_table(monkeypatch, 4096, {1 << 14: big})  # untuned buckets run the default
-    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([big, cache.DEFAULT_ENTRY])
+    _fake_table(monkeypatch, 4096, {1 << 14: big, 1 << 12: small})  # untuned buckets run their nearest's
+    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([small, big])
+    _fake_table(monkeypatch, 4096, {})  # an untuned shape runs the default
+    assert precompile.launch_configs(_spec(), q, q) == [cache.DEFAULT_ENTRY]
     _fake_table(monkeypatch, cache.DENSE_ALWAYS, every_bucket)
     assert precompile.launch_configs(_spec(), q, q) == []
     # an explicit min_sparse_len wins over the stored crossover
