@@ -177,6 +177,9 @@ class Cell:
     peak_gib: Optional[float] = None
     path: Optional[str] = None
     """minference: the op's branch at this length from the crossover ("sparse" or "dense")"""
+    launch: Optional[str] = None
+    """minference on the sparse path: the kernel's launch config (BLOCK_M/BLOCK_N/warps/stages) and, when
+    this length's bucket is not tuned, whose it is"""
     guard: Optional[dict] = None
     """minference with the guard on: head-calls the guard checked / forced dense in one extra forward"""
 
@@ -251,6 +254,8 @@ class PrefillResult:
             notes = [] if c.status == "ok" else [c.status]
             if c.path:
                 notes.append(c.path)
+            if c.launch:
+                notes.append(c.launch)
             if c.guard and c.guard.get("heads_checked"):
                 notes.append(f"guard dense {c.guard['heads_forced_dense']}/{c.guard['heads_checked']}")
             if c.finite is False:
@@ -331,25 +336,37 @@ def warm_up_compiler(device: torch.device) -> None:
 def _minference_summary(reports, model, device, dtype, lengths) -> dict:
     from collections import Counter
 
+    from .autotune.dispatch import tuned_min_sparse_len
+
     rows = [r for rep in reports for r in rep.rows]
     option = reports[0].min_sparse_len if reports else None
-    resolved = option
-    if option is not None and option < 0:
-        from .autotune.dispatch import tuned_min_sparse_len
-
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        q = torch.empty(1, cfg.num_attention_heads, 1, head_dim, device=device, dtype=dtype)
-        k = torch.empty(1, cfg.num_key_value_heads, 1, head_dim, device=device, dtype=dtype)
-        resolved = tuned_min_sparse_len(q, k)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q = torch.empty(1, cfg.num_attention_heads, 1, head_dim, device=device, dtype=dtype)
+    k = torch.empty(1, cfg.num_key_value_heads, 1, head_dim, device=device, dtype=dtype)
+    resolved = tuned_min_sparse_len(q, k) if option is not None and option < 0 else option
+    sparse_lengths = [n for n in lengths if resolved is not None and n >= resolved]
     return {
         "graphs": len(reports), "sites": len(rows), "rewritten": sum(r.decision == "sparse" for r in rows),
         "dense_reasons": dict(Counter(r.reason for r in rows if r.decision != "sparse")),
         "plans": dict(Counter(r.plan for r in rows if r.decision == "sparse")),
         "min_sparse_len": option, "min_sparse_len_resolved": resolved,
         "guard_threshold": reports[0].guard_threshold if reports else None,
-        "path": {str(n): ("sparse" if resolved is not None and n >= resolved else "dense") for n in lengths},
+        "path": {str(n): ("sparse" if n in sparse_lengths else "dense") for n in lengths},
+        "launch": {str(n): _launch_config(q, k, n) for n in sparse_lengths} if device.type == "cuda" else {},
     }
+
+
+def _launch_config(q: torch.Tensor, k: torch.Tensor, length: int) -> str:
+    """The sparse kernel's launch config at ``length`` as the op's lookup answers it, and whose it is."""
+    from .autotune import cache, dispatch
+
+    key = dispatch.tune_key("sparse_attention", q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], length)
+    entry, bucket = cache.resolve(key)
+    text = f"launch {entry.BLOCK_M}/{entry.BLOCK_N}/{entry.num_warps}/{entry.num_stages}"
+    if bucket is None:
+        return text + " (untuned default)"
+    return text if bucket == key.bucket else text + f" (tuned at {bucket})"
 
 
 def _guard_probe(step, device: torch.device) -> dict:
@@ -475,6 +492,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
         summary.minference = _minference_summary(reports, model, device, dtype, lengths)
         for cell in cells:
             cell.path = summary.minference["path"].get(str(cell.length))
+            cell.launch = summary.minference["launch"].get(str(cell.length))
     del variant
     torch._dynamo.reset()
     _free(device)

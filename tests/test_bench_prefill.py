@@ -93,7 +93,7 @@ def test_inductor_and_reduce_overhead(tmp_path):
 def test_table_with_oom_and_errors():
     result = bp.PrefillResult({}, [
         bp.Cell(32768, "eager", ttft_ms=100.0, first_call_s=0.2),
-        bp.Cell(32768, "minference", ttft_ms=25.0, first_call_s=30.0, path="sparse",
+        bp.Cell(32768, "minference", ttft_ms=25.0, first_call_s=30.0, path="sparse", launch="launch 64/64/4/3",
                 guard={"calls": 2, "heads_checked": 64, "heads_forced_dense": 60}),
         bp.Cell(32768, "inductor", status="oom"),
     ], [bp.VariantSummary("eager"), bp.VariantSummary("inductor", compiled=True, error="compile failed"),
@@ -104,6 +104,7 @@ def test_table_with_oom_and_errors():
     assert result.speedup(32768, "minference", "inductor") is None
     table = result.table()
     assert "oom" in table and "guard dense 60/64" in table and "32/32 attention sites rewritten" in table
+    assert "sparse; launch 64/64/4/3; guard" in table
     assert "inductor: compile failed" in table
     head, *rows = table.splitlines()[:4]
     width = head.index("note")  # the columns before the note have a fixed width ('-' padded)
@@ -201,3 +202,14 @@ def test_smollm2_prefill_runs_real_weights_on_prose():
     assert ids.shape == (1, 96)
     # real prose: mostly letters and spaces, unlike random token ids
     assert sum(ch.isalpha() or ch.isspace() for ch in text) > 0.9 * len(text)
+
+
+def test_launch_config_says_whose_config_a_length_runs(monkeypatch):
+    from minference_fx.autotune import cache, dispatch
+
+    q, k = torch.empty(1, 8, 1, 64), torch.empty(1, 2, 1, 64)
+    at_128k = dispatch.tune_key("sparse_attention", q.device, q.dtype, 64, 4, 131072)
+    monkeypatch.setattr(cache, "_tables", lambda path=None: [cache.Table({at_128k: cache.TuneEntry(64, 64, 4, 3)})])
+    assert bp._launch_config(q, k, 131072) == "launch 64/64/4/3"
+    assert bp._launch_config(q, k, 262144) == "launch 64/64/4/3 (tuned at 131072)"
+    assert bp._launch_config(q, k[:, :1], 131072) == "launch 64/64/4/2 (untuned default)"  # group 8: no entry
