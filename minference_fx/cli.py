@@ -6,8 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, num_hidden_layers=2)
-_BUILTIN = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
 
 
 def build_model(spec: str, attn: str, layers: int | None = None):
@@ -20,11 +18,12 @@ def build_model(spec: str, attn: str, layers: int | None = None):
         import transformers
     except ImportError:
         sys.exit("minference-fx inspect needs transformers: pip install 'minference-fx[transformers]'")
+    from .tiny import FAMILIES, tiny_config
+
     overrides = {"num_hidden_layers": layers} if layers else {}
     path = Path(spec)
-    if spec in _BUILTIN:
-        extra = {"sliding_window": 64} if spec == "mistral" else {}
-        cfg = getattr(transformers, _BUILTIN[spec])(**{**_TINY, **extra, **overrides})
+    if spec in FAMILIES:
+        cfg = tiny_config(spec, attn, **overrides)
     elif path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
         return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **overrides).eval()
     elif path.is_dir():
@@ -32,7 +31,7 @@ def build_model(spec: str, attn: str, layers: int | None = None):
     elif path.is_file():
         cfg = transformers.AutoConfig.for_model(**{**json.loads(path.read_text()), **overrides})
     else:
-        sys.exit(f"--model {spec!r}: not a built-in family ({', '.join(_BUILTIN)}), a config.json or a model directory")
+        sys.exit(f"--model {spec!r}: not a built-in family ({', '.join(FAMILIES)}), a config.json or a model directory")
     cfg._attn_implementation = attn
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
 
@@ -223,7 +222,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="show which attention sites the backend rewrites, and why")
-    p.add_argument("--model", default="llama", help="built-in tiny family (llama, qwen2, mistral), an HF config.json, or a model directory")
+    p.add_argument("--model", default="llama", help="built-in tiny family (llama, qwen2, mistral, gemma3, gpt2, ...: see minference_fx.tiny), an HF config.json, or a model directory")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
     p.add_argument("--layers", type=int, default=None, help="keep only this many layers (random weights are cheap, big models are not)")
     p.add_argument("--seq", type=int, default=128, help="prompt length traced")

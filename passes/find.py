@@ -4,8 +4,9 @@ Two forms are recognised:
 
 * ``F.scaled_dot_product_attention`` (the Dynamo target is
   ``torch._C._nn.scaled_dot_product_attention``), as HF ``sdpa`` emits it;
-* a manual chain ``matmul(q, kᵀ) → ×scale (or ÷) → (+ mask) → softmax(-1)
-  (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager`` emits it.
+* a manual chain ``matmul(q, kᵀ) → ×scale (or ÷, any number of constants) → (+ mask) → softmax(-1)
+  (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager`` emits it; with other ops among the
+  scores (Gemma 2's tanh soft-cap) the site is found but blocked, so the report says why it stays dense.
 """
 from __future__ import annotations
 
@@ -79,33 +80,64 @@ def _transposed_key(node) -> fx.Node | None:
     return node.args[0] if dims == {2, 3} else None
 
 
+_SCALE_FUNCS = (operator.mul, torch.mul, operator.imul, operator.truediv, torch.div, operator.itruediv)
+_DIVIDE = {operator.truediv, torch.div, operator.itruediv, "div", "div_"}
+# q·kᵀ → softmax seldom takes more steps than scale, soft-cap (÷, tanh, ×) and mask; a bound keeps the
+# walk from wandering up a long chain of single-user nodes
+_MAX_SCORE_STEPS = 6
+
+
+def _op_name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _walk_scores(softmax: fx.Node):
+    """From the softmax's input up to ``matmul(q, kᵀ)``: (that matmul, mask, scale, nodes passed, ops not
+    understood), or None when the softmax is not fed by a q·kᵀ product."""
+    scores = softmax.args[0]
+    chain, mask, scale, unknown = [], None, 1.0, []
+    if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores):
+        chain.append(scores)
+        scores, mask = scores.args[0], scores.args[1]
+    for _ in range(_MAX_SCORE_STEPS):
+        if not isinstance(scores, fx.Node) or not _single_user(scores):
+            return None
+        if _is_call(scores, _MATMUL_FUNCS, ("matmul",)):
+            return scores, mask, scale, chain, unknown
+        if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
+            return None
+        factor = scores.args[1] if len(scores.args) > 1 else None
+        if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
+            scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
+        else:
+            unknown.append(_op_name(scores))
+        chain.append(scores)
+        scores = scores.args[0]
+    return None
+
+
 def _manual_site(softmax: fx.Node) -> AttentionSite | None:
-    """Walk up and down from a softmax over the last dim; None when it is not attention."""
+    """Walk up and down from a softmax over the last dim; None when it is not attention.
+
+    A chain that is attention but computes its scores with something the kernel does not (logit
+    soft-capping's tanh, a tensor scale) comes back blocked, so the report names it and it stays dense."""
     dim = _arg(softmax, 1, "dim", None)
     if dim not in (-1, 3):
         return None
-    chain = [softmax]
-    scores = softmax.args[0]
-    mask = None
-    if _is_call(scores, (operator.add, torch.add), ("add", "__add__")) and _single_user(scores):
-        chain.append(scores)
-        scores, mask = scores.args[0], scores.args[1]
-    scale = 1.0
-    if _is_call(scores, (operator.mul, torch.mul, operator.truediv, torch.div), ("mul", "div")) and _single_user(scores):
-        factor = scores.args[1]
-        if not isinstance(factor, (int, float)):
-            return None
-        divide = scores.target in (operator.truediv, torch.div, "div")
-        scale = 1.0 / factor if divide else float(factor)
-        chain.append(scores)
-        scores = scores.args[0]
-    if not (_is_call(scores, _MATMUL_FUNCS, ("matmul",)) and _single_user(scores)):
+    walked = _walk_scores(softmax)
+    if walked is None:
         return None
+    scores, mask, scale, chain, unknown = walked
+    chain = [softmax] + chain
     query, key_t = scores.args[0], scores.args[1]
     key = _transposed_key(key_t)
     if key is None or not _single_user(key_t):
         return None
     chain += [scores, key_t]
+    blocker = ""
+    if unknown:
+        blocker = (f"attention scores pass through {', '.join(reversed(unknown))} between q·kᵀ and the softmax "
+                   "(logit soft-capping?): the sparse kernel computes only scaled, masked scores")
 
     dropout_p = 0.0
     probs = softmax
@@ -113,7 +145,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
         if len(probs.users) != 1:
             return None  # attention weights escape (output_attentions): cannot replace
         (user,) = probs.users
-        if _is_call(user, (), ("to", "type_as", "float", "half", "bfloat16")):
+        if _is_call(user, (), ("to", "type", "type_as", "float", "half", "bfloat16")):
             chain.append(user)
             probs = user
         elif _is_call(user, _DROPOUT_FUNCS, ("dropout",)):
@@ -134,6 +166,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
                 scale=scale,
                 source=source_of(user),
                 chain=tuple(chain),
+                blocker=blocker,
             )
         else:
             return None

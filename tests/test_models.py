@@ -39,6 +39,37 @@ def test_covering_budgets_equal_dense(family, attn, pattern):
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
 
+MORE_CASES = [("qwen3", "sdpa"), ("gemma3", "eager"), ("phi3", "sdpa"), ("gpt2", "eager"), ("gpt2", "sdpa"),
+              ("falcon", "eager")]
+
+
+@pytest.mark.parametrize("family,attn", MORE_CASES)
+def test_more_architectures_rewritten_and_exact_at_covering_budgets(family, attn):
+    """Other HF families, both attention spellings among them: GPT-2 eager casts with ``.type()``, Falcon eager
+    divides in place (``/=``), Gemma 3 alternates sliding-window layers, Qwen 3 normalises q and k."""
+    model = tiny_model(family, attn)
+    ids = torch.randint(0, 128, (1, 150))
+    report = inspect(model, ids, use_cache=False)
+    assert [r.layer for r in report.rows] == [0, 1] and all(r.decision == "sparse" for r in report.rows), report
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+        sparse = _compile(model, covering_config(model))(ids, use_cache=False).logits
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_capped_scores_are_found_left_dense_and_said_why():
+    """Gemma 2 eager soft-caps its logits (÷ cap, tanh, × cap): not something the kernel computes."""
+    model = tiny_model("gemma2", "eager")
+    ids = torch.randint(0, 128, (1, 150))
+    report = inspect(model, ids, use_cache=False)
+    assert [r.layer for r in report.rows] == [0, 1], report
+    assert all(r.decision == "dense" and "tanh" in r.reason for r in report.rows), report
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+        compiled = _compile(model, covering_config(model))(ids, use_cache=False).logits
+    torch.testing.assert_close(compiled, dense, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_small_budgets_are_finite_and_differ(family):
     model = tiny_model(family)

@@ -1,24 +1,7 @@
 """Tiny random-weight HF models built from configs: no downloads."""
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
 from minference_fx.config import ModelIdentity, SemanticConfig, default_config, model_identity_from_hf
 from minference_fx.plan import Pattern
-
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, num_hidden_layers=2)
-
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 24}),
-}
-
-
-def tiny_model(family: str, attn: str = "sdpa", seed: int = 0, **overrides):
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    cfg = config_cls(**{**_COMMON, **extra, **overrides}, attn_implementation=attn)
-    return model_cls(cfg).eval()
+from minference_fx.tiny import tiny_model  # noqa: F401  (the tests import it from here)
 
 
 def covering_config(model, pattern=Pattern.VERTICAL_SLASH) -> SemanticConfig:
