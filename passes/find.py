@@ -136,8 +136,9 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     chain += [scores, key_t]
     blocker = ""
     if unknown:
-        blocker = (f"attention scores pass through {', '.join(reversed(unknown))} between q·kᵀ and the softmax "
-                   "(logit soft-capping?): the sparse kernel computes only scaled, masked scores")
+        what = " (logit soft-capping)" if "tanh" in unknown else ""
+        blocker = (f"attention scores pass through {', '.join(reversed(unknown))}{what} between q·kᵀ and the softmax: "
+                   "the sparse kernel computes only scaled scores plus an additive mask")
 
     dropout_p = 0.0
     probs = softmax
