@@ -95,6 +95,24 @@ def test_batch_two_left_padding_matches_eager():
     torch.testing.assert_close(sparse[valid], dense[valid], rtol=1e-5, atol=1e-5)
 
 
+def test_chunked_prefill_through_the_cache_equals_one_pass():
+    """Prefill in chunks (each chunk's queries sit after the cached keys: a query offset) gives the one-pass
+    logits at covering budgets, and the chunks after the first are rewritten too."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 230))
+    compiled = _compile(model, covering_config(model))
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        chunks = [compiled(ids[:, a:b], past_key_values=cache, use_cache=True).logits
+                  for a, b in ((0, 120), (120, 170), (170, 230))]
+    later = [r for rep in recent_reports()[-2:] for r in rep.rows]
+    assert later and all(r.decision == "sparse" and "q_offset" in r.mask for r in later), later
+    torch.testing.assert_close(torch.cat(chunks, dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
 def test_generate_matches_eager_and_lengths_do_not_recompile():
     model = tiny_model("llama")
     compiled = _compile(model, covering_config(model))
