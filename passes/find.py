@@ -6,7 +6,9 @@ Two forms are recognised:
   ``torch._C._nn.scaled_dot_product_attention``), as HF ``sdpa`` emits it;
 * a manual chain ``matmul(q, kᵀ) → ×scale (or ÷, any number of constants) → (+ mask) → softmax(-1)
   (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager`` emits it; with other ops among the
-  scores (Gemma 2's tanh soft-cap) the site is found but blocked, so the report says why it stays dense.
+  scores (Gemma 2's tanh soft-cap) the site is found but blocked, so the report says why it stays dense;
+* PyTorch's fused attention modules (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``'s fast
+  path): found and always blocked, for the report.
 """
 from __future__ import annotations
 
@@ -173,12 +175,42 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
             return None
 
 
+# PyTorch's own attention modules reach Dynamo as single calls that hold the projections too (and, for the
+# encoder layer's inference fast path, the whole layer): found so the report shows them, never rewritten.
+_FUSED_MHA = {
+    F.multi_head_attention_forward: "torch.nn.MultiheadAttention",
+    torch._native_multi_head_attention: "torch.nn.MultiheadAttention (inference fast path)",
+    torch._transformer_encoder_layer_fwd: "torch.nn.TransformerEncoderLayer (inference fast path)",
+}
+
+
+def _fused_mha_site(node: fx.Node) -> AttentionSite:
+    x = node.args[0]
+    name = getattr(node.target, "__name__", str(node.target))
+    return AttentionSite(
+        node=node,
+        form="fused",
+        query=x,
+        key=_arg(node, 1, "key", x) if node.target is not torch._transformer_encoder_layer_fwd else x,
+        value=_arg(node, 2, "value", x) if node.target is not torch._transformer_encoder_layer_fwd else x,
+        mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        source=source_of(node),
+        blocker=f"{_FUSED_MHA[node.target]} runs as one fused call ({name}, projections included) that the pass "
+                "does not open; write the attention with F.scaled_dot_product_attention to make it sparse",
+    )
+
+
 def run(gm: fx.GraphModule) -> list[AttentionSite]:
     """Every attention site of the graph, in graph order."""
     sites = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _SDPA_TARGETS:
             sites.append(_sdpa_site(node))
+        elif node.op == "call_function" and node.target in _FUSED_MHA:
+            sites.append(_fused_mha_site(node))
         elif _is_call(node, _SOFTMAX_FUNCS, ("softmax",)):
             site = _manual_site(node)
             if site is not None:

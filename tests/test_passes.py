@@ -91,6 +91,52 @@ def test_output_attentions_keeps_eager_attention_dense():
     assert report.rows == [] or all(r.decision == "dense" for r in report.rows)
 
 
+class MaskedFill(torch.nn.Module):
+    """nanoGPT's manual path: a tril buffer applied with masked_fill."""
+
+    def __init__(self, n=96):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(n, n)).view(1, 1, n, n))
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+class TorchMHA(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+
+    def forward(self, x):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.mha(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+
+
+def test_manual_attention_with_unknown_score_ops_is_found_and_named():
+    q, k, _ = _qkv(hkv=4)
+    v = torch.randn_like(q)
+    row = _only_row(inspect(MaskedFill(), q, k, v))
+    assert row.decision == "dense" and "masked_fill" in row.reason and "soft-capping" not in row.reason
+
+
+@pytest.mark.parametrize("module,name", [
+    (TorchMHA, "MultiheadAttention"),
+    (lambda: torch.nn.TransformerEncoderLayer(64, 4, batch_first=True), "TransformerEncoderLayer"),
+])
+def test_torch_fused_attention_modules_are_reported_not_missed(module, name):
+    model = module().eval()
+    x = torch.randn(1, 50, 64)
+    with torch.no_grad():  # the encoder layer's fused fast path only runs without grad
+        row = _only_row(inspect(model, x))
+        out = torch.compile(model, backend="minference", options={"inner": "eager"})(x)
+        want = model(x)
+    assert row.decision == "dense" and name in row.reason and row.form == "fused"
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_options_are_named():
     with pytest.raises(Exception, match="inner='fast'"):
         torch.compile(Causal(), backend="minference", options={"inner": "fast"})(*_qkv())
