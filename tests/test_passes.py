@@ -168,3 +168,15 @@ def test_backend_resolves_by_name_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_cli_inspect_builds_any_tiny_family_and_names_unknown_ones(capsys):
+    from minference_fx import cli
+
+    assert cli.main(["inspect", "--model", "gemma2", "--attn", "eager", "--seq", "80"]) == 0
+    printed = capsys.readouterr().out
+    assert "0/2 attention sites rewritten" in printed and "tanh" in printed
+    assert cli.main(["inspect", "--model", "gpt2", "--attn", "eager", "--seq", "80", "--layers", "3"]) == 0
+    assert "3/3 attention sites rewritten" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a built-in family .*gemma3.*gpt2"):
+        cli.main(["inspect", "--model", "no-such-model"])
