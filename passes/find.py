@@ -8,7 +8,7 @@ Two forms are recognised:
   (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager`` emits it; with other ops among the
   scores (Gemma 2's tanh soft-cap) the site is found but blocked, so the report says why it stays dense;
 * PyTorch's fused attention modules (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``'s fast
-  path): found and always blocked, for the report.
+  path) and FlexAttention calls (HF ``flex_attention``): found and always blocked, for the report.
 """
 from __future__ import annotations
 
@@ -184,22 +184,33 @@ _FUSED_MHA = {
 }
 
 
-def _fused_mha_site(node: fx.Node) -> AttentionSite:
+_FLEX = torch.ops.higher_order.flex_attention
+
+
+def _opaque_site(node: fx.Node) -> AttentionSite:
+    """Attention the pass recognises but never rewrites: a fused torch module call, or FlexAttention (its
+    score_mod / block mask are arbitrary code)."""
     x = node.args[0]
     name = getattr(node.target, "__name__", str(node.target))
+    whole_layer = node.target is torch._transformer_encoder_layer_fwd
+    if node.target is _FLEX:
+        blocker = ("FlexAttention call (its score_mod and block mask are code the pass does not read); load HF "
+                   "models with attn_implementation='sdpa' or 'eager' to make them sparse")
+    else:
+        blocker = (f"{_FUSED_MHA[node.target]} runs as one fused call ({name}, projections included) that the pass "
+                   "does not open; write the attention with F.scaled_dot_product_attention to make it sparse")
     return AttentionSite(
         node=node,
-        form="fused",
+        form="flex" if node.target is _FLEX else "fused",
         query=x,
-        key=_arg(node, 1, "key", x) if node.target is not torch._transformer_encoder_layer_fwd else x,
-        value=_arg(node, 2, "value", x) if node.target is not torch._transformer_encoder_layer_fwd else x,
+        key=x if whole_layer else node.args[1],
+        value=x if whole_layer else node.args[2],
         mask=None,
         dropout_p=0.0,
         is_causal=False,
         scale=None,
         source=source_of(node),
-        blocker=f"{_FUSED_MHA[node.target]} runs as one fused call ({name}, projections included) that the pass "
-                "does not open; write the attention with F.scaled_dot_product_attention to make it sparse",
+        blocker=blocker,
     )
 
 
@@ -209,8 +220,8 @@ def run(gm: fx.GraphModule) -> list[AttentionSite]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _SDPA_TARGETS:
             sites.append(_sdpa_site(node))
-        elif node.op == "call_function" and node.target in _FUSED_MHA:
-            sites.append(_fused_mha_site(node))
+        elif node.op == "call_function" and (node.target in _FUSED_MHA or node.target is _FLEX):
+            sites.append(_opaque_site(node))
         elif _is_call(node, _SOFTMAX_FUNCS, ("softmax",)):
             site = _manual_site(node)
             if site is not None:

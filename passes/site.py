@@ -58,8 +58,8 @@ class AttentionSite:
     node: fx.Node
     """the node whose output is the attention output (SDPA, or the final matmul of a manual chain)"""
     form: str
-    """"sdpa", "manual" (matmul → softmax → matmul as HF eager emits it) or "fused" (a torch module's fused
-    attention call, never rewritten)"""
+    """"sdpa", "manual" (matmul → softmax → matmul as HF eager emits it); never rewritten: "fused" (a torch
+    module's fused attention call) or "flex" (FlexAttention)"""
     query: fx.Node
     key: fx.Node
     value: fx.Node

@@ -180,3 +180,14 @@ def test_cli_inspect_builds_any_tiny_family_and_names_unknown_ones(capsys):
     assert "3/3 attention sites rewritten" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not a built-in family .*gemma3.*gpt2"):
         cli.main(["inspect", "--model", "no-such-model"])
+
+
+def test_hf_flex_attention_is_reported_not_missed():
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", "flex_attention").requires_grad_(False)  # FlexAttention on CPU: no backward
+    with torch.no_grad():
+        report = inspect(model, torch.randint(0, 128, (1, 128)), use_cache=False)
+    assert [r.layer for r in report.rows] == [0, 1], report
+    assert all(r.form == "flex" and r.decision == "dense" and "attn_implementation='sdpa'" in r.reason
+               for r in report.rows), report
