@@ -122,7 +122,8 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     """Walk up and down from a softmax over the last dim; None when it is not attention.
 
     A chain that is attention but computes its scores with something the kernel does not (logit
-    soft-capping's tanh, a tensor scale) comes back blocked, so the report names it and it stays dense."""
+    soft-capping's tanh, a tensor scale), or whose weights are also returned (``output_attentions``),
+    comes back blocked, so the report names it and it stays dense."""
     dim = _arg(softmax, 1, "dim", None)
     if dim not in (-1, 3):
         return None
@@ -146,8 +147,13 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     probs = softmax
     while True:
         if len(probs.users) != 1:
-            return None  # attention weights escape (output_attentions): cannot replace
-        (user,) = probs.users
+            # the weights escape too (output_attentions): attention still, but the op makes no weights
+            user = next((u for u in probs.users if _is_call(u, _MATMUL_FUNCS, ("matmul",)) and u.args[0] is probs), None)
+            if user is None:
+                return None
+            blocker = blocker or "the attention weights are used besides the output (output_attentions=True?)"
+        else:
+            (user,) = probs.users
         if _is_call(user, (), ("to", "type", "type_as", "float", "half", "bfloat16")):
             chain.append(user)
             probs = user

@@ -88,7 +88,8 @@ def test_output_attentions_keeps_eager_attention_dense():
 
     model = tiny_model("llama", "eager")
     report = inspect(model, torch.randint(0, 128, (1, 40)), use_cache=False, output_attentions=True)
-    assert report.rows == [] or all(r.decision == "dense" for r in report.rows)
+    assert [r.layer for r in report.rows] == [0, 1], report
+    assert all(r.decision == "dense" and "output_attentions" in r.reason for r in report.rows), report
 
 
 class MaskedFill(torch.nn.Module):
