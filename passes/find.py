@@ -203,8 +203,11 @@ def _opaque_site(node: fx.Node) -> AttentionSite:
         blocker = ("FlexAttention call (its score_mod and block mask are code the pass does not read); load HF "
                    "models with attn_implementation='sdpa' or 'eager' to make them sparse")
     else:
+        from .unfuse import why_not_opened
+
+        why = f" ({why_not_opened(node)})" if node.target is F.multi_head_attention_forward else ""
         blocker = (f"{_FUSED_MHA[node.target]} runs as one fused call ({name}, projections included) that the pass "
-                   "does not open; write the attention with F.scaled_dot_product_attention to make it sparse")
+                   f"does not open{why}; opened only as causal self-attention (is_causal=True, need_weights=False)")
     return AttentionSite(
         node=node,
         form="flex" if node.target is _FLEX else "fused",

@@ -107,13 +107,20 @@ class MaskedFill(torch.nn.Module):
 
 
 class TorchMHA(torch.nn.Module):
-    def __init__(self):
+    """Two pre-norm blocks of nn.MultiheadAttention with the is_causal hint, as PyTorch-native decoders write them."""
+
+    def __init__(self, batch_first=True, need_weights=False):
         super().__init__()
-        self.mha = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+        self.mha = torch.nn.ModuleList(torch.nn.MultiheadAttention(64, 4, batch_first=batch_first) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(64)
+        self.batch_first, self.need_weights = batch_first, need_weights
 
     def forward(self, x):
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-        return self.mha(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1 if self.batch_first else 0])
+        for mha in self.mha:
+            h = self.norm(x)
+            x = x + mha(h, h, h, attn_mask=mask, is_causal=True, need_weights=self.need_weights)[0]
+        return x
 
 
 def test_manual_attention_with_unknown_score_ops_is_found_and_named():
@@ -123,18 +130,37 @@ def test_manual_attention_with_unknown_score_ops_is_found_and_named():
     assert row.decision == "dense" and "masked_fill" in row.reason and "soft-capping" not in row.reason
 
 
-@pytest.mark.parametrize("module,name", [
-    (TorchMHA, "MultiheadAttention"),
-    (lambda: torch.nn.TransformerEncoderLayer(64, 4, batch_first=True), "TransformerEncoderLayer"),
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_causal_multihead_attention_is_opened_rewritten_and_exact(batch_first):
+    from minference_fx.config import ModelIdentity, default_config
+    from minference_fx.plan import Pattern
+
+    model = TorchMHA(batch_first).eval()
+    x = torch.randn(2, 150, 64) if batch_first else torch.randn(150, 2, 64)
+    report = inspect(model, x)
+    assert [(r.layer, r.form, r.mask, r.decision) for r in report.rows] == [
+        (0, "sdpa", "causal", "sparse"), (1, "sdpa", "causal", "sparse")], report
+    covering = default_config(ModelIdentity(num_layers=2, num_q_heads=4, num_kv_heads=4, head_dim=16),
+                              pattern=Pattern.VERTICAL_SLASH, budgets=(1 << 20, 1 << 20), min_sparse_len=0)
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model, backend="minference", options={"config": covering, "inner": "aot_eager"})(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("module,name,why", [
+    (lambda: TorchMHA(need_weights=True), "MultiheadAttention", "need_weights=True"),
+    (lambda: torch.nn.TransformerEncoderLayer(64, 4, batch_first=True), "TransformerEncoderLayer", "fast path"),
 ])
-def test_torch_fused_attention_modules_are_reported_not_missed(module, name):
+def test_torch_fused_attention_it_cannot_open_is_reported_not_missed(module, name, why):
     model = module().eval()
     x = torch.randn(1, 50, 64)
     with torch.no_grad():  # the encoder layer's fused fast path only runs without grad
-        row = _only_row(inspect(model, x))
+        rows = inspect(model, x).rows
         out = torch.compile(model, backend="minference", options={"inner": "eager"})(x)
         want = model(x)
-    assert row.decision == "dense" and name in row.reason and row.form == "fused"
+    assert rows and all(r.decision == "dense" and name in r.reason and why in r.reason and r.form == "fused"
+                        for r in rows), rows
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
