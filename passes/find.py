@@ -4,7 +4,8 @@ Two forms are recognised:
 
 * ``F.scaled_dot_product_attention`` (the Dynamo target is
   ``torch._C._nn.scaled_dot_product_attention``), as HF ``sdpa`` emits it;
-* a manual chain ``matmul(q, kᵀ) → ×scale (or ÷, any number of constants) → (+ mask) → softmax(-1)
+* a manual chain ``matmul(q, kᵀ) → ×scale (or ÷, any number of constants) → (+ mask, or
+  masked_fill(blocked, -inf)) → softmax(-1)
   (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager`` emits it; with other ops among the
   scores (Gemma 2's tanh soft-cap) the site is found but blocked, so the report says why it stays dense;
 * PyTorch's fused attention modules (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``'s fast
@@ -89,23 +90,32 @@ _DIVIDE = {operator.truediv, torch.div, operator.itruediv, "div", "div_"}
 _MAX_SCORE_STEPS = 6
 
 
+def _is_minus_inf(value) -> bool:
+    """A fill value that removes a score from the softmax: -inf or a huge negative number."""
+    return isinstance(value, (int, float)) and value <= -1e4
+
+
 def _op_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _walk_scores(softmax: fx.Node):
-    """From the softmax's input up to ``matmul(q, kᵀ)``: (that matmul, mask, scale, nodes passed, ops not
-    understood), or None when the softmax is not fed by a q·kᵀ product."""
+    """From the softmax's input up to ``matmul(q, kᵀ)``: (that matmul, mask, whether the mask is a
+    ``masked_fill`` condition, scale, nodes passed, ops not understood), or None when the softmax is not fed by
+    a q·kᵀ product."""
     scores = softmax.args[0]
-    chain, mask, scale, unknown = [], None, 1.0, []
+    chain, mask, fills, scale, unknown = [], None, False, 1.0, []
     if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores):
         chain.append(scores)
         scores, mask = scores.args[0], scores.args[1]
+    elif _is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(_arg(scores, 2, "value")):
+        chain.append(scores)
+        scores, mask, fills = scores.args[0], _arg(scores, 1, "mask"), True
     for _ in range(_MAX_SCORE_STEPS):
         if not isinstance(scores, fx.Node) or not _single_user(scores):
             return None
         if _is_call(scores, _MATMUL_FUNCS, ("matmul",)):
-            return scores, mask, scale, chain, unknown
+            return scores, mask, fills, scale, chain, unknown
         if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
             return None
         factor = scores.args[1] if len(scores.args) > 1 else None
@@ -130,7 +140,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     walked = _walk_scores(softmax)
     if walked is None:
         return None
-    scores, mask, scale, chain, unknown = walked
+    scores, mask, fills, scale, chain, unknown = walked
     chain = [softmax] + chain
     query, key_t = scores.args[0], scores.args[1]
     key = _transposed_key(key_t)
@@ -176,6 +186,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
                 source=source_of(user),
                 chain=tuple(chain),
                 blocker=blocker,
+                mask_fills=fills,
             )
         else:
             return None

@@ -100,6 +100,9 @@ _AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical
 _ADD = {operator.add, torch.add, "add", "__add__", "__radd__"}
 _SUB = {operator.sub, torch.sub, "sub", "__sub__"}
 _IDENTITY_METHODS = {"to", "bool", "contiguous", "clone"}
+_NOT = {torch.logical_not, torch.bitwise_not, operator.invert, "logical_not", "bitwise_not", "__invert__"}
+_TRIANGLE = {torch.triu: "triu", torch.tril: "tril", "triu": "triu", "tril": "tril"}
+_COMPLEMENT = {"le": "gt", "gt": "le"}  # not (kv <= q + o)  is  kv > q + o
 _HUGE_NEGATIVE = -1e4
 
 
@@ -142,6 +145,12 @@ class _Evaluator:
             return _TRUE if n.kwargs.get("dtype") in (torch.bool, None) else _Const(1)
         if target is torch.tensor and args and isinstance(args[0], (int, float)):
             return _Const(args[0])
+        if target is torch.full and len(args) > 1 and isinstance(args[1], (bool, int, float)):
+            return _Const(args[1])
+        if target in _TRIANGLE:
+            return self._triangle(n, _TRIANGLE[target])
+        if target in _NOT:
+            return _complement(self.value(args[0]), n)
         if target in _IDENTITY_METHODS or target in ("expand", "expand_as", "unsqueeze", "view", "reshape"):
             return self._passthrough(n)
         if target in _ADD or target in _SUB:
@@ -171,6 +180,20 @@ class _Evaluator:
             off = _shift((None, 0), args[0])
             return _Range(off) if off is not None else _Unknown(f"arange start at {n.name}")
         return _Unknown(f"arange with a step at {n.name}")
+
+    def _triangle(self, n, kind):
+        """``triu`` / ``tril`` of a constant [Q, KV] matrix: row i, column j kept where j >= i + d (triu) or
+        j <= i + d (tril). Ones make a bool mask; a huge negative constant an additive one (its zeros are kept)."""
+        src, d = self.value(n.args[0]), _arg(n, 1, "diagonal", 0)
+        if not isinstance(src, _Const) or not isinstance(d, int) or isinstance(d, bool):
+            return _Unknown(f"{kind} of something other than a constant at {n.name}")
+        # kept entries as one predicate: tril -> kv <= q + d; triu -> kv >= q + d, i.e. kv > q + d - 1
+        kept = ("le", (None, d)) if kind == "tril" else ("gt", (None, d - 1))
+        if src.value is True or src.value == 1:
+            return _Mask(frozenset({kept}))
+        if isinstance(src.value, (int, float)) and src.value <= _HUGE_NEGATIVE:
+            return _Additive(_Mask(frozenset({(_COMPLEMENT[kept[0]], kept[1])})))
+        return _Unknown(f"{kind} of {src.value!r} at {n.name}")
 
     def _passthrough(self, n):
         src = self.value(n.args[0])
@@ -217,7 +240,9 @@ class _Evaluator:
             batch, pos = (self.value(i) for i in index)
             if isinstance(batch, _Axis) and batch.dim == 0 and batch.offset == (None, 0) and isinstance(pos, _Axis):
                 return _Gather(src.node, pos.dim, pos.offset)
-        if isinstance(src, (_Mask, _Additive)) and all(i == slice(None) or i is Ellipsis for i in index):
+        if isinstance(src, (_Mask, _Additive)) and _keeps_positions(index):
+            return src
+        if isinstance(src, _Tensor):
             return src
         return _Unknown(f"indexing at {n.name}")
 
@@ -241,6 +266,14 @@ class _Evaluator:
         return _Unknown(f"where at {n.name}")
 
     def _compare(self, op, a, b, raw):
+        if isinstance(b, _Mask) and isinstance(a, _Const):
+            a, b = b, a
+        if isinstance(a, _Mask) and isinstance(b, _Const) and op in ("eq", "ne") and b.value in (0, 1):
+            # a 0/1 mask compared with 0 or 1: itself or its complement (tril == 0 marks what causal blocks)
+            return a if (op == "eq") == bool(b.value) else _complement(a, raw[0])
+        for side in (a, b):
+            if isinstance(side, _Tensor):
+                return side  # a comparison of a tensor the pass cannot read: report that tensor
         if isinstance(a, _Const) and isinstance(b, _Const):
             fn = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne}[op]
             return _Const(fn(a.value, b.value))
@@ -277,6 +310,31 @@ class _Evaluator:
             bad = a if ma is None else b
             return bad if isinstance(bad, _Unknown) else _Unknown(f"and with {type(bad).__name__.strip('_')}")
         return _Mask(ma.preds | mb.preds)
+
+
+def _arg(n: fx.Node, index: int, name: str, default=None):
+    if name in n.kwargs:
+        return n.kwargs[name]
+    return n.args[index] if len(n.args) > index else default
+
+
+def _keeps_positions(index: tuple) -> bool:
+    """Whether ``mask[index]`` reads the same (q, kv) entries: leading new axes, then slices from 0."""
+    rest = list(index)
+    while rest and rest[0] is None:
+        rest.pop(0)
+    return all(i is Ellipsis or (isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1)) for i in rest)
+
+
+def _complement(value, n):
+    """not ``value`` for a one-term mask (a conjunction's complement is a disjunction: not in the vocabulary)."""
+    if isinstance(value, _Mask) and len(value.preds) == 1:
+        (pred,) = value.preds
+        if pred[0] in _COMPLEMENT:
+            return _Mask(frozenset({(_COMPLEMENT[pred[0]], pred[1])}))
+    if isinstance(value, (_Unknown, _Tensor)):
+        return value
+    return _Unknown(f"negation of {type(value).__name__.strip('_')} at {getattr(n, 'name', n)}")
 
 
 def _mask_info(preds: frozenset) -> MaskInfo:
@@ -320,18 +378,23 @@ def analyse(site: AttentionSite) -> MaskInfo:
     if site.is_causal:
         return MaskInfo(MaskKind.UNKNOWN, reason="both attn_mask and is_causal given")
     shape = getattr(site.mask.meta.get("example_value"), "shape", None)
-    if shape is None or len(shape) != 4 or shape[1] != 1:
-        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1, Q, KV]")
+    if shape is None or not (len(shape) == 2 or (len(shape) == 4 and shape[1] == 1)):
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1, Q, KV] or [Q, KV]")
     value = _Evaluator().value(site.mask)
     additive = isinstance(value, _Additive)
     if additive:
         value = value.mask
-    if site.form == "manual" and not additive:
+    if site.mask_fills:
+        if additive or isinstance(value, _Const):
+            return MaskInfo(MaskKind.UNKNOWN, reason="masked_fill with a condition that is not a bool mask")
+        value = _complement(value, site.mask)  # masked_fill marks what is blocked; the op takes what is kept
+    elif site.form == "manual" and not additive:
         return MaskInfo(MaskKind.UNKNOWN, reason="manual attention adds a mask that is not 0/-inf")
     if isinstance(value, _Unknown):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask construction not understood ({value.reason})")
     if isinstance(value, _Tensor):
-        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask is an opaque tensor ({value.node.name})")
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask read from a tensor the graph does not compute ({value.node.name}: an input "
+                                                 "or a buffer); build it in forward from shapes (triu/tril, arange) or use is_causal")
     if not isinstance(value, _Mask):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask evaluates to {type(value).__name__.strip('_')}")
     return _mask_info(value.preds)

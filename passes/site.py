@@ -81,6 +81,8 @@ class AttentionSite:
     shapes: str = ""
     blocker: str = ""
     """non-empty: why the site must stay dense (first reason found)"""
+    mask_fills: bool = False
+    """the mask marks the scores filled with -inf (``masked_fill``): True where a key may NOT be read"""
 
     def blocked(self, reason: str) -> "AttentionSite":
         return self if self.blocker else dataclasses.replace(self, blocker=reason)

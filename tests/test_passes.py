@@ -63,7 +63,7 @@ def test_unknown_float_mask_stays_dense_with_reason():
     bias = torch.randn(1, 1, 96, 96)
     row = _only_row(inspect(FloatMask(), q, k, v, bias))
     assert row.decision == "dense"
-    assert row.mask == "unknown" and "opaque tensor" in row.reason
+    assert row.mask == "unknown" and "tensor the graph does not compute (l_bias_" in row.reason
 
 
 def test_dropout_stays_dense_with_reason():
@@ -123,11 +123,62 @@ class TorchMHA(torch.nn.Module):
         return x
 
 
-def test_manual_attention_with_unknown_score_ops_is_found_and_named():
+def test_a_mask_from_a_buffer_stays_dense_and_says_so():
     q, k, _ = _qkv(hkv=4)
     v = torch.randn_like(q)
     row = _only_row(inspect(MaskedFill(), q, k, v))
-    assert row.decision == "dense" and "masked_fill" in row.reason and "soft-capping" not in row.reason
+    assert row.decision == "dense" and "tensor the graph does not compute" in row.reason and "bias" in row.reason
+
+
+def _scores(q, k):
+    return (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+
+
+class FillTriu(torch.nn.Module):
+    def forward(self, q, k, v):
+        blocked = torch.triu(torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool), diagonal=1)
+        return F.softmax(_scores(q, k).masked_fill(blocked, float("-inf")), dim=-1) @ v
+
+
+class FillTrilEqualsZero(torch.nn.Module):
+    def forward(self, q, k, v):
+        kept = torch.ones(q.shape[-2], q.shape[-2]).tril()
+        return F.softmax(_scores(q, k).masked_fill(kept == 0, float("-inf")), dim=-1) @ v
+
+
+class AddSquareSubsequent(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.softmax(_scores(q, k) + torch.nn.Transformer.generate_square_subsequent_mask(q.shape[-2]), dim=-1) @ v
+
+
+class SdpaSquareSubsequent(torch.nn.Module):
+    def forward(self, q, k, v):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(q.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class SdpaBoolTril(torch.nn.Module):
+    def forward(self, q, k, v, upper=False):
+        kept = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=kept.triu() if upper else kept.tril())
+
+
+@pytest.mark.parametrize("module", [FillTriu, FillTrilEqualsZero, AddSquareSubsequent, SdpaSquareSubsequent, SdpaBoolTril])
+def test_triangular_masks_built_in_forward_are_causal_and_exact(module):
+    """[Q, KV] masks from triu/tril of ones or of -inf (generate_square_subsequent_mask), kept or blocked
+    (masked_fill), added to the scores or given to SDPA."""
+    q, k, _ = _qkv(hkv=4, s=150)
+    v = torch.randn_like(q)
+    row = _only_row(inspect(module(), q, k, v))
+    assert (row.decision, row.mask) == ("sparse", "causal"), row
+    out = torch.compile(module(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, module()(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_a_triangle_that_keeps_the_future_is_not_taken_for_causal():
+    q, k, _ = _qkv(hkv=4)
+    row = _only_row(inspect(SdpaBoolTril(), q, k, torch.randn_like(q), True))
+    assert row.decision == "dense" and "no single causal" in row.reason
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
