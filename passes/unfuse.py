@@ -47,8 +47,8 @@ def _users_of_output(node: fx.Node):
 def why_not_opened(node: fx.Node) -> str:
     """Why this ``F.multi_head_attention_forward`` call stays fused ("" when it can be opened)."""
     a = _bound(node)
-    query = a["query"]
-    shape = getattr(getattr(query, "meta", {}).get("example_value"), "shape", None)
+    shape = getattr(getattr(a["query"], "meta", {}).get("example_value"), "shape", None)
+    output, read_otherwise = _users_of_output(node)
     checks = [
         (a["query"] is a["key"] is a["value"], "not self-attention (query, key and value differ)"),
         (bool(a["is_causal"]), "no is_causal hint (a float or bool attn_mask alone is not read)"),
@@ -61,8 +61,8 @@ def why_not_opened(node: fx.Node) -> str:
         (shape is not None and len(shape) == 3, "unbatched input"),
         (isinstance(a["num_heads"], int) and isinstance(a["embed_dim_to_check"], int)
          and a["embed_dim_to_check"] % a["num_heads"] == 0, "head count or width not constant"),
-        (_users_of_output(node)[0] is not None and not _users_of_output(node)[1],
-         "its outputs are read other than as the attention output"),
+        (output is not None and not read_otherwise, "its outputs are read other than as the attention output"),
+        (a["in_proj_weight"] is not None, "no packed input projection"),
     ]
     failed = [reason for ok, reason in checks if not ok]
     return failed[0] if failed else ""
