@@ -1,15 +1,16 @@
 """Find attention calls in a Dynamo (torch IR) graph.
 
-Two forms are recognised:
+Forms recognised:
 
 * ``F.scaled_dot_product_attention`` (the Dynamo target is
-  ``torch._C._nn.scaled_dot_product_attention``), as HF ``sdpa`` emits it;
+  ``torch._C._nn.scaled_dot_product_attention``), as HF ``sdpa`` emits it (and ``unfuse`` writes for
+  ``nn.MultiheadAttention``);
 * a manual chain ``matmul(q, kᵀ) → ×scale (or ÷, any number of constants) → (+ mask, or
-  masked_fill(blocked, -inf)) → softmax(-1)
-  (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager`` emits it; with other ops among the
-  scores (Gemma 2's tanh soft-cap) the site is found but blocked, so the report says why it stays dense;
-* PyTorch's fused attention modules (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``'s fast
-  path) and FlexAttention calls (HF ``flex_attention``): found and always blocked, for the report.
+  masked_fill(blocked, -inf)) → softmax(-1) (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager``
+  emits it; with other ops among the scores (Gemma 2's tanh soft-cap) or weights that escape, the site
+  is found but blocked, so the report says why it stays dense;
+* PyTorch's fused attention calls that ``unfuse`` did not open and FlexAttention calls (HF
+  ``flex_attention``): found and always blocked, for the report.
 """
 from __future__ import annotations
 
