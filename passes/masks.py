@@ -199,6 +199,8 @@ class _Evaluator:
         src = self.value(n.args[0])
         if n.target == "unsqueeze" and isinstance(src, _Range):
             return src if n.args[1] == 0 else _Unknown(f"unsqueeze of a range at {n.name}")
+        if n.target in ("view", "reshape") and isinstance(src, _Tensor) and _same_shape(n, n.args[0]):
+            return _Tensor(n)  # GPT-2's attention_mask.view(batch, -1): the same [B, S] tensor
         if n.target in ("view", "reshape") and not isinstance(src, (_Const, _Mask)):
             return _Unknown(f"{n.target} at {n.name}")
         if isinstance(src, _Tensor):
@@ -316,6 +318,12 @@ def _arg(n: fx.Node, index: int, name: str, default=None):
     if name in n.kwargs:
         return n.kwargs[name]
     return n.args[index] if len(n.args) > index else default
+
+
+def _same_shape(a: fx.Node, b) -> bool:
+    shape_a = getattr(a.meta.get("example_value"), "shape", None)
+    shape_b = getattr(getattr(b, "meta", {}).get("example_value"), "shape", None)
+    return shape_a is not None and shape_b is not None and tuple(shape_a) == tuple(shape_b)
 
 
 def _keeps_positions(index: tuple) -> bool:
