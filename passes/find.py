@@ -194,7 +194,8 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
 
 
 # PyTorch's own attention modules reach Dynamo as single calls that hold the projections too (and, for the
-# encoder layer's inference fast path, the whole layer): found so the report shows them, never rewritten.
+# encoder layer's inference fast path, the whole layer). Those ``unfuse`` could not write out are still
+# found, so the report shows them and why; never rewritten.
 _FUSED_MHA = {
     F.multi_head_attention_forward: "torch.nn.MultiheadAttention",
     torch._native_multi_head_attention: "torch.nn.MultiheadAttention (inference fast path)",
@@ -217,9 +218,8 @@ def _opaque_site(node: fx.Node) -> AttentionSite:
     else:
         from .unfuse import why_not_opened
 
-        why = f" ({why_not_opened(node)})" if node.target is F.multi_head_attention_forward else ""
-        blocker = (f"{_FUSED_MHA[node.target]} runs as one fused call ({name}, projections included) that the pass "
-                   f"does not open{why}; opened only as causal self-attention (is_causal=True, need_weights=False)")
+        why = why_not_opened(node) or "not something unfuse writes out"
+        blocker = f"{_FUSED_MHA[node.target]} runs as one fused call ({name}) that stays fused: {why}"
     return AttentionSite(
         node=node,
         form="flex" if node.target is _FLEX else "fused",

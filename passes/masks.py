@@ -201,6 +201,8 @@ class _Evaluator:
             return src if n.args[1] == 0 else _Unknown(f"unsqueeze of a range at {n.name}")
         if n.target in ("view", "reshape") and isinstance(src, _Tensor) and _same_shape(n, n.args[0]):
             return _Tensor(n)  # GPT-2's attention_mask.view(batch, -1): the same [B, S] tensor
+        if n.target in ("view", "reshape") and isinstance(src, _Additive) and _same_last_two(n, n.args[0]):
+            return src  # [Q, KV] viewed as [1, 1, Q, KV] (nn.TransformerEncoderLayer)
         if n.target in ("view", "reshape") and not isinstance(src, (_Const, _Mask)):
             return _Unknown(f"{n.target} at {n.name}")
         if isinstance(src, _Tensor):
@@ -320,10 +322,22 @@ def _arg(n: fx.Node, index: int, name: str, default=None):
     return n.args[index] if len(n.args) > index else default
 
 
+def _shapes(a: fx.Node, b):
+    return (getattr(getattr(x, "meta", {}).get("example_value"), "shape", None) for x in (a, b))
+
+
 def _same_shape(a: fx.Node, b) -> bool:
-    shape_a = getattr(a.meta.get("example_value"), "shape", None)
-    shape_b = getattr(getattr(b, "meta", {}).get("example_value"), "shape", None)
+    shape_a, shape_b = _shapes(a, b)
     return shape_a is not None and shape_b is not None and tuple(shape_a) == tuple(shape_b)
+
+
+def _same_last_two(a: fx.Node, b) -> bool:
+    """Whether a view keeps the (Q, KV) axes and only adds or drops leading ones of size 1."""
+    shape_a, shape_b = _shapes(a, b)
+    if shape_a is None or shape_b is None or len(shape_a) < 2 or len(shape_b) < 2:
+        return False
+    lead_a, lead_b = tuple(shape_a)[:-2], tuple(shape_b)[:-2]
+    return tuple(shape_a)[-2:] == tuple(shape_b)[-2:] and all(d == 1 for d in lead_a + lead_b)
 
 
 def _keeps_positions(index: tuple) -> bool:
@@ -386,8 +400,10 @@ def analyse(site: AttentionSite) -> MaskInfo:
     if site.is_causal:
         return MaskInfo(MaskKind.UNKNOWN, reason="both attn_mask and is_causal given")
     shape = getattr(site.mask.meta.get("example_value"), "shape", None)
-    if shape is None or not (len(shape) == 2 or (len(shape) == 4 and shape[1] == 1)):
-        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1, Q, KV] or [Q, KV]")
+    # a head axis is allowed: the vocabulary below has no per-head term, so a mask it understands is the
+    # same for every head (nn.TransformerEncoderLayer expands its [Q, KV] mask to [B, H, Q, KV])
+    if shape is None or len(shape) not in (2, 4):
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1 or H, Q, KV] or [Q, KV]")
     value = _Evaluator().value(site.mask)
     additive = isinstance(value, _Additive)
     if additive:

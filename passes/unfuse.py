@@ -1,11 +1,14 @@
-"""Open ``nn.MultiheadAttention``'s fused call into projections + SDPA, where it is causal self-attention.
+"""Open PyTorch's fused attention calls into projections + SDPA, so the ordinary passes can see them.
 
-Dynamo keeps ``F.multi_head_attention_forward`` as one call that holds the in- and out-projections, so
-no attention is visible in the graph. When the call is self-attention with the ``is_causal`` hint, no
-key padding mask and no weights asked for, PyTorch itself drops the mask and runs
-``scaled_dot_product_attention(is_causal=True)`` inside it; this pass writes exactly that into the
-graph (same projections, same head split), so the ordinary passes find and rewrite it. Every other
-use stays fused, and :func:`why_not_opened` says why for the report.
+* ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) holds the in- and out-projections. When
+  it is self-attention with the ``is_causal`` hint, no key padding mask and no weights asked for,
+  PyTorch itself drops the mask and runs ``scaled_dot_product_attention(is_causal=True)`` inside it;
+  this pass writes exactly that into the graph (same projections, same head split).
+* ``torch._transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer``'s no-grad fast path) holds a
+  whole layer. With an attention mask it is written out as the layer computes it (norms, attention with
+  that mask through SDPA, feed-forward); the mask pass then decides whether the mask is causal.
+
+Every other use stays fused, and :func:`why_not_opened` says why for the report.
 """
 from __future__ import annotations
 
@@ -44,8 +47,35 @@ def _users_of_output(node: fx.Node):
     return out, other
 
 
+_LAYER_PARAMS = ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "use_gelu",
+                 "norm_first", "eps", "norm_weight_1", "norm_bias_1", "norm_weight_2", "norm_bias_2", "ffn_weight_1",
+                 "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask", "mask_type")
+
+
+def _layer_args(node: fx.Node) -> dict:
+    args = dict(zip(_LAYER_PARAMS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _why_layer_not_opened(node: fx.Node) -> str:
+    a = _layer_args(node)
+    shape = getattr(getattr(a.get("src"), "meta", {}).get("example_value"), "shape", None)
+    checks = [
+        (len(a) == len(_LAYER_PARAMS), "arguments not understood"),
+        (a.get("mask") is not None, "no attention mask (bidirectional)"),
+        (a.get("mask_type") in (0, 2), "a key padding mask"),
+        (shape is not None and len(shape) == 3, "unbatched input"),
+        (isinstance(a.get("num_heads"), int) and isinstance(a.get("embed_dim"), int)
+         and a["embed_dim"] % a["num_heads"] == 0, "head count or width not constant"),
+    ]
+    return next((reason for ok, reason in checks if not ok), "")
+
+
 def why_not_opened(node: fx.Node) -> str:
-    """Why this ``F.multi_head_attention_forward`` call stays fused ("" when it can be opened)."""
+    """Why this fused call stays fused ("" when it can be opened)."""
+    if node.target is torch._transformer_encoder_layer_fwd:
+        return _why_layer_not_opened(node)
     a = _bound(node)
     shape = getattr(getattr(a["query"], "meta", {}).get("example_value"), "shape", None)
     output, read_otherwise = _users_of_output(node)
@@ -83,35 +113,69 @@ def _add(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node:
     return node
 
 
-def _open(graph: fx.Graph, node: fx.Node) -> None:
+def _attention(graph, like, x, heads, width, qkv_weight, qkv_bias, out_weight, out_bias, seq_major, **sdpa_kwargs):
+    """Packed projection → heads → SDPA → out projection, on ``x`` [T, B, E] (``seq_major``) or [B, T, E]."""
+    to_heads, from_heads = ((1, 2, 0, 3), (2, 0, 1, 3)) if seq_major else ((0, 2, 1, 3), (0, 2, 1, 3))
+    qkv = _add(graph, like, F.linear, x, qkv_weight, qkv_bias)
+    parts = []
+    for i in range(3):
+        part = _add(graph, like, torch.narrow, qkv, -1, i * width, width)
+        part = _add(graph, like, torch.unflatten, part, -1, (heads, width // heads))
+        parts.append(_add(graph, like, torch.permute, part, to_heads))  # [B, H, T, D]
+    attn = _add(graph, like, F.scaled_dot_product_attention, *parts, **sdpa_kwargs)
+    attn = _add(graph, like, torch.permute, attn, from_heads)
+    attn = _add(graph, like, torch.flatten, attn, 2)
+    return _add(graph, like, F.linear, attn, out_weight, out_bias)
+
+
+def _open_mha(graph: fx.Graph, node: fx.Node) -> None:
     a = _bound(node)
-    heads, width = a["num_heads"], a["embed_dim_to_check"]
-    head_dim = width // heads
     out_item, _ = _users_of_output(node)
     with graph.inserting_before(node):
-        # [T, B, E] (nn.MultiheadAttention transposes batch-first input before the call)
-        qkv = _add(graph, node, F.linear, a["query"], a["in_proj_weight"], a["in_proj_bias"])
-        parts = []
-        for i in range(3):
-            part = _add(graph, node, torch.narrow, qkv, -1, i * width, width)
-            part = _add(graph, node, torch.unflatten, part, -1, (heads, head_dim))  # [T, B, H, D]
-            parts.append(_add(graph, node, torch.permute, part, (1, 2, 0, 3)))  # [B, H, T, D]
-        attn = _add(graph, node, F.scaled_dot_product_attention, *parts, is_causal=True)
-        attn = _add(graph, node, torch.permute, attn, (2, 0, 1, 3))  # [T, B, H, D]
-        attn = _add(graph, node, torch.flatten, attn, 2)
-        out = _add(graph, node, F.linear, attn, a["out_proj_weight"], a["out_proj_bias"])
+        # [T, B, E]: nn.MultiheadAttention transposes batch-first input before the call
+        out = _attention(graph, node, a["query"], a["num_heads"], a["embed_dim_to_check"], a["in_proj_weight"],
+                         a["in_proj_bias"], a["out_proj_weight"], a["out_proj_bias"], seq_major=True, is_causal=True)
     out_item.replace_all_uses_with(out)
     for user in list(node.users):
         graph.erase_node(user)
     graph.erase_node(node)
 
 
+def _open_layer(graph: fx.Graph, node: fx.Node) -> None:
+    """The encoder layer as its fused kernel computes it (batch-first, dropout off: it only runs in eval)."""
+    a = _layer_args(node)
+    width = a["embed_dim"]
+
+    def norm(x, i):
+        return _add(graph, node, F.layer_norm, x, (width,), a[f"norm_weight_{i}"], a[f"norm_bias_{i}"], a["eps"])
+
+    with graph.inserting_before(node):
+        src = a["src"]
+        h = norm(src, 1) if a["norm_first"] else src
+        x = _add(graph, node, torch.add, src, _attention(graph, node, h, a["num_heads"], width, a["qkv_weight"],
+                                                          a["qkv_bias"], a["proj_weight"], a["proj_bias"],
+                                                          seq_major=False, attn_mask=a["mask"]))
+        if not a["norm_first"]:
+            x = norm(x, 1)
+        h = norm(x, 2) if a["norm_first"] else x
+        h = _add(graph, node, F.linear, h, a["ffn_weight_1"], a["ffn_bias_1"])
+        h = _add(graph, node, F.gelu if a["use_gelu"] else F.relu, h)
+        x = _add(graph, node, torch.add, x, _add(graph, node, F.linear, h, a["ffn_weight_2"], a["ffn_bias_2"]))
+        if not a["norm_first"]:
+            x = norm(x, 2)
+    node.replace_all_uses_with(x)
+    graph.erase_node(node)
+
+
+_OPENERS = {F.multi_head_attention_forward: _open_mha, torch._transformer_encoder_layer_fwd: _open_layer}
+
+
 def run(gm: fx.GraphModule) -> int:
-    """Open every fused MHA call that is causal self-attention; returns how many were opened."""
+    """Open every fused call this pass can write out; returns how many were opened."""
     opened = 0
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is F.multi_head_attention_forward and not why_not_opened(node):
-            _open(gm.graph, node)
+        if node.op == "call_function" and node.target in _OPENERS and not why_not_opened(node):
+            _OPENERS[node.target](gm.graph, node)
             opened += 1
     if opened:
         gm.recompile()

@@ -199,9 +199,38 @@ def test_causal_multihead_attention_is_opened_rewritten_and_exact(batch_first):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+class CausalEncoder(torch.nn.Module):
+    """A decoder-only stack built from nn.TransformerEncoder: under no_grad each layer is one fused call."""
+
+    def __init__(self, norm_first, activation):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, norm_first=norm_first, activation=activation)
+        self.stack = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.stack(x, mask=torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1]), is_causal=True)
+
+
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
+def test_fused_encoder_layers_with_a_causal_mask_are_opened_rewritten_and_exact(norm_first, activation):
+    from minference_fx.config import ModelIdentity, default_config
+    from minference_fx.plan import Pattern
+
+    model = CausalEncoder(norm_first, activation).eval()
+    x = torch.randn(2, 150, 64)
+    covering = default_config(ModelIdentity(num_layers=2, num_q_heads=4, num_kv_heads=4, head_dim=16),
+                              pattern=Pattern.VERTICAL_SLASH, budgets=(1 << 20, 1 << 20), min_sparse_len=0)
+    with torch.no_grad():
+        report = inspect(model, x)
+        want = model(x)
+        got = torch.compile(model, backend="minference", options={"config": covering, "inner": "aot_eager"})(x)
+    assert [(r.layer, r.mask, r.decision) for r in report.rows] == [(0, "causal", "sparse"), (1, "causal", "sparse")], report
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("module,name,why", [
     (lambda: TorchMHA(need_weights=True), "MultiheadAttention", "need_weights=True"),
-    (lambda: torch.nn.TransformerEncoderLayer(64, 4, batch_first=True), "TransformerEncoderLayer", "fast path"),
+    (lambda: torch.nn.TransformerEncoderLayer(64, 4, batch_first=True), "TransformerEncoderLayer", "no attention mask"),
 ])
 def test_torch_fused_attention_it_cannot_open_is_reported_not_missed(module, name, why):
     model = module().eval()
