@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite
+from .site import AttentionSite, call_arg
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -40,25 +40,17 @@ def source_of(node: fx.Node) -> str:
     return f"{short}:{line}"
 
 
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    if name in node.kwargs:
-        return node.kwargs[name]
-    if len(node.args) > index:
-        return node.args[index]
-    return default
-
-
 def _sdpa_site(node: fx.Node) -> AttentionSite:
     return AttentionSite(
         node=node,
         form="sdpa",
-        query=_arg(node, 0, "query"),
-        key=_arg(node, 1, "key"),
-        value=_arg(node, 2, "value"),
-        mask=_arg(node, 3, "attn_mask"),
-        dropout_p=float(_arg(node, 4, "dropout_p", 0.0)),
-        is_causal=bool(_arg(node, 5, "is_causal", False)),
-        scale=_arg(node, 6, "scale", None),
+        query=call_arg(node, 0, "query"),
+        key=call_arg(node, 1, "key"),
+        value=call_arg(node, 2, "value"),
+        mask=call_arg(node, 3, "attn_mask"),
+        dropout_p=float(call_arg(node, 4, "dropout_p", 0.0)),
+        is_causal=bool(call_arg(node, 5, "is_causal", False)),
+        scale=call_arg(node, 6, "scale", None),
         enable_gqa=bool(node.kwargs.get("enable_gqa", False)),
         source=source_of(node),
     )
@@ -109,9 +101,9 @@ def _walk_scores(softmax: fx.Node):
     if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores):
         chain.append(scores)
         scores, mask = scores.args[0], scores.args[1]
-    elif _is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(_arg(scores, 2, "value")):
+    elif _is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(call_arg(scores, 2, "value")):
         chain.append(scores)
-        scores, mask, fills = scores.args[0], _arg(scores, 1, "mask"), True
+        scores, mask, fills = scores.args[0], call_arg(scores, 1, "mask"), True
     for _ in range(_MAX_SCORE_STEPS):
         if not isinstance(scores, fx.Node) or not _single_user(scores):
             return None
@@ -135,7 +127,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     A chain that is attention but computes its scores with something the kernel does not (logit
     soft-capping's tanh, a tensor scale), or whose weights are also returned (``output_attentions``),
     comes back blocked, so the report names it and it stays dense."""
-    dim = _arg(softmax, 1, "dim", None)
+    dim = call_arg(softmax, 1, "dim", None)
     if dim not in (-1, 3):
         return None
     walked = _walk_scores(softmax)
@@ -169,8 +161,8 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
             chain.append(user)
             probs = user
         elif _is_call(user, _DROPOUT_FUNCS, ("dropout",)):
-            training = _arg(user, 2, "training", True)
-            dropout_p = float(_arg(user, 1, "p", 0.5)) if training else 0.0
+            training = call_arg(user, 2, "training", True)
+            dropout_p = float(call_arg(user, 1, "p", 0.5)) if training else 0.0
             chain.append(user)
             probs = user
         elif _is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:

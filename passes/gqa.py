@@ -10,15 +10,9 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-import torch
 import torch.fx as fx
 
-from .site import AttentionSite
-
-
-def _shape(node):
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if value is not None and hasattr(value, "shape") else None
+from .site import AttentionSite, shape_of
 
 
 def unrepeat(node: fx.Node) -> fx.Node | None:
@@ -39,7 +33,7 @@ def unrepeat(node: fx.Node) -> fx.Node | None:
     elif isinstance(unsqueezed, fx.Node) and unsqueezed.op == "call_method" and unsqueezed.target == "unsqueeze":
         if unsqueezed.args[1] == 2:
             source = unsqueezed.args[0]
-    src_shape, out_shape, exp_shape = _shape(source), _shape(node), _shape(expand)
+    src_shape, out_shape, exp_shape = shape_of(source), shape_of(node), shape_of(expand)
     if source is None or src_shape is None or out_shape is None or exp_shape is None or len(src_shape) != 4:
         return None
     b, hkv, s, d = src_shape

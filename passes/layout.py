@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .site import AttentionSite
-
-
-def _shape(node):
-    value = node.meta.get("example_value") if hasattr(node, "meta") else None
-    return tuple(value.shape) if value is not None and hasattr(value, "shape") else None
+from .site import AttentionSite, shape_of
 
 
 def _fmt(shape):
@@ -23,7 +18,7 @@ def _fmt(shape):
 def run(sites: list[AttentionSite]) -> list[AttentionSite]:
     out = []
     for site in sites:
-        q, k, v = _shape(site.query), _shape(site.key), _shape(site.value)
+        q, k, v = shape_of(site.query), shape_of(site.key), shape_of(site.value)
         if q is None or k is None or v is None:
             out.append(site.blocked("q/k/v have no tensor metadata"))
             continue

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .site import AttentionSite, MaskInfo, MaskKind
+from .site import AttentionSite, MaskInfo, MaskKind, call_arg, shape_of
 
 # An offset is (fx node holding a SymInt or None, int constant)
 _Off = tuple
@@ -184,7 +184,7 @@ class _Evaluator:
     def _triangle(self, n, kind):
         """``triu`` / ``tril`` of a constant [Q, KV] matrix: row i, column j kept where j >= i + d (triu) or
         j <= i + d (tril). Ones make a bool mask; a huge negative constant an additive one (its zeros are kept)."""
-        src, d = self.value(n.args[0]), _arg(n, 1, "diagonal", 0)
+        src, d = self.value(n.args[0]), call_arg(n, 1, "diagonal", 0)
         if not isinstance(src, _Const) or not isinstance(d, int) or isinstance(d, bool):
             return _Unknown(f"{kind} of something other than a constant at {n.name}")
         # kept entries as one predicate: tril -> kv <= q + d; triu -> kv >= q + d, i.e. kv > q + d - 1
@@ -316,28 +316,17 @@ class _Evaluator:
         return _Mask(ma.preds | mb.preds)
 
 
-def _arg(n: fx.Node, index: int, name: str, default=None):
-    if name in n.kwargs:
-        return n.kwargs[name]
-    return n.args[index] if len(n.args) > index else default
-
-
-def _shapes(a: fx.Node, b):
-    return (getattr(getattr(x, "meta", {}).get("example_value"), "shape", None) for x in (a, b))
-
-
 def _same_shape(a: fx.Node, b) -> bool:
-    shape_a, shape_b = _shapes(a, b)
-    return shape_a is not None and shape_b is not None and tuple(shape_a) == tuple(shape_b)
+    shape_a, shape_b = shape_of(a), shape_of(b)
+    return shape_a is not None and shape_a == shape_b
 
 
 def _same_last_two(a: fx.Node, b) -> bool:
     """Whether a view keeps the (Q, KV) axes and only adds or drops leading ones of size 1."""
-    shape_a, shape_b = _shapes(a, b)
+    shape_a, shape_b = shape_of(a), shape_of(b)
     if shape_a is None or shape_b is None or len(shape_a) < 2 or len(shape_b) < 2:
         return False
-    lead_a, lead_b = tuple(shape_a)[:-2], tuple(shape_b)[:-2]
-    return tuple(shape_a)[-2:] == tuple(shape_b)[-2:] and all(d == 1 for d in lead_a + lead_b)
+    return shape_a[-2:] == shape_b[-2:] and all(d == 1 for d in shape_a[:-2] + shape_b[:-2])
 
 
 def _keeps_positions(index: tuple) -> bool:
@@ -399,7 +388,7 @@ def analyse(site: AttentionSite) -> MaskInfo:
         return MaskInfo(MaskKind.NONE, reason="no mask and is_causal=False: bidirectional attention")
     if site.is_causal:
         return MaskInfo(MaskKind.UNKNOWN, reason="both attn_mask and is_causal given")
-    shape = getattr(site.mask.meta.get("example_value"), "shape", None)
+    shape = shape_of(site.mask)
     # a head axis is allowed: the vocabulary below has no per-head term, so a mask it understands is the
     # same for every head (nn.TransformerEncoderLayer expands its [Q, KV] mask to [B, H, Q, KV])
     if shape is None or len(shape) not in (2, 4):

@@ -15,6 +15,19 @@ import torch.fx as fx
 Offset = Union[int, fx.Node]
 
 
+def shape_of(node) -> Optional[tuple]:
+    """The traced shape of ``node`` (from Dynamo's example value), or None when it is not a tensor node."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if value is not None and hasattr(value, "shape") else None
+
+
+def call_arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument ``name`` of a call node, given by keyword or at position ``index``."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
 class MaskKind(str, Enum):
     CAUSAL = "causal"
     CAUSAL_PADDING = "causal+padding"

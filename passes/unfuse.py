@@ -19,6 +19,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .site import shape_of
+
 _MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
                "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
                "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
@@ -29,9 +31,10 @@ _DEFAULTS = dict(training=True, key_padding_mask=None, need_weights=True, attn_m
 _META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack")
 
 
-def _bound(node: fx.Node) -> dict:
-    args = dict(_DEFAULTS)
-    args.update(zip(_MHA_PARAMS, node.args))
+def _bound(node: fx.Node, params: tuple, defaults: dict) -> dict:
+    """The call's arguments by parameter name."""
+    args = dict(defaults)
+    args.update(zip(params, node.args))
     args.update(node.kwargs)
     return args
 
@@ -52,15 +55,9 @@ _LAYER_PARAMS = ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "pro
                  "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask", "mask_type")
 
 
-def _layer_args(node: fx.Node) -> dict:
-    args = dict(zip(_LAYER_PARAMS, node.args))
-    args.update(node.kwargs)
-    return args
-
-
 def _why_layer_not_opened(node: fx.Node) -> str:
-    a = _layer_args(node)
-    shape = getattr(getattr(a.get("src"), "meta", {}).get("example_value"), "shape", None)
+    a = _bound(node, _LAYER_PARAMS, {})
+    shape = shape_of(a.get("src"))
     checks = [
         (len(a) == len(_LAYER_PARAMS), "arguments not understood"),
         (a.get("mask") is not None, "no attention mask (bidirectional)"),
@@ -76,8 +73,8 @@ def why_not_opened(node: fx.Node) -> str:
     """Why this fused call stays fused ("" when it can be opened)."""
     if node.target is torch._transformer_encoder_layer_fwd:
         return _why_layer_not_opened(node)
-    a = _bound(node)
-    shape = getattr(getattr(a["query"], "meta", {}).get("example_value"), "shape", None)
+    a = _bound(node, _MHA_PARAMS, _DEFAULTS)
+    shape = shape_of(a["query"])
     output, read_otherwise = _users_of_output(node)
     checks = [
         (a["query"] is a["key"] is a["value"], "not self-attention (query, key and value differ)"),
@@ -129,7 +126,7 @@ def _attention(graph, like, x, heads, width, qkv_weight, qkv_bias, out_weight, o
 
 
 def _open_mha(graph: fx.Graph, node: fx.Node) -> None:
-    a = _bound(node)
+    a = _bound(node, _MHA_PARAMS, _DEFAULTS)
     out_item, _ = _users_of_output(node)
     with graph.inserting_before(node):
         # [T, B, E]: nn.MultiheadAttention transposes batch-first input before the call
@@ -143,7 +140,7 @@ def _open_mha(graph: fx.Graph, node: fx.Node) -> None:
 
 def _open_layer(graph: fx.Graph, node: fx.Node) -> None:
     """The encoder layer as its fused kernel computes it (batch-first, dropout off: it only runs in eval)."""
-    a = _layer_args(node)
+    a = _bound(node, _LAYER_PARAMS, {})
     width = a["embed_dim"]
 
     def norm(x, i):
