@@ -128,7 +128,6 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     vs_mask = _split(plan).vs_mask
     n_vs = sum(vs_mask)
     guarded = guard_threshold > 0 and n_vs > 0
-    last_rows = min(guard.VS_LAST_Q, q.shape[-2])
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
@@ -141,7 +140,8 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
     if guarded:
-        mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index, last_rows)
+        mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index,
+                                   min(guard.VS_LAST_Q, q.shape[-2]))
         force = (mass < guard_threshold) & torch.tensor(vs_mask)[None, :]
         guard.record(force, q.shape[0] * n_vs)
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
@@ -165,7 +165,8 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force,
                                   **tuned.launch(), **masks)
     if split.dense_heads:
-        _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, scale, masks)
+        _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, _kv_heads(split.dense_heads, q.shape[1] // k.shape[1]),
+                             scale, masks)
     return out, force
 
 
@@ -201,14 +202,19 @@ def _split(plan: LayerPlan) -> _PlanSplit:
                       tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads))
 
 
-def _dense_heads_by_sdpa(q, k, v, out, dense_heads: tuple, scale: float, masks: dict) -> None:
-    """Write dense attention of query heads ``dense_heads`` into ``out`` (each with its own kv head, no repeat
-    of the others). The head lists are device tables: no host copy, so a CUDA graph can capture this."""
+@functools.lru_cache(maxsize=4096)
+def _kv_heads(heads: tuple, group: int) -> tuple:
+    return tuple(h // group for h in heads)
+
+
+def _dense_heads_by_sdpa(q, k, v, out, dense_heads: tuple, kv_heads: tuple, scale: float, masks: dict) -> None:
+    """Write dense attention of query heads ``dense_heads`` into ``out``, each reading its kv head in
+    ``kv_heads`` (no repeat of the others). The head lists become device tables written without a host
+    copy, so a CUDA graph can capture this."""
     from .kernels.tables import int_table
 
-    group = q.shape[1] // k.shape[1]
     heads = int_table(dense_heads, q.device)
-    kv_heads = int_table([h // group for h in dense_heads], q.device)
+    kv_heads = int_table(kv_heads, q.device)
     dense = dense_attention(q.index_select(1, heads), k.index_select(1, kv_heads), v.index_select(1, kv_heads),
                             masks["key_mask"], masks["doc_ids"], scale, masks["q_offset"], masks["window"])
     out.index_copy_(1, heads.long(), dense)

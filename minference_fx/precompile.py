@@ -110,8 +110,7 @@ def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
 
 def compile_spec(spec: KernelSpec) -> int:
     """Run the op's GPU path for ``spec`` at every launch config it may use; returns how many ran."""
-    from .op import sparse_on_gpu
-    from .plan import LayerPlan
+    from .op import _layer_plan, sparse_on_gpu
 
     # batch 1 whatever the real batch: only the batch stride's divisibility is specialised on, and it matches
     n, b = DUMMY_LEN, 1
@@ -121,7 +120,7 @@ def compile_spec(spec: KernelSpec) -> int:
     masks = dict(key_mask=torch.ones(b, n, dtype=torch.bool, device=spec.device) if spec.has_key_mask else None,
                  doc_ids=torch.zeros(b, n, dtype=torch.int64, device=spec.device) if spec.has_doc_ids else None,
                  q_offset=0, window=spec.window)
-    plan = LayerPlan.from_op_arguments(list(spec.patterns), list(spec.budget_a), list(spec.budget_b))
+    plan = _layer_plan(spec.patterns, spec.budget_a, spec.budget_b)  # the op's own plan, cached
     configs = launch_configs(spec, q, k)
     for tuned in configs:
         sparse_on_gpu(q, k, v, plan, spec.scale, masks, spec.guard_threshold, tuned)
