@@ -210,7 +210,7 @@ def _opaque_site(node: fx.Node) -> AttentionSite:
     else:
         from .unfuse import why_not_opened
 
-        why = why_not_opened(node) or "not something unfuse writes out"
+        why = why_not_opened(node)
         blocker = f"{_FUSED_MHA[node.target]} runs as one fused call ({name}) that stays fused: {why}"
     return AttentionSite(
         node=node,

@@ -73,6 +73,8 @@ def why_not_opened(node: fx.Node) -> str:
     """Why this fused call stays fused ("" when it can be opened)."""
     if node.target is torch._transformer_encoder_layer_fwd:
         return _why_layer_not_opened(node)
+    if node.target is not F.multi_head_attention_forward:
+        return f"{getattr(node.target, '__name__', node.target)} is not written out"
     a = _bound(node, _MHA_PARAMS, _DEFAULTS)
     shape = shape_of(a["query"])
     output, read_otherwise = _users_of_output(node)
