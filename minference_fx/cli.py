@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 
-
 def build_model(spec: str, attn: str, layers: int | None = None):
     """A model from a built-in tiny family name, an HF config.json, or a local model directory.
 
