@@ -56,6 +56,10 @@ class TuneEntry:
 
 
 DEFAULT_ENTRY = TuneEntry()
+# What an untuned lookup launches, per kernel. The dense walk runs only heads that read no list, so
+# its programs may own two index query tiles: 128 rows with 4 warps were its best on an H200 at 32K and
+# 128K (results/explore_dense_h200_2026-11-30.txt).
+DEFAULT_ENTRIES = {"sparse_attention": DEFAULT_ENTRY, "dense_walk": TuneEntry(128, 64, 4, 2)}
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -269,7 +273,7 @@ def find(key: TuneKey, path=None) -> Optional[TuneEntry]:
 
 def resolve(key: TuneKey, path=None) -> tuple[TuneEntry, Optional[int]]:
     """The config for ``key`` and the bucket it was tuned at: its own bucket's; else the nearest tuned bucket
-    (log scale, the larger on a tie) of the same kernel and shape; else ``(DEFAULT_ENTRY, None)``.
+    (log scale, the larger on a tie) of the same kernel and shape; else ``(the kernel's default, None)``.
 
     A launch config changes speed only, and a neighbour's is the better guess: on the H200 the tuned
     configs of 32K, 64K and 128K agree, so a 256K prompt runs the 128K config rather than the untuned one."""
@@ -281,7 +285,7 @@ def resolve(key: TuneKey, path=None) -> tuple[TuneEntry, Optional[int]]:
     for table in reversed(_tables(path)):  # the user cache last, so it wins
         tuned.update({k.bucket: e for k, e in table.configs.items() if dataclasses.replace(k, bucket=0) == shape})
     if not tuned:
-        return DEFAULT_ENTRY, None
+        return DEFAULT_ENTRIES.get(key.kernel, DEFAULT_ENTRY), None
     distance = lambda b: (abs(b.bit_length() - key.bucket.bit_length()), -b)  # noqa: E731 (buckets are powers of 2)
     nearest = min(tuned, key=distance)
     return tuned[nearest], nearest
@@ -293,7 +297,7 @@ def lookup(key: TuneKey, path=None) -> TuneEntry:
     if bucket != key.bucket and key not in _missed:
         _missed.add(key)
         if bucket is None:
-            log.warning("no tuned config for %s; using %s (run `minference-fx autotune` on this GPU)", key, DEFAULT_ENTRY)
+            log.warning("no tuned config for %s; using %s (run `minference-fx autotune` on this GPU)", key, entry)
         else:
             log.warning("no tuned config for %s; using %s, tuned for the %d-token bucket (run `minference-fx autotune "
                         "--lengths %d` to tune this one)", key, entry, bucket, key.bucket)

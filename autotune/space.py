@@ -13,8 +13,12 @@ from .cache import TuneEntry
 # (BLOCK // 2 rows: more programs for short prompts). Key steps of BLOCK_N = BLOCK or 2 * BLOCK (two
 # listed tiles gathered side by side) are tuned. The kernel also runs BLOCK // 4 rows and BLOCK // 2
 # keys a step, left out of the search: they narrow the MMA for nothing the index could gain.
+# The dense walk (the same kernel launched for forced-dense heads only) reads no list, so a program may
+# own two query tiles.
 ACCEPTED_BLOCKS = {"sparse_attention": {"BLOCK_M": frozenset({BLOCK // 2, BLOCK}),
-                                        "BLOCK_N": frozenset({BLOCK, 2 * BLOCK})}}
+                                        "BLOCK_N": frozenset({BLOCK, 2 * BLOCK})},
+                   "dense_walk": {"BLOCK_M": frozenset({BLOCK, 2 * BLOCK}),
+                                  "BLOCK_N": frozenset({BLOCK, 2 * BLOCK})}}
 
 SPACE = {
     "sparse_attention": [
@@ -24,6 +28,9 @@ SPACE = {
         for w in (4, 8)
         for s in (1, 2, 3, 4)
     ],
+    # dense work is long and regular: shallow pipelines never won it (explore_dense), and each candidate
+    # costs seconds to time at 128K
+    "dense_walk": [TuneEntry(bm, bn, w, s) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)],
 }
 
 # Hopper (sm90) lets one block opt in to 227 KB of its 228 KB shared memory.

@@ -28,6 +28,9 @@ CROSSOVER_MARGIN = 0.05
 # never the faster one there, so longer prompts are tuned for launch configs only.
 CROSSOVER_LENGTHS = tuple(1 << p for p in range(10, 17))  # 1K .. 64K
 
+# The sparse kernel launched for the forced-dense (batch, head) pairs only (see ``op.sparse_on_gpu``).
+DENSE_WALK = "dense_walk"
+
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -94,7 +97,8 @@ class Workload(Protocol):
     smem_limit: int
 
     def kernel(self, length: int, config: TuneEntry) -> Callable[[], object]: ...
-    def sparse(self, length: int, config: TuneEntry) -> Callable[[], object]: ...
+    def dense_walk(self, length: int, config: TuneEntry) -> Callable[[], object]: ...
+    def sparse(self, length: int, config: TuneEntry, dense_walk: TuneEntry) -> Callable[[], object]: ...
     def dense(self, length: int) -> Callable[[], object]: ...
 
 
@@ -105,6 +109,8 @@ class WarmUpReport:
     dense_ms: dict[int, float]
     sparse_ms: dict[int, float]
     crossover: Optional[int]
+    dense_walk: dict[int, TuneResult] = dataclasses.field(default_factory=dict)
+    """the dense walk's tuning, at the lengths asked for"""
 
     def __str__(self) -> str:
         lines = [f"{'length':>8} {'config (M, N, warps, stages)':>29} {'kernel ms':>10} {'default ms':>10} {'tuned gain':>10} "
@@ -117,6 +123,12 @@ class WarmUpReport:
             lines.append(f"{length:>8} {best:>29} {r.best_ms:>10.3f} "
                          f"{'-' if default_ms is None else f'{default_ms:.3f}':>10} {gain:>10} "
                          f"{'-' if sp is None else f'{sp:.3f}':>10} {'-' if de is None else f'{de:.3f}':>10}")
+        for length, r in sorted(self.dense_walk.items()):
+            default_ms = r.timings.get(cache.DEFAULT_ENTRIES["dense_walk"])
+            best = f"{r.best.BLOCK_M}, {r.best.BLOCK_N}, {r.best.num_warps}, {r.best.num_stages}"
+            gain = "-" if default_ms is None else f"{default_ms / r.best_ms:.2f}x"
+            lines.append(f"dense walk @ {length}: {best}, {r.best_ms:.3f} ms (default "
+                         f"{'-' if default_ms is None else f'{default_ms:.3f}'} ms, tuned gain {gain})")
         if self.dense_ms:
             shown = "never (dense at every measured length)" if self.crossover is None else f"sparse from {self.crossover}"
             lines.append(f"crossover: {shown}")
@@ -136,7 +148,7 @@ def as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, torch.dtype] = torch.bfloat16,
             progress: bool = True, *, num_kv_heads: int = 8, crossover_lengths: Sequence[int] = CROSSOVER_LENGTHS,
             workload: Optional[Workload] = None, timer: Optional[Timer] = None, path=None) -> WarmUpReport:
-    """Tune the sparse attention kernel at ``lengths`` and the crossover, and write both to the cache.
+    """Tune the sparse attention kernel at ``lengths``, its dense walk there, and the crossover; write them to the cache.
 
     Every length of ``crossover_lengths`` up to the longest of ``lengths`` is tuned too,
     since the crossover times the sparse path with its tuned config. Entries are
@@ -151,27 +163,36 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
         workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads)
     path = Path(path) if path is not None else cache.cache_path()
     kernel = "sparse_attention"
-    candidates = space.candidates(kernel, head_dim, dtype.itemsize, workload.smem_limit)
+    candidates = {kernel: space.candidates(kernel, head_dim, dtype.itemsize, workload.smem_limit),
+                  DENSE_WALK: space.candidates(DENSE_WALK, head_dim, dtype.itemsize, workload.smem_limit)}
+    thunks = {kernel: workload.kernel, DENSE_WALK: workload.dense_walk}
     top = max(lengths)
     grid = sorted(length for length in set(crossover_lengths) if length <= top)
     todo = sorted(set(lengths) | set(grid))
-    bar = ProgressBar(len(todo) * len(candidates) + 2 * len(grid), enabled=progress)
+    # the dense walk runs only what the index leaves near-dense: tuned at the lengths asked for, the
+    # crossover grid times it with the default (on the tuner's structured inputs it has nothing to run)
+    walk_todo = set(lengths)
+    bar = ProgressBar(len(todo) * len(candidates[kernel]) + len(walk_todo) * len(candidates[DENSE_WALK]) + 2 * len(grid),
+                      enabled=progress)
     ident = workload.identity
     measured_on = CrossoverKey(kernel_source_hash(), ident.gpu, ident.capability, triton_version(), dtype_name(dtype),
                                head_dim, gqa)
 
-    results, dense_ms, sparse_ms = {}, {}, {}
+    results, walks, dense_ms, sparse_ms = {}, {}, {}, {}
     try:
         for length in todo:
-            result = tune(kernel, candidates, lambda c, n=length: workload.kernel(n, c)(), timer,
-                          on_timed=lambda c, n=length: bar.step(f"{kernel} @ {n}: BLOCK_M {c.BLOCK_M} BLOCK_N {c.BLOCK_N} warps {c.num_warps} "
-                                                                     f"stages {c.num_stages}"))
-            results[length] = result
-            cache.write(configs={TuneKey.of(kernel, measured_on, length): result.best}, path=path)
+            for name in (DENSE_WALK, kernel) if length in walk_todo else (kernel,):
+                result = tune(name, candidates[name], lambda c, n=length, run=thunks[name]: run(n, c)(), timer,
+                              on_timed=lambda c, n=length, name=name: bar.step(
+                                  f"{name} @ {n}: BLOCK_M {c.BLOCK_M} BLOCK_N {c.BLOCK_N} warps {c.num_warps} "
+                                  f"stages {c.num_stages}"))
+                (results if name == kernel else walks)[length] = result
+                cache.write(configs={TuneKey.of(name, measured_on, length): result.best}, path=path)
             if length in grid:
                 dense_ms[length] = float(timer(workload.dense(length)))
                 bar.step(f"dense @ {length}")
-                sparse_ms[length] = float(timer(workload.sparse(length, result.best)))
+                walk = walks[length].best if length in walks else cache.DEFAULT_ENTRIES[DENSE_WALK]
+                sparse_ms[length] = float(timer(workload.sparse(length, results[length].best, walk)))
                 bar.step(f"index + sparse @ {length}")
     finally:
         bar.close()
@@ -179,4 +200,4 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     if grid:
         crossover = find_crossover(grid, dense_ms, sparse_ms, margin=CROSSOVER_MARGIN)
         cache.write(crossovers={measured_on: crossover}, path=path)
-    return WarmUpReport(path, results, dense_ms, sparse_ms, crossover)
+    return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks)

@@ -58,31 +58,29 @@ class CudaWorkload:
             self._length = length
         return self._inputs
 
-    def _launch(self, q, k, v, scale, index, config: TuneEntry, force_dense=None):
-        from ..kernels.attend import sparse_attention_triton
-
-        return sparse_attention_triton(q, k, v, index, *self.plan.op_arguments(), scale=scale, force_dense=force_dense,
-                                       **config.launch())
-
     def kernel(self, length: int, config: TuneEntry) -> Callable[[], object]:
         """The attention kernel alone on a prebuilt index: what the launch config changes."""
-        q, k, v, scale, index = self._at(length)
-        return lambda: self._launch(q, k, v, scale, index, config)
+        from ..kernels.attend import sparse_attention_triton
 
-    def sparse(self, length: int, config: TuneEntry) -> Callable[[], object]:
-        """Index build (with the quality guard's mass estimate when it is on) + attention: the op's sparse path."""
-        from ..kernels.index import build_index_gpu
+        q, k, v, scale, index = self._at(length)
+        return lambda: sparse_attention_triton(q, k, v, index, *self.plan.op_arguments(), scale=scale, **config.launch())
+
+    def dense_walk(self, length: int, config: TuneEntry) -> Callable[[], object]:
+        """The kernel's launch for forced-dense heads, every head forced: dense work, no list read."""
+        from ..kernels.attend import sparse_attention_triton
+
+        q, k, v, scale, index = self._at(length)
+        every_head = torch.ones(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
+        return lambda: sparse_attention_triton(q, k, v, index, *self.plan.op_arguments(), scale=scale,
+                                               force_dense=every_head, forced="only", **config.launch())
+
+    def sparse(self, length: int, config: TuneEntry, dense_walk: TuneEntry) -> Callable[[], object]:
+        """The op's sparse path: index (with the quality guard's mass estimate when it is on), then the kernel."""
+        from ..op import sparse_on_gpu
 
         q, k, v, scale, _ = self._at(length)
-        if self.guard_threshold <= 0:
-            return lambda: self._launch(q, k, v, scale, build_index_gpu(q, k, self.plan, scale=scale), config)
-
-        def guarded():
-            mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-            index = build_index_gpu(q, k, self.plan, scale=scale, mass_out=mass)
-            return self._launch(q, k, v, scale, index, config, force_dense=mass < self.guard_threshold)
-
-        return guarded
+        masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+        return lambda: sparse_on_gpu(q, k, v, self.plan, scale, masks, self.guard_threshold, config, dense_walk)
 
     def dense(self, length: int) -> Callable[[], object]:
         """The op's dense path (fused SDPA, causal, GQA without repeat_kv)."""

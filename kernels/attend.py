@@ -34,6 +34,15 @@ SKIP_CODE = -1
 zeros, for heads whose rows another kernel writes (the op's dense heads go to cuDNN)."""
 SKIP = tl.constexpr(SKIP_CODE)
 
+# What a launch does with the (batch, head) pairs of its ``force_dense`` table (the op's dense heads of
+# this call: the quality guard's and the near-dense ones). Programs that run nothing store nothing, so
+# two launches can write one output: the sparse walk skips the forced pairs, a dense walk with 128-row
+# programs (1.11x faster per tile on dense work) runs only them.
+FORCE_MODES = {None: 0, "here": 1, "skip": 2, "only": 3}
+FORCE_HERE = tl.constexpr(FORCE_MODES["here"])
+FORCE_SKIP = tl.constexpr(FORCE_MODES["skip"])
+FORCE_ONLY = tl.constexpr(FORCE_MODES["only"])
+
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -112,6 +121,61 @@ def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first, slot_ok=T
     return tl.where(listed, tl.load(tile_list + i, mask=listed & slot_ok, other=0), n)
 
 
+@triton.jit
+def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles, win_first,
+                k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
+                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, TILE: tl.constexpr, KV_DESC: tl.constexpr,
+                CROSSING: tl.constexpr, APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
+    """Visit slots ``first .. stop - 1`` of the query tile's key tiles.
+
+    ``CROSSING``: the slots whose tiles may cross the diagonal or the end of the keys (causal mask, bounds);
+    the others lie wholly before the query rows and inside the keys. BLOCK_N == TILE walks a tile a step
+    (TMA copies when ``KV_DESC``); otherwise a step holds part of one tile (BLOCK_N < TILE) or several listed
+    tiles side by side (BLOCK_N > TILE: a gather, so no TMA), step v holding slots (v*BLOCK_N + offs_n) // TILE."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    if BLOCK_N == TILE:
+        for i in range(first, stop):
+            n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
+            cols = n * TILE + offs_n
+            if CROSSING:
+                col_ok = cols < seq_k
+            else:
+                col_ok = cols >= 0  # all true: the tile is inside the keys
+            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CROSSING)
+            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
+                                    FULL_TILE=FULL_TILE, k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=n * TILE,
+                                    USE_DESC=KV_DESC)
+    else:
+        lo = first * TILE // BLOCK_N
+        if CROSSING:
+            hi = tl.cdiv(stop * TILE, BLOCK_N)
+        else:
+            hi = stop * TILE // BLOCK_N  # a step half clear, half crossing is walked with the crossing ones
+        for v in range(lo, hi):
+            at = v * BLOCK_N + offs_n
+            if CROSSING:
+                slot_ok = at // TILE < stop
+                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first, slot_ok)
+                cols = n * TILE + at % TILE
+                col_ok = slot_ok & (cols < seq_k)
+            else:
+                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first)
+                cols = n * TILE + at % TILE
+                col_ok = cols >= 0
+            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CROSSING)
+            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
+                                    FULL_TILE=FULL_TILE)
+    return m_i, l_i, acc
+
+
 # Lengths and offsets change with every prompt: specialising on them (==1, %16) would
 # compile new variants as prompts vary. So do the index's and the masks' strides (query
 # tiles, list capacities, key count), which are read a scalar or a row at a time anyway.
@@ -133,7 +197,7 @@ def _sparse_attn_fwd(
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_FORCE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
+    FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
@@ -148,6 +212,7 @@ def _sparse_attn_fwd(
     # The index lists keys per query tile of TILE rows; a program of BLOCK_M < TILE rows reads the
     # lists of the tile holding its rows (tiles past its own diagonal are then fully masked).
     # A-shape windows are defined per query tile too, so they start from the tile's first row.
+    # (BLOCK_M > TILE only runs forced-dense heads, which read no list.)
     if BLOCK_M == TILE:
         m_list = pid_m
         list_lo = pos_lo
@@ -160,9 +225,19 @@ def _sparse_attn_fwd(
     d_ok = d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
-    # load q: it stays in SRAM throughout
+    pattern = tl.load(Patterns + h)
+    if FORCE_MODE != 0:  # this call runs the (batch, head) dense: the quality guard or a near-dense index
+        forced = tl.load(ForceDense + pid_bh) != 0
+        if FORCE_MODE == FORCE_HERE:
+            pattern = tl.where(forced, DENSE, pattern)
+        elif FORCE_MODE == FORCE_SKIP:
+            pattern = tl.where(forced, SKIP, pattern)
+        else:
+            pattern = tl.where(forced & (pattern != SKIP), DENSE, SKIP)
+    runs = pattern != SKIP
+    # load q: it stays in SRAM throughout (a skipped program reads and writes nothing)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + d[None, :] * stride_qd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=(row_ok & runs)[:, None] & d_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
 
@@ -171,11 +246,6 @@ def _sparse_attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # -- stage 1: key tiles (TILE keys each), listed or enumerated from the pattern
-    pattern = tl.load(Patterns + h)
-    forced = False
-    if HAS_FORCE:  # the quality guard switched this (batch, head) to dense
-        forced = tl.load(ForceDense + pid_bh) != 0
-        pattern = tl.where(forced, DENSE, pattern)
     last_tile = tl.minimum(pos_hi, seq_k - 1) // TILE
     listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
     sink_tiles = tl.cdiv(tl.load(BudgetA + h), TILE)
@@ -186,7 +256,7 @@ def _sparse_attn_fwd(
         n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
     if listed:
         n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + m_list)
-    n_tiles = tl.where(pattern == SKIP, 0, n_tiles)
+    n_tiles = tl.where(runs, n_tiles, 0)
     tile_list = TileIndex + pid_bh * stride_ti_bh + m_list * stride_ti_m
     # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
     # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
@@ -197,59 +267,20 @@ def _sparse_attn_fwd(
         crossing_last = tl.where(listed, tl.minimum(list_hi, seq_k - 1) // TILE, last_tile)
     n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
     EXTRA_MASKS: tl.constexpr = HAS_KEY_MASK or HAS_DOC or HAS_WINDOW
-    FULL: tl.constexpr = HEAD_DIM == BLOCK_D
-    if BLOCK_N == TILE:
-        for i in range(0, n_clear):
-            n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
-            cols = n * TILE + offs_n
-            col_ok = cols >= 0  # all true: the tile is inside the keys
-            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=False)
-            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS,
-                                    FULL_TILE=FULL, k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=n * TILE,
-                                    USE_DESC=KV_DESC)
-        for i in range(n_clear, n_tiles):
-            n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
-            cols = n * TILE + offs_n
-            col_ok = cols < seq_k
-            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
-            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok,
-                                    k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=n * TILE, USE_DESC=KV_DESC)
-    else:
-        # A block of BLOCK_N keys is part of one tile (BLOCK_N < TILE), or several listed tiles side
-        # by side (BLOCK_N > TILE: a gather, so no TMA). Block v holds slots (v*BLOCK_N + offs_n) // TILE.
-        n_clear_blocks = n_clear * TILE // BLOCK_N
-        for v in range(0, n_clear_blocks):
-            at = v * BLOCK_N + offs_n
-            n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first)
-            cols = n * TILE + at % TILE
-            col_ok = cols >= 0
-            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=False)
-            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=EXTRA_MASKS,
-                                    FULL_TILE=FULL)
-        for v in range(n_clear_blocks, tl.cdiv(n_tiles * TILE, BLOCK_N)):
-            at = v * BLOCK_N + offs_n
-            slot_ok = at // TILE < n_tiles
-            n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first, slot_ok)
-            cols = n * TILE + at % TILE
-            col_ok = slot_ok & (cols < seq_k)
-            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
-            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
+    m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
+                                win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
+                                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                                HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
+                                CROSSING=False, APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
+    m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
+                                win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
+                                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                                HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
+                                CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
 
     # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
     n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + m_list)
-    n_cols = tl.where(forced | (pattern == SKIP), 0, n_cols)  # dense already covers every column
+    n_cols = tl.where((pattern == DENSE) | (pattern == SKIP), 0, n_cols)  # dense already covers every column
     col_list = ColIndex + pid_bh * stride_ci_bh + m_list * stride_ci_m
     for c0 in range(0, n_cols, BLOCK_N):
         slot_ok = c0 + offs_n < n_cols
@@ -264,11 +295,11 @@ def _sparse_attn_fwd(
     # epilogue: rows that saw no key are 0, not 0/0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + d[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+             out.to(Out.dtype.element_ty), mask=(row_ok & runs)[:, None] & d_ok[None, :])
     if RETURN_LSE:
         # m and l live in base 2 with the scale folded in: ln sum exp(scale * s) = ln2 * (m + log2 l)
         lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
-        tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
+        tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok & runs)
 
 
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
@@ -291,8 +322,8 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
 
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
-    q_offset=0, window=0, force_dense=None, num_warps=4, num_stages=2, block_m=BLOCK, block_n=BLOCK, kv_desc=True,
-    return_lse=False,
+    q_offset=0, window=0, force_dense=None, forced="here", out=None, num_warps=4, num_stages=2, block_m=BLOCK,
+    block_n=BLOCK, kv_desc=True, return_lse=False,
 ):
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
@@ -301,12 +332,17 @@ def sparse_attention_triton(
     q : ``[B, Hq, Sq, D]``; k, v : ``[B, Hkv, Skv, D]``; any strides, fp16/bf16 (fp32 too).
     index : :class:`SparseIndex` with ``M = ceil(Sq / BLOCK)`` query tiles.
     patterns, budget_a, budget_b : the plan as int lists (see :mod:`minference_fx.plan`); a pattern of
-        ``SKIP_CODE`` makes the head's rows zeros at the cost of a q load and a store.
+        ``SKIP_CODE`` leaves the head's rows of ``out`` as they were (another kernel writes them).
     key_mask : optional bool ``[B, Skv]``; doc_ids : optional int ``[B, S >= Skv]``.
-    force_dense : optional bool ``[B, Hq]``: (batch, head) pairs to run dense (the quality guard).
+    force_dense : optional bool ``[B, Hq]``: (batch, head) pairs to run dense this call; ``forced`` says
+        where: ``"here"`` in this launch, ``"skip"`` not in this launch (their rows are left as they were),
+        ``"only"`` nothing else (the other rows are left as they were). A "skip" and an "only" launch into
+        one ``out`` run every pair once.
+    out : optional ``[B, Hq, Sq, D]`` contiguous tensor of q's dtype to write into (else a new one).
     num_warps, num_stages, block_m, block_n : launch config (speed only). ``block_m`` query rows per
-        program: 16, 32 or 64 (a part of one of the index's 64-row query tiles); ``block_n`` keys per
-        step: 32, 64 or 128 (two listed tiles gathered side by side).
+        program: 16, 32 or 64 (a part of one of the index's 64-row query tiles), or 128 with
+        ``forced="only"`` (dense heads read no list); ``block_n`` keys per step: 32, 64 or 128 (two
+        listed tiles gathered side by side).
     kv_desc : read K/V tiles by TMA (Hopper+, ``block_n == 64``); falls back to pointer loads where the
         layout does not allow it.
     return_lse : also return the natural-log sum of exp(scale * q·k) over the keys each row read,
@@ -318,7 +354,13 @@ def sparse_attention_triton(
     """
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
-    out = torch.empty(B, Hq, sq, D, dtype=q.dtype, device=q.device)
+    if forced not in FORCE_MODES or forced is None:
+        raise ValueError(f"forced must be 'here', 'skip' or 'only', got {forced!r}")
+    if out is None:
+        out = torch.empty(B, Hq, sq, D, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
     lse = torch.empty(B, Hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if sq == 0:
         return (out, lse) if return_lse else out
@@ -331,8 +373,10 @@ def sparse_attention_triton(
     doc = doc_ids if doc_ids is not None else q
     if block_n not in (32, 64, 128):
         raise ValueError(f"block_n must be 32, 64 or 128, got {block_n}")
-    if block_m not in (16, 32, 64):
-        raise ValueError(f"block_m must be 16, 32 or 64, got {block_m}")
+    dense_only = force_dense is not None and forced == "only"
+    if block_m not in ((16, 32, 64, 128) if dense_only else (16, 32, 64)):
+        raise ValueError(f"block_m must be 16, 32 or 64 (or 128 for a launch of forced-dense heads only, "
+                         f"forced='only'), got {block_m}")
     block_d = triton.next_power_of_2(D)
     use_desc = kv_desc and block_n == BLOCK and _tma_ok(k, block_d) and _tma_ok(v, block_d)
     if use_desc:
@@ -355,7 +399,7 @@ def sparse_attention_triton(
         Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK,
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_FORCE=force_dense is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FORCE_MODE=FORCE_MODES[forced if force_dense is not None else None],
         KV_DESC=use_desc, RETURN_LSE=return_lse,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -1,4 +1,8 @@
-"""Runtime quality guard: a vertical-slash head that captures too little attention mass runs dense.
+"""Which (batch, head) pairs run dense this call, decided on the device with no host sync.
+
+* quality: a vertical-slash head that captures too little attention mass (``captured_mass``);
+* speed: a head whose index keeps nearly every causal tile (``near_dense``): walking them all is
+  cheaper than walking the list, and exact.
 
 The vertical-slash estimate already has the softmax of the last ``min(64, Sq)``
 query rows over every key (its column sums are the vertical scores). The mass
@@ -10,12 +14,19 @@ call — per (batch, head), on the device, with no host sync.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 from .reference import BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, query_positions
+
+# A head whose index keeps this share of its causal key tiles (leftover columns counted as tiles of
+# BLOCK) runs dense: at most 1/0.9 = 1.11x the tiles, at 1.11x the speed per tile (the dense walk's 128-row
+# programs against 64-row ones, 286 vs 318 ms at 128K on an H200: results/explore_dense_h200_2026-11-30.txt),
+# and exact. Random-weight models (diffuse attention) land here; real heads rarely do.
+NEAR_DENSE_SHARE = 0.9
 
 # Counting on the GPU needs a host sync per call, so there it is opt-in.
 STATS_ON_GPU = os.environ.get("MINFERENCE_FX_GUARD_STATS", "") == "1"
@@ -84,3 +95,16 @@ def densify(index: SparseIndex, force: torch.Tensor, sq: int, skv: int, q_offset
         col_count=torch.where(f, 0, index.col_count),
         col_index=index.col_index,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def causal_tiles(sq: int, skv: int, q_offset: int) -> int:
+    """How many (query tile, key tile) pairs hold at least one causal (query, key) pair."""
+    m_tiles = -(-sq // BLOCK)
+    return sum(min(q_offset + min(m * BLOCK + BLOCK - 1, sq - 1), skv - 1) // BLOCK + 1 for m in range(m_tiles))
+
+
+def near_dense(index: SparseIndex, sq: int, skv: int, q_offset: int) -> torch.Tensor:
+    """[B, H] bool: the heads whose index keeps at least ``NEAR_DENSE_SHARE`` of the causal tiles."""
+    kept = index.tile_count.sum(-1, dtype=torch.float32) + index.col_count.sum(-1, dtype=torch.float32) / BLOCK
+    return kept >= NEAR_DENSE_SHARE * causal_tiles(sq, skv, q_offset)

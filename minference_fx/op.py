@@ -12,7 +12,10 @@ read when all of these hold:
 * ``key_mask[b, j]`` when a key mask (padding) is given;
 * ``doc_ids[b, p_i] == doc_ids[b, j]`` when packed-sequence ids are given;
 * ``p_i - j < window`` when ``window > 0`` (sliding-window models);
-* ``j`` is in the head's sparse key set (its plan entry), unless the prompt is
+* ``j`` is in the head's sparse key set (its plan entry), unless that set holds at
+  least 90 % of the causal key tiles (``kernels.guard.near_dense``: then the head runs
+  dense, which is cheaper and exact) or the quality guard finds it captures too little
+  attention mass, or unless the prompt is
   shorter than ``min_sparse_len``, in which case every head is dense and the
   call goes to the device's dense SDPA (cuDNN / flash on GPU). So do a layer
   whose plan is dense on every head and, on GPU, the dense heads of a mixed
@@ -131,7 +134,8 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
-        out, force = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0, launch_config(q, k))
+        out, force = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0, launch_config(q, k),
+                                   launch_config(q, k, "dense_walk"))
         if force is not None:
             guard.record(force, q.shape[0] * n_vs)
         return out
@@ -139,21 +143,29 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     from .kernels import reference
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
+    # the GPU index lists only vertical-slash and block-sparse heads, so only those can be near-dense
+    listed = torch.tensor([hp.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE) for hp in plan.heads])
+    force = guard.near_dense(index, q.shape[-2], k.shape[-2], q_offset) & listed[None, :]
     if guarded:
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index,
                                    min(guard.VS_LAST_Q, q.shape[-2]))
-        force = (mass < guard_threshold) & torch.tensor(vs_mask)[None, :]
-        guard.record(force, q.shape[0] * n_vs)
-        index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
+        weak = (mass < guard_threshold) & torch.tensor(vs_mask)[None, :]
+        guard.record(weak, q.shape[0] * n_vs)
+        force = force | weak
+    index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
 
 
-def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_threshold: float, tuned):
-    """The op's GPU path with launch config ``tuned``: index, quality guard, kernel; the plan's dense heads
-    through the device's fused SDPA.
+def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_threshold: float, tuned,
+                  dense_walk=None):
+    """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``dense_walk``: index, the
+    heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads through
+    the device's fused SDPA.
 
     Returns (output, the (batch, head) pairs the guard forced dense, or None without a guard)."""
+    from .autotune.cache import DEFAULT_ENTRIES
+    from .kernels import guard
     from .kernels.attend import sparse_attention_triton
     from .kernels.index import build_index_gpu
 
@@ -161,13 +173,20 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     guarded = guard_threshold > 0
     mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)  # dense heads list nothing
-    force = mass < guard_threshold if guarded else None
-    out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force,
+    weak = mass < guard_threshold if guarded else None
+    force = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
+    if weak is not None:
+        force = force | weak
+    # Two launches into one output, whatever the device decided: the sparse walk skips the forced
+    # pairs, the dense walk (programs of up to two query tiles, no list reads) runs only them.
+    out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force, forced="skip",
                                   **tuned.launch(), **masks)
+    sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force, forced="only", out=out,
+                            **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch(), **masks)
     if split.dense_heads:
         _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, _kv_heads(split.dense_heads, q.shape[1] // k.shape[1]),
                              scale, masks)
-    return out, force
+    return out, weak
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,7 +91,8 @@ def _dummy(shape: tuple, order: tuple, spec: KernelSpec) -> torch.Tensor:
 
 
 def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
-    """Distinct launch configs the sparse path can use for this shape: one per length bucket it runs at."""
+    """Distinct launch configs the sparse path can use for this shape, as (sparse walk, dense walk) pairs: one
+    per length bucket it runs at."""
     from .autotune import cache, dispatch
 
     group = spec.q_heads // spec.kv_heads
@@ -103,8 +104,9 @@ def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
         return []
     configs = set()
     for bits in range(max(min_len, 1).bit_length() - 1, 22):  # buckets up to 2M tokens
-        key = dispatch.tune_key("sparse_attention", q.device, q.dtype, spec.head_dim, group, 1 << bits)
-        configs.add(cache.resolve(key)[0])  # what the op's lookup will answer, without its log line
+        # what the op's lookups will answer, without their log lines
+        configs.add(tuple(cache.resolve(dispatch.tune_key(kernel, q.device, q.dtype, spec.head_dim, group, 1 << bits))[0]
+                          for kernel in ("sparse_attention", "dense_walk")))
     return sorted(configs)
 
 
@@ -122,8 +124,8 @@ def compile_spec(spec: KernelSpec) -> int:
                  q_offset=0, window=spec.window)
     plan = _layer_plan(spec.patterns, spec.budget_a, spec.budget_b)  # the op's own plan, cached
     configs = launch_configs(spec, q, k)
-    for tuned in configs:
-        sparse_on_gpu(q, k, v, plan, spec.scale, masks, spec.guard_threshold, tuned)
+    for tuned, walk in configs:
+        sparse_on_gpu(q, k, v, plan, spec.scale, masks, spec.guard_threshold, tuned, walk)
     return len(configs)
 
 

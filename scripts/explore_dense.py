@@ -3,9 +3,8 @@ the online index keeps on diffuse (random-weight-like) attention.
 
 usage: python scripts/explore_dense.py [--lengths 32k,128k] [--split-at 128k]
 
-* dense work (every head DENSE, tiles enumerated): launch variants including BLOCK_M 128 with 8 warps,
-  launched straight into ``_sparse_attn_fwd`` (the public entry point accepts BLOCK_M <= 64 only,
-  because listed heads share one 64-row list per program; dense heads list nothing);
+* dense work (every head forced dense: the op's dense walk, tiles enumerated): launch variants including
+  BLOCK_M 128 (allowed there, since forced-dense heads read no list);
 * diffuse Q/K (N(0, 1.28^2) entries, logits of std ~1.6, as a std-0.02 random Llama gives): the
   VS(1000, 6096) index's physical density, kernel time, and cuDNN on the same inputs;
 * ``--split-at``: the op's GPU path on plans with dense heads, those heads through SDPA (as shipped)
@@ -18,14 +17,12 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minference_fx.bench import LLAMA3_8B, _index_work, _ms, structured_qkv
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels import attend
 from minference_fx.kernels.index import build_index_gpu
-from minference_fx.kernels.tables import int_table
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 from explore_kernels import time_variant  # noqa: E402  (scripts/ is on sys.path when run as a script)
@@ -38,29 +35,11 @@ DENSE_VARIANTS = [
 
 
 def launch(q, k, v, index, patterns, budget_a, budget_b, scale, bm, bn, warps, stages, tma):
-    """``sparse_attention_triton``'s launch without its BLOCK_M check (dense heads only past 64)."""
-    B, Hq, sq, D = q.shape
-    out = torch.empty_like(q)
-    pat_t, a_t, b_t = (int_table(xs, q.device) for xs in (patterns, budget_a, budget_b))
-    ti = index.tile_index.reshape(B * Hq, index.tile_index.shape[2], -1)
-    ci = index.col_index.reshape(B * Hq, index.col_index.shape[2], -1)
-    tc, cc = index.tile_count.reshape(B * Hq, -1), index.col_count.reshape(B * Hq, -1)
-    block_d = triton.next_power_of_2(D)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        kd, vd = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, block_d]) for t in (k, v))
-    else:
-        kd = vd = q
-    attend._sparse_attn_fwd[(triton.cdiv(sq, bm), B * Hq)](
-        q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(), kd, vd,
-        tc, ti, cc, ci, tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
-        pat_t, a_t, b_t, pat_t, q, 0, q, 0, q, 0, 0,
-        Hq, Hq // k.shape[1], sq, k.shape[2], 0, 0, scale * attend.LOG2E,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, TILE=64, HAS_KEY_MASK=False, HAS_DOC=False,
-        HAS_WINDOW=False, DOT_PRECISION="tf32", HAS_FORCE=False, KV_DESC=tma, RETURN_LSE=False,
-        num_warps=warps, num_stages=stages)
-    return out
+    """The kernel's dense walk (every head forced dense, so BLOCK_M 128 is allowed) at one launch config."""
+    every_head = torch.ones(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
+    return attend.sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale,
+                                          force_dense=every_head, forced="only", block_m=bm, block_n=bn,
+                                          num_warps=warps, num_stages=stages, kv_desc=tma)
 
 
 def cudnn_ms(q, k, v) -> float:

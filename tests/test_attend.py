@@ -64,9 +64,9 @@ def test_tma_request_falls_back_to_pointer_loads_where_the_layout_forbids_it():
 
 
 @pytest.mark.parametrize("launch", [dict(), dict(block_n=128)], ids=["tiles", "gathered"])
-def test_skipped_heads_are_zero_and_the_others_unchanged(launch):
-    """SKIP_CODE (the op's dense heads, written by SDPA afterwards) reads nothing, even where the index lists
-    tiles and columns for that head, and leaves every other head's rows as the plan gives them."""
+def test_skipped_heads_are_left_alone_and_the_others_unchanged(launch):
+    """SKIP_CODE (the op's dense heads, written by SDPA afterwards) reads and writes nothing, even where the
+    index lists tiles and columns for that head, and every other head's rows are as the plan gives them."""
     from minference_fx.kernels.attend import SKIP_CODE
 
     q, k, v = _inputs(2, 8, 2, 200, 200, 16, torch.float32, seed=3)
@@ -77,10 +77,12 @@ def test_skipped_heads_are_zero_and_the_others_unchanged(launch):
     skipped = [0, 2, 3]  # a vertical-slash head (its lists are in the index), a block-sparse and a dense head
     assert index.tile_count[:, 0].sum() > 0 and index.col_count[:, 0].sum() > 0
     patterns = [SKIP_CODE if h in skipped else p for h, p in enumerate(patterns)]
-    got = sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, **launch)
+    before = torch.full_like(q, 7.0)
+    got = sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, out=before.clone(),
+                                  **launch)
     want = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index)
     kept = [h for h in range(8) if h not in skipped]
-    assert (got[:, skipped] == 0).all()
+    assert (got[:, skipped] == 7.0).all()
     torch.testing.assert_close(got[:, kept], want[:, kept], atol=1e-5, rtol=0)
 
 
@@ -91,6 +93,51 @@ def test_launch_config_rejects_other_block_sizes():
         sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, block_n=96)
     with pytest.raises(ValueError, match="block_m must be 16, 32 or 64"):
         sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, block_m=128)
+    # 128-row programs would read one 64-row tile's lists: only a launch of forced-dense heads takes them
+    forced = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="block_m must be"):
+        sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, block_m=128, force_dense=forced,
+                                forced="skip")
+    with pytest.raises(ValueError, match="forced must be"):
+        sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, force_dense=forced, forced="all")
+    with pytest.raises(ValueError, match="out must be"):
+        sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, out=q.transpose(1, 2))
+
+
+@pytest.mark.parametrize("launch", [dict(block_m=128), dict(block_m=128, block_n=128), dict(block_m=64)],
+                         ids=["bm128", "bm128-bn128", "bm64"])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "padded-window"])
+def test_a_skip_launch_and_a_dense_walk_write_one_output_that_equals_the_densified_reference(launch, masked):
+    """The op's two launches: the sparse walk skips the forced (batch, head) pairs, the dense walk (128-row
+    programs allowed) runs only them; together each pair is run once, the forced ones dense under the base
+    mask (padding, window), and the plan's SKIP heads keep what was in ``out``."""
+    from minference_fx.kernels import guard
+    from minference_fx.kernels.attend import SKIP_CODE
+
+    q, k, v = _inputs(2, 8, 2, 300, 300, 16, torch.float32, seed=4)
+    plan = _plan(8)
+    scale = 0.25
+    mask_args = {}
+    if masked:
+        key_mask = torch.ones(2, 300, dtype=torch.bool)
+        key_mask[1, :70] = False
+        mask_args = dict(key_mask=key_mask, window=150)
+    index = reference.build_index(q, k, plan, scale=scale, **mask_args)
+    patterns, budget_a, budget_b = plan.op_arguments()
+    patterns = [SKIP_CODE if h == 3 else p for h, p in enumerate(patterns)]
+    force = torch.zeros(2, 8, dtype=torch.bool)
+    force[0, [0, 2]] = True  # a vertical-slash and a block-sparse head of batch 0
+    force[1, [1, 3]] = True  # batch 1: a head and the skipped one (stays skipped)
+    out = torch.full_like(q, 7.0)
+    sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, force_dense=force,
+                            forced="skip", out=out, **mask_args)
+    sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, force_dense=force,
+                            forced="only", out=out, **launch, **mask_args)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=guard.densify(index, force, 300, 300, 0),
+                                                **mask_args)
+    others = [h for h in range(8) if h != 3]
+    assert (out[:, 3] == 7.0).all()
+    torch.testing.assert_close(out[:, others], want[:, others], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("launch", [dict(), dict(block_m=32, block_n=128)], ids=["default", "bm32-bn128"])

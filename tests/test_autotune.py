@@ -102,6 +102,9 @@ def test_space_keeps_only_what_the_kernel_accepts_and_fits():
                 assert fits
     # the shared-memory limit bites: deep pipelines of wide heads do not fit
     assert max(c.num_stages for c in space.candidates("sparse_attention", 256, 2)) < 4
+    # the dense walk reads no list: its programs may own two query tiles, never half of one
+    walk = space.candidates("dense_walk", 128, 2)
+    assert {c.BLOCK_M for c in walk} == {t, 2 * t} and cache.DEFAULT_ENTRIES["dense_walk"] in walk
     assert len(space.candidates("sparse_attention", 128, 2, smem_limit=100 * 1024)) < len(kept)
     with pytest.raises(ValueError, match="head_dim=512"):
         space.candidates("sparse_attention", 512, 2)
@@ -299,8 +302,11 @@ class FakeWorkload:
     def kernel(self, n, config):
         return lambda: ("kernel", n, config)
 
-    def sparse(self, n, config):
-        return lambda: ("sparse", n, config)
+    def dense_walk(self, n, config):
+        return lambda: ("walk", n, config)
+
+    def sparse(self, n, config, dense_walk):
+        return lambda: ("sparse", n, config, dense_walk)
 
     def dense(self, n):
         return lambda: ("dense", n)
@@ -312,6 +318,10 @@ def fake_timer(fn):
         c = config[0]
         return n / 1024 * (1 + 0.1 * abs(c.num_stages - 3) + (0.0 if c.num_warps == 8 else 0.05)
                            + (0.0 if (c.BLOCK_M, c.BLOCK_N) == (64, 64) else 0.01))
+    if kind == "walk":  # fastest: 128 rows, 4 warps, 3 stages (not the default's 2)
+        c = config[0]
+        return n / 512 * (1 + 0.1 * abs(c.num_stages - 3) + (0.0 if c.num_warps == 4 else 0.05)
+                          + (0.0 if (c.BLOCK_M, c.BLOCK_N) == (128, 64) else 0.01))
     return (n / 1024) ** 2 if kind == "dense" else 6 + n / 1024
 
 
@@ -327,8 +337,13 @@ def test_warm_up_with_fake_timings_writes_configs_and_crossover_and_leaves_the_s
     assert report.crossover == 4096
     assert report.path == cache_dir / cache.FILE_NAME
     table = Table.from_json(report.path.read_text())
-    assert {k.bucket for k in table.configs} == {1024 * 2 ** p for p in range(6)}  # 1K .. 32K, the grid
-    assert set(table.configs.values()) == {TuneEntry(64, 64, 8, 3)}
+    sparse = {k: e for k, e in table.configs.items() if k.kernel == "sparse_attention"}
+    walks = {k: e for k, e in table.configs.items() if k.kernel == "dense_walk"}
+    assert {k.bucket for k in sparse} == {1024 * 2 ** p for p in range(6)}  # 1K .. 32K, the grid
+    assert set(sparse.values()) == {TuneEntry(64, 64, 8, 3)}
+    # the dense walk is tuned at the lengths asked for only
+    assert {k.bucket for k in walks} == {8192, 32768} and set(walks.values()) == {TuneEntry(128, 64, 4, 3)}
+    assert "dense walk @ 32768: 128, 64, 4, 3" in str(report) and "tuned gain 1.10x" in str(report)
     assert all(k.gpu == "Fake GPU" and k.dtype == "bfloat16" and k.group == 4 for k in table.configs)
     assert list(table.crossovers.values()) == [4096]
     # speed only: nothing semantic in the tuned cache

@@ -224,3 +224,43 @@ def test_compiled_model_reduce_overhead_matches_eager():
         for _ in range(3):
             sparse = compiled(ids, use_cache=False).logits
     assert _rel(sparse, dense) < 2e-2
+
+
+def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
+    """On diffuse Q/K (random-weight-like) VS(1000, 6096) keeps nearly every tile at 16K: the op runs those
+    heads through the dense walk, so it matches cuDNN's dense attention. The choice is made on the device:
+    a graph captured on structured inputs (sparse) replays diffuse ones dense, and structured ones again
+    sparse, equal to the op called outside the graph."""
+    import torch.nn.functional as F
+
+    from minference_fx.bench import structured_qkv
+    from minference_fx.kernels import guard
+    from minference_fx.kernels.index import build_index_gpu
+
+    n, scale = 16384, 128 ** -0.5
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
+    args = (scale, 0, 0, *plan.op_arguments(), 0, 0.0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    diffuse = [(1.28 * torch.randn(1, h, n, 128, device="cuda", generator=g)).bfloat16() for h in (8, 2, 2)]
+    structured = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
+    for (q, k, _), promoted in ((diffuse, True), (structured, False)):
+        index = build_index_gpu(q, k, plan, scale=scale)
+        assert bool(guard.near_dense(index, n, n, 0).all()) is promoted
+    q, k, v = diffuse
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    assert _rel(OP(q, k, v, None, None, *args), dense) < 1e-2
+
+    static = [t.clone() for t in structured]
+    OP(*static, None, None, *args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OP(*static, None, None, *args)
+    for inputs in (diffuse, structured):
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, OP(*inputs, None, None, *args))
+        if inputs is diffuse:
+            assert _rel(out, dense) < 1e-2

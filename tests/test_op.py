@@ -99,3 +99,32 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded):
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.2, index=index, **masks)
     assert force is None and torch.isfinite(got).all()
     torch.testing.assert_close(got, want.to(got.dtype), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu-path"])
+def test_a_head_whose_index_keeps_nearly_every_tile_runs_dense(path):
+    """Block-sparse with 8 tiles per query tile keeps 52 of the 55 causal tiles of 640 tokens (>= 90 %):
+    the head runs dense, so the op equals dense SDPA, which the index alone would not give. With 7 tiles
+    (49 of 55) it stays sparse and equals the reference on its index."""
+    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.kernels import guard
+    from minference_fx.op import sparse_on_gpu
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 640, 16, generator=g)
+    k, v = (torch.randn(1, 2, 640, 16, generator=g) for _ in range(2))
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+    assert guard.causal_tiles(640, 640, 0) == 55
+    for tiles, promoted in ((8, True), (7, False)):
+        plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, tiles),) * 4)
+        index = reference.build_index(q, k, plan, scale=0.25)
+        assert (guard.near_dense(index, 640, 640, 0) == promoted).all()
+        if path == "cpu":
+            got = OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0)
+        else:
+            got, _ = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY)
+        on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index)
+        assert (on_index - dense).abs().max() > 1e-3  # the index alone misses keys that matter
+        torch.testing.assert_close(got, dense if promoted else on_index, atol=2e-5, rtol=2e-5)

@@ -70,37 +70,43 @@ def test_spec_is_read_off_the_op_node(monkeypatch):
     assert [list(spec.patterns), list(spec.budget_a), list(spec.budget_b)] == [list(x) for x in plan.op_arguments()]
 
 
-def _fake_table(monkeypatch, crossover, entries):
-    """cache lookups answered from ``entries`` {bucket: TuneEntry}, crossover ``crossover``."""
+def _fake_table(monkeypatch, crossover, entries, walks=None):
+    """cache lookups answered from ``entries`` {bucket: TuneEntry} of the sparse walk and ``walks`` of the
+    dense walk, crossover ``crossover``."""
     from minference_fx.autotune import dispatch
 
-    def key(bucket):
-        return cache.TuneKey("src", "NVIDIA H200", "9.0", "3.6.0", "bfloat16", 64, 4, "sparse_attention", bucket)
+    def key(kernel, bucket):
+        return cache.TuneKey("src", "NVIDIA H200", "9.0", "3.6.0", "bfloat16", 64, 4, kernel, bucket)
 
     monkeypatch.setattr(dispatch, "crossover_key", lambda *a: "shape")
-    monkeypatch.setattr(dispatch, "tune_key", lambda kernel, dev, dtype, d, g, bucket: key(bucket))
+    monkeypatch.setattr(dispatch, "tune_key", lambda kernel, dev, dtype, d, g, bucket: key(kernel, bucket))
     monkeypatch.setattr(cache, "lookup_crossover", lambda key: crossover)
-    table = cache.Table({key(bucket): entry for bucket, entry in entries.items()})
+    table = cache.Table({**{key("sparse_attention", bucket): entry for bucket, entry in entries.items()},
+                         **{key("dense_walk", bucket): entry for bucket, entry in (walks or {}).items()}})
     monkeypatch.setattr(cache, "_tables", lambda path=None: [table])
 
 
 def test_launch_configs_are_those_of_the_buckets_the_sparse_path_runs_at(monkeypatch):
     small, big = cache.TuneEntry(BLOCK_M=32), cache.TuneEntry(num_stages=3)
+    walk = cache.DEFAULT_ENTRIES["dense_walk"]  # the dense walk, untuned in most tables here
     every_bucket = {1 << b: big for b in range(22)}
     q = torch.zeros(1, 8, 64, 64)
     _fake_table(monkeypatch, 32768, {**every_bucket, 8192: small})
-    assert precompile.launch_configs(_spec(), q, q) == [big]  # 8K is below the crossover: never launched
+    assert precompile.launch_configs(_spec(), q, q) == [(big, walk)]  # 8K is below the crossover: never launched
     _fake_table(monkeypatch, 4096, {**every_bucket, 8192: small})
-    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([small, big])
+    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([(small, walk), (big, walk)])
     _fake_table(monkeypatch, 4096, {1 << 14: big, 1 << 12: small})  # untuned buckets run their nearest's
-    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([small, big])
-    _fake_table(monkeypatch, 4096, {})  # an untuned shape runs the default
-    assert precompile.launch_configs(_spec(), q, q) == [cache.DEFAULT_ENTRY]
+    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([(small, walk), (big, walk)])
+    _fake_table(monkeypatch, 4096, {})  # an untuned shape runs the defaults
+    assert precompile.launch_configs(_spec(), q, q) == [(cache.DEFAULT_ENTRY, walk)]
+    tuned_walk = cache.TuneEntry(128, 64, 8, 3)  # a tuned dense walk pairs with each bucket's sparse config
+    _fake_table(monkeypatch, 4096, {1 << 14: big, 1 << 12: small}, {1 << 17: tuned_walk})
+    assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([(small, tuned_walk), (big, tuned_walk)])
     _fake_table(monkeypatch, cache.DENSE_ALWAYS, every_bucket)
     assert precompile.launch_configs(_spec(), q, q) == []
     # an explicit min_sparse_len wins over the stored crossover
     _fake_table(monkeypatch, cache.DENSE_ALWAYS, {**every_bucket, 8192: small})
-    assert sorted(precompile.launch_configs(_spec(min_sparse_len=8192), q, q)) == sorted([small, big])
+    assert sorted(precompile.launch_configs(_spec(min_sparse_len=8192), q, q)) == sorted([(small, walk), (big, walk)])
 
 
 def test_wait_returns_after_the_background_compile(monkeypatch):
