@@ -134,18 +134,16 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
-        out, force = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0, launch_config(q, k),
-                                   launch_config(q, k, "dense_walk"))
-        if force is not None:
-            guard.record(force, q.shape[0] * n_vs)
+        out, weak = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0, launch_config(q, k),
+                                  launch_config(q, k, "dense_walk"))
+        if weak is not None:
+            guard.record(weak, q.shape[0] * n_vs)
         return out
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
-    # the GPU index lists only vertical-slash and block-sparse heads, so only those can be near-dense
-    listed = torch.tensor([hp.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE) for hp in plan.heads])
-    force = guard.near_dense(index, q.shape[-2], k.shape[-2], q_offset) & listed[None, :]
+    force = guard.near_dense(index, q.shape[-2], k.shape[-2], q_offset) & torch.tensor(_split(plan).listed_mask)[None, :]
     if guarded:
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index,
                                    min(guard.VS_LAST_Q, q.shape[-2]))
@@ -174,15 +172,19 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)  # dense heads list nothing
     weak = mass < guard_threshold if guarded else None
-    force = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
-    if weak is not None:
-        force = force | weak
-    # Two launches into one output, whatever the device decided: the sparse walk skips the forced
-    # pairs, the dense walk (programs of up to two query tiles, no list reads) runs only them.
-    out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force, forced="skip",
-                                  **tuned.launch(), **masks)
-    sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force, forced="only", out=out,
-                            **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch(), **masks)
+    force = weak
+    if any(split.listed_mask):  # only listed heads can be near-dense: a plan without any needs no check
+        near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
+        force = near if force is None else force | near
+    if force is None:
+        out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, **tuned.launch(), **masks)
+    else:
+        # Two launches into one output, whatever the device decided: the sparse walk skips the forced
+        # pairs, the dense walk (programs of up to two query tiles, no list reads) runs only them.
+        out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force,
+                                      forced="skip", **tuned.launch(), **masks)
+        sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force, forced="only",
+                                out=out, **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch(), **masks)
     if split.dense_heads:
         _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, _kv_heads(split.dense_heads, q.shape[1] // k.shape[1]),
                              scale, masks)
@@ -199,6 +201,9 @@ class _PlanSplit:
     dense_heads: tuple
     vs_mask: tuple
     """per head, whether it is vertical-slash (what the quality guard checks)"""
+    listed_mask: tuple
+    """per head, whether it is vertical-slash or block-sparse: the heads the GPU index lists, so the only
+    ones that can be near-dense (the reference index enumerates dense and A-shape heads' tiles too)"""
 
     @property
     def all_dense(self) -> bool:
@@ -218,7 +223,8 @@ def _split(plan: LayerPlan) -> _PlanSplit:
     dense = tuple(h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE)
     patterns = tuple(SKIP_CODE if h in dense else code for h, code in enumerate(patterns))
     return _PlanSplit((patterns, tuple(budget_a), tuple(budget_b)), dense,
-                      tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads))
+                      tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads),
+                      tuple(hp.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE) for hp in plan.heads))
 
 
 @functools.lru_cache(maxsize=4096)

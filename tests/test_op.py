@@ -128,3 +128,23 @@ def test_a_head_whose_index_keeps_nearly_every_tile_runs_dense(path):
         on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index)
         assert (on_index - dense).abs().max() > 1e-3  # the index alone misses keys that matter
         torch.testing.assert_close(got, dense if promoted else on_index, atol=2e-5, rtol=2e-5)
+
+
+def test_gpu_path_without_listed_heads_runs_one_launch_and_matches_the_reference(monkeypatch):
+    """A plan of A-shape and dense heads lists nothing, so nothing can be near-dense: one sparse launch, no
+    force table, and the result is the reference's."""
+    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.kernels import attend
+    from minference_fx.op import sparse_on_gpu
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    launches = []
+    real = attend.sparse_attention_triton
+    monkeypatch.setattr(attend, "sparse_attention_triton", lambda *a, **kw: launches.append(kw.get("forced")) or real(*a, **kw))
+    q, k, v = _qkv(200, 200)
+    plan = LayerPlan((HeadPlan(Pattern.A_SHAPE, 16, 64), HeadPlan(Pattern.DENSE)) * 2)
+    masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+    got, weak = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=reference.build_index(q, k, plan, scale=0.25))
+    assert launches == [None] and weak is None
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
