@@ -258,6 +258,8 @@ class PrefillResult:
                 notes.append(c.launch)
             if c.guard and c.guard.get("heads_checked"):
                 notes.append(f"guard dense {c.guard['heads_forced_dense']}/{c.guard['heads_checked']}")
+            if c.guard and c.guard.get("heads_listed"):
+                notes.append(f"near-dense {c.guard['heads_near_dense']}/{c.guard['heads_listed']}")
             if c.finite is False:
                 notes.append("non-finite logits")
             lines.append(
@@ -370,11 +372,14 @@ def _launch_config(q: torch.Tensor, k: torch.Tensor, length: int) -> str:
 
 
 def _guard_probe(step, device: torch.device) -> dict:
-    """One extra, untimed forward with the guard's counters on (on GPU they need a host sync per call)."""
+    """One extra, untimed forward with the guard's and the near-dense counters on (on GPU they need a host
+    sync per call)."""
     from . import guard_stats
     from .kernels import guard
+    from .op import NEAR_DENSE_STATS
 
     before, switch = guard_stats(), guard.STATS_ON_GPU
+    near_before = dataclasses.replace(NEAR_DENSE_STATS)
     guard.STATS_ON_GPU = True
     try:
         step()
@@ -383,7 +388,9 @@ def _guard_probe(step, device: torch.device) -> dict:
         guard.STATS_ON_GPU = switch
     after = guard_stats()
     return {"calls": after.calls - before.calls, "heads_checked": after.heads_checked - before.heads_checked,
-            "heads_forced_dense": after.heads_forced_dense - before.heads_forced_dense}
+            "heads_forced_dense": after.heads_forced_dense - before.heads_forced_dense,
+            "heads_listed": NEAR_DENSE_STATS.heads_listed - near_before.heads_listed,
+            "heads_near_dense": NEAR_DENSE_STATS.heads_near_dense - near_before.heads_near_dense}
 
 
 _ATTENTION_NAME = re.compile(r"attention|attn|flash|fmha|cudnn|sdpa|sparse|vertical|slash", re.IGNORECASE)

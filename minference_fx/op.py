@@ -143,7 +143,9 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     from .kernels import reference
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
-    force = guard.near_dense(index, q.shape[-2], k.shape[-2], q_offset) & torch.tensor(_split(plan).listed_mask)[None, :]
+    listed = _split(plan).listed_mask
+    force = guard.near_dense(index, q.shape[-2], k.shape[-2], q_offset) & torch.tensor(listed)[None, :]
+    _record_near_dense(force, q.shape[0] * sum(listed))
     if guarded:
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index,
                                    min(guard.VS_LAST_Q, q.shape[-2]))
@@ -175,6 +177,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     force = weak
     if any(split.listed_mask):  # only listed heads can be near-dense: a plan without any needs no check
         near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
+        _record_near_dense(near, q.shape[0] * sum(split.listed_mask))
         force = near if force is None else force | near
     if force is None:
         out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, **tuned.launch(), **masks)
@@ -189,6 +192,30 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, _kv_heads(split.dense_heads, q.shape[1] // k.shape[1]),
                              scale, masks)
     return out, weak
+
+
+@dataclasses.dataclass
+class NearDenseStats:
+    """How often a listed (vertical-slash or block-sparse) head's index was near-dense, so it ran dense."""
+
+    calls: int = 0
+    heads_listed: int = 0
+    """(batch, head) pairs of listed heads, over all calls"""
+    heads_near_dense: int = 0
+
+
+NEAR_DENSE_STATS = NearDenseStats()
+
+
+def _record_near_dense(near: torch.Tensor, listed: int) -> None:
+    """Count one call's near-dense heads; on GPU only when the guard's counters are on (a host sync)."""
+    from .kernels import guard
+
+    if near.is_cuda and not guard.STATS_ON_GPU:
+        return
+    NEAR_DENSE_STATS.calls += 1
+    NEAR_DENSE_STATS.heads_listed += listed
+    NEAR_DENSE_STATS.heads_near_dense += int(near.sum())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,8 @@ def test_eager_and_minference_end_to_end(tmp_path):
         sparse, dense = cells[(n, "minference")], cells[(n, "eager")]
         assert sparse["path"] == "sparse"
         assert sparse["guard"]["heads_checked"] > 0 and sparse["guard"]["heads_forced_dense"] == 0
+        # covering budgets keep every tile: each vertical-slash head is near-dense and runs dense
+        assert sparse["guard"]["heads_listed"] > 0 and sparse["guard"]["heads_near_dense"] == sparse["guard"]["heads_listed"]
         assert sparse["next_token"] == dense["next_token"]  # covering budgets: the same greedy token
         assert data["speedups"][str(n)]["minference"]["eager"] == pytest.approx(dense["ttft_ms"] / sparse["ttft_ms"])
     assert _variant(data, "eager")["recompiles"] is None
@@ -94,7 +96,8 @@ def test_table_with_oom_and_errors():
     result = bp.PrefillResult({}, [
         bp.Cell(32768, "eager", ttft_ms=100.0, first_call_s=0.2),
         bp.Cell(32768, "minference", ttft_ms=25.0, first_call_s=30.0, path="sparse", launch="launch 64/64/4/3",
-                guard={"calls": 2, "heads_checked": 64, "heads_forced_dense": 60}),
+                guard={"calls": 2, "heads_checked": 64, "heads_forced_dense": 60, "heads_listed": 64,
+                       "heads_near_dense": 3}),
         bp.Cell(32768, "inductor", status="oom"),
     ], [bp.VariantSummary("eager"), bp.VariantSummary("inductor", compiled=True, error="compile failed"),
         bp.VariantSummary("minference", compiled=True, compile_s=29.9, recompiles=0, minference={
@@ -103,7 +106,7 @@ def test_table_with_oom_and_errors():
     assert result.speedup(32768, "minference", "eager") == 4.0
     assert result.speedup(32768, "minference", "inductor") is None
     table = result.table()
-    assert "oom" in table and "guard dense 60/64" in table and "32/32 attention sites rewritten" in table
+    assert "oom" in table and "guard dense 60/64; near-dense 3/64" in table and "32/32 attention sites rewritten" in table
     assert "sparse; launch 64/64/4/3; guard" in table
     assert "inductor: compile failed" in table
     head, *rows = table.splitlines()[:4]
