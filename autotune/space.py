@@ -1,8 +1,10 @@
 """Search space of each tunable kernel: a comprehension of launch configs plus a ``keep`` predicate.
 
-The space lists more than the kernels accept today (BLOCK_M of two index
-query tiles) so that widening a kernel means widening ``ACCEPTED_BLOCKS``, not
-rewriting the space.
+Two kernels are tuned: ``sparse_attention`` (the sparse walk over the index's lists) and
+``dense_walk`` (the same Triton kernel launched for the heads that run dense this call).
+The sparse walk's space lists more than it accepts (BLOCK_M of two index query tiles, which
+only the dense walk can use) so that widening a kernel means widening ``ACCEPTED_BLOCKS``,
+not rewriting the space.
 """
 from __future__ import annotations
 
