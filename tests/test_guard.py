@@ -1,4 +1,5 @@
-"""The runtime quality guard: estimate of captured mass, and heads under the threshold run dense."""
+"""The runtime guard: estimate of captured mass, heads under the threshold run dense; near-dense heads."""
+import pytest
 import torch
 
 from minference_fx.kernels import guard, reference
@@ -80,3 +81,31 @@ def test_backend_guard_option_makes_starved_heads_dense():
         off = torch.compile(model, backend="minference", options={**opts, "guard_threshold": 0.0})(ids, use_cache=False).logits
     torch.testing.assert_close(guarded, dense, rtol=1e-5, atol=1e-5)
     assert (off - dense).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("sq, skv, q_offset", [(1, 1, 0), (64, 64, 0), (65, 65, 0), (200, 200, 0), (640, 640, 0),
+                                               (64, 1064, 1000), (100, 300, 200), (130, 200, 70)])
+def test_causal_tiles_counts_the_tile_pairs_holding_a_causal_pair(sq, skv, q_offset):
+    from minference_fx.kernels.reference import BLOCK
+
+    rows = torch.arange(sq) + q_offset
+    keys = torch.arange(skv)
+    causal = keys[None, :] <= rows[:, None]
+    m, n = -(-sq // BLOCK), -(-skv // BLOCK)
+    padded = torch.zeros(m * BLOCK, n * BLOCK, dtype=torch.bool)
+    padded[:sq, :skv] = causal
+    want = int(padded.view(m, BLOCK, n, BLOCK).any(3).any(1).sum())
+    assert guard.causal_tiles(sq, skv, q_offset) == want
+
+
+def test_near_dense_counts_leftover_columns_as_tiles():
+    """A head listing 9 of 10 tiles and 64 leftover columns holds 10 tile-equivalents: near-dense; 8 tiles and
+    no column is under 90 %."""
+    from minference_fx.kernels.reference import SparseIndex
+
+    tile_count = torch.tensor([[[1, 2, 3, 3]], [[1, 2, 3, 2]]], dtype=torch.int32)  # 9 and 8 of 10 tiles
+    col_count = torch.tensor([[[0, 0, 0, 64]], [[0, 0, 0, 0]]], dtype=torch.int32)
+    index = SparseIndex(tile_count, torch.zeros(2, 1, 4, 4, dtype=torch.int32), col_count,
+                        torch.zeros(2, 1, 4, 64, dtype=torch.int32))
+    assert guard.causal_tiles(256, 256, 0) == 10
+    assert guard.near_dense(index, 256, 256, 0).tolist() == [[True], [False]]
