@@ -389,8 +389,8 @@ def _guard_probe(step, device: torch.device) -> dict:
     after = guard_stats()
     return {"calls": after.calls - before.calls, "heads_checked": after.heads_checked - before.heads_checked,
             "heads_forced_dense": after.heads_forced_dense - before.heads_forced_dense,
-            "heads_listed": NEAR_DENSE_STATS.heads_listed - near_before.heads_listed,
-            "heads_near_dense": NEAR_DENSE_STATS.heads_near_dense - near_before.heads_near_dense}
+            "heads_listed": NEAR_DENSE_STATS.heads_checked - near_before.heads_checked,
+            "heads_near_dense": NEAR_DENSE_STATS.heads_forced_dense - near_before.heads_forced_dense}
 
 
 _ATTENTION_NAME = re.compile(r"attention|attn|flash|fmha|cudnn|sdpa|sparse|vertical|slash", re.IGNORECASE)

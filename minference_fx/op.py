@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .kernels.guard import GuardStats
 from .plan import LayerPlan, Pattern
 
 
@@ -194,17 +195,9 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     return out, weak
 
 
-@dataclasses.dataclass
-class NearDenseStats:
-    """How often a listed (vertical-slash or block-sparse) head's index was near-dense, so it ran dense."""
-
-    calls: int = 0
-    heads_listed: int = 0
-    """(batch, head) pairs of listed heads, over all calls"""
-    heads_near_dense: int = 0
-
-
-NEAR_DENSE_STATS = NearDenseStats()
+NEAR_DENSE_STATS = GuardStats()
+"""Counters of the near-dense rule, in the guard's type: ``heads_checked`` counts the listed (vertical-slash or
+block-sparse) (batch, head) pairs, ``heads_forced_dense`` those whose index was near-dense, so they ran dense."""
 
 
 def _record_near_dense(near: torch.Tensor, listed: int) -> None:
@@ -214,8 +207,8 @@ def _record_near_dense(near: torch.Tensor, listed: int) -> None:
     if near.is_cuda and not guard.STATS_ON_GPU:
         return
     NEAR_DENSE_STATS.calls += 1
-    NEAR_DENSE_STATS.heads_listed += listed
-    NEAR_DENSE_STATS.heads_near_dense += int(near.sum())
+    NEAR_DENSE_STATS.heads_checked += listed
+    NEAR_DENSE_STATS.heads_forced_dense += int(near.sum())
 
 
 @dataclasses.dataclass(frozen=True)
