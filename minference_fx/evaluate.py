@@ -280,7 +280,8 @@ class HeadRecall:
     density: float
     """physical density of the head's index over the whole prompt (tiles and columns the kernel computes)"""
     guard_dense: bool = False
-    """the runtime quality guard would run this head dense (its estimated captured mass is under the threshold)"""
+    """the op's run-time guard runs this head dense: its index is near-dense (>= 90 % of the causal tiles),
+    or the quality guard finds its estimated captured mass under the threshold"""
 
     @property
     def recall_guarded(self) -> float:
@@ -292,14 +293,18 @@ class HeadRecall:
 
 
 def guard_fires(q, k, plan: LayerPlan, index, *, scale: float, threshold: float) -> torch.Tensor:
-    """[Hq] bool: heads the op's quality guard would switch to dense (same estimate as the op's CPU path)."""
+    """[Hq] bool: heads the op switches to dense at run time (the same rules and estimates as its CPU path):
+    a near-dense index (vertical-slash and block-sparse heads), or a captured mass under ``threshold``
+    (vertical-slash heads, when the threshold is positive)."""
     from .kernels import guard
 
     is_vs = torch.tensor([h.pattern is Pattern.VERTICAL_SLASH for h in plan.heads])
-    if threshold <= 0 or not bool(is_vs.any()):
-        return torch.zeros(len(plan.heads), dtype=torch.bool)
-    mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale), index, min(guard.VS_LAST_Q, q.shape[2]))
-    return ((mass < threshold).cpu() & is_vs[None]).any(0)
+    listed = torch.tensor([h.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE) for h in plan.heads])
+    fires = guard.near_dense(index, q.shape[2], k.shape[2], 0).cpu() & listed[None]
+    if threshold > 0 and bool(is_vs.any()):
+        mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale), index, min(guard.VS_LAST_Q, q.shape[2]))
+        fires = fires | ((mass < threshold).cpu() & is_vs[None])
+    return fires.any(0)
 
 
 def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_threshold: float = 0.0):
@@ -353,7 +358,8 @@ def index_recall(model, ids: torch.Tensor, config: SemanticConfig, *, rows: int 
 
 @dataclasses.dataclass
 class RecallSummary:
-    """One length: the raw online index, then with the runtime guard's dense fallback applied."""
+    """One length: the raw online index, then with the run-time guard's dense fallbacks applied (near-dense
+    index, low captured mass)."""
 
     length: int
     mean: float

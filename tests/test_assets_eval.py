@@ -35,6 +35,19 @@ slow = pytest.mark.slow
 # -- quick: no downloads -------------------------------------------------------
 
 
+def test_head_recall_marks_the_heads_the_op_runs_dense():
+    """The eval's guarded columns follow the op: a block-sparse head keeping 52 of 55 causal tiles (near-dense)
+    runs dense even without a quality guard; one keeping 49 of 55 does not."""
+    from minference_fx.plan import HeadPlan, LayerPlan
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 640, 16, generator=g), torch.randn(1, 1, 640, 16, generator=g)
+    for tiles, dense in ((8, True), (7, False)):
+        plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, tiles),) * 2)
+        *_, fires = evaluate.head_recall(q, k, plan, scale=0.25, rows=64, guard_threshold=0.0)
+        assert fires.tolist() == [dense, dense]
+
+
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     from minference_fx import assets
 
