@@ -23,6 +23,9 @@ Scoring (per observed call, every candidate, all heads at once)
     * ``recall_last``: the same, mean over the last rows only (the eval's measure);
     * ``density``: physical density of the index over the whole prompt.
 
+    A vertical-slash or block-sparse index the op would find near-dense (>= 90 % of the causal tiles) is
+    scored as the op runs it: dense (error 0, density 1, the same as the dense candidate, which wins the tie).
+
 Choice (global, see :func:`choose_heads`)
     1. A head may use a candidate only if its recall (the lower of the two
        estimates, mean over samples) is at least ``recall_min``; dense always may.
@@ -54,7 +57,7 @@ import torch
 
 from . import observe
 from .config import HeadEntry, Provenance, SemanticConfig, _tool_version, model_identity_from_hf
-from .kernels import reference
+from .kernels import guard, reference
 from .plan import HeadPlan, LayerPlan, Pattern
 
 METRIC = ("relative L2 error of the head's attention output vs dense and attention-mass recall of its index "
@@ -157,6 +160,10 @@ def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last
                 out[m].append(torch.full((hq,), value))
             continue
         index = reference.build_index(q, k, LayerPlan((cand,) * hq), scale=call.scale, **masks)
+        if cand.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE):
+            # the op runs a near-dense index dense (kernels.guard.near_dense): score what it computes
+            near = guard.near_dense(index, sq, skv, call.q_offset)
+            index = guard.densify(index, near, sq, skv, call.q_offset)
         kept = prob * (_row_key_mask(index, rows, skv) & base)
         mass = kept.sum(-1)  # [B, Hq, R]
         sparse = (kept @ vr) / torch.where(mass > 0, mass, torch.ones_like(mass))[..., None]
@@ -225,8 +232,9 @@ def choose_heads(scores: list[LayerScores], candidates: list[HeadPlan], *, bound
         if not opts:  # no dense candidate and nothing meets the floor: the most accurate
             opts = list(range(n_cands))
         good = [c for c in opts if err[l][c][h] <= bound]
-        picks[l][h] = (min(good, key=lambda c: (dens[l][c][h], err[l][c][h])) if good
-                       else min(opts, key=lambda c: (err[l][c][h], dens[l][c][h])))
+        # on a tie dense wins: a near-dense candidate runs dense anyway, after an index, below cuDNN's speed
+        picks[l][h] = (min(good, key=lambda c: (dens[l][c][h], err[l][c][h], not is_dense[c])) if good
+                       else min(opts, key=lambda c: (err[l][c][h], dens[l][c][h], not is_dense[c])))
     total = len(heads)
     mean = sum(dens[l][picks[l][h]][h] for l, h in heads) / total
 

@@ -7,7 +7,7 @@ import torch
 from minference_fx import ConfigMismatchError, load_config
 from minference_fx.config import check_fits, model_identity_from_hf
 from minference_fx import observe
-from minference_fx.kernels import reference
+from minference_fx.kernels import guard, reference
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.search import METRICS, LayerScores, candidates_for, choose_heads, sample_rows, score_layer, search
 from tiny_models import tiny_model
@@ -81,10 +81,13 @@ def test_scores_on_every_row_equal_the_reference():
     dense = reference.dense_attention_reference(q, k, v, scale=call.scale)
     for c, cand in enumerate(cands):
         plan = LayerPlan((cand,) * 4)
-        out = reference.sparse_attention_reference(q, k, v, plan, scale=call.scale)
+        index = reference.build_index(q, k, plan, scale=call.scale)
+        if cand.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE):  # what the op runs: near-dense is dense
+            index = guard.densify(index, guard.near_dense(index, 200, 200, 0), 200, 200, 0)
+        out = reference.sparse_attention_reference(q, k, v, plan, scale=call.scale, index=index)
         err = (out - dense).pow(2).sum((0, 2, 3)).sqrt() / dense.pow(2).sum((0, 2, 3)).sqrt()
         torch.testing.assert_close(scores["errors"][c], err, atol=1e-5, rtol=1e-4)
-        keys = reference.index_to_mask(reference.build_index(q, k, plan, scale=call.scale), range(0, 200), 200)
+        keys = reference.index_to_mask(index, range(0, 200), 200)
         allowed = reference.base_allowed(torch.arange(200), 200)
         group = 2
         prob = reference._masked_softmax(q @ k.repeat_interleave(group, 1).transpose(-1, -2) * call.scale,
@@ -201,3 +204,24 @@ def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
     assert "YaRN x2" in searches[0]["data_name"] and "YaRN" not in searches[1]["data_name"]
     with pytest.raises(SystemExit, match="only with --model smollm2"):
         cli.main([*common, "--model", "llama", "--yarn", "2"])
+
+
+def test_a_near_dense_candidate_scores_as_dense_and_dense_wins_the_tie():
+    """Block-sparse keeping 52 of 55 causal tiles of 640 tokens runs dense in the op: error 0, density 1. The
+    choice then takes the dense candidate (cuDNN on the GPU, no index); 49 of 55 stays a sparse candidate."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 640, 16, generator=g)
+    k, v = (torch.randn(1, 2, 640, 16, generator=g) for _ in range(2))
+    call = observe.AttentionCall(0, q, k, v, None, None, 0.25, 0, 0, out=torch.empty(0))
+    cands = [HeadPlan(Pattern.BLOCK_SPARSE, 7), HeadPlan(Pattern.BLOCK_SPARSE, 8), HeadPlan(Pattern.DENSE)]
+    scores = score_layer(call, cands, last_rows=64)
+    assert (scores["errors"][1] < 1e-6).all() and (scores["densities"][1] == 1).all()
+    assert (scores["errors"][0] > 1e-3).all() and (scores["densities"][0] < 1).all()
+    layer = LayerScores.empty(3, 4)
+    layer.add(scores)
+    assert choose_heads([layer], cands, bound=1e-6).picks == [[2] * 4]  # only BS(8) and dense pass: dense
+    # an exact tie (same density, same error) goes to dense too
+    tie = LayerScores.empty(2, 1)
+    tie.add({"errors": torch.zeros(2, 1), "densities": torch.ones(2, 1), "recall": torch.ones(2, 1),
+             "recall_last": torch.ones(2, 1)})
+    assert choose_heads([tie], cands[1:], bound=0.1).picks == [[1]]
