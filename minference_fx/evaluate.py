@@ -38,7 +38,7 @@ import torch
 from . import observe
 from .config import SemanticConfig, default_config, load_config, model_identity_from_hf
 from .kernels import reference
-from .plan import LayerPlan, Pattern
+from .plan import LISTED_PATTERNS, LayerPlan, Pattern
 
 NEEDLE = " The secret passcode for the vault is {passkey}. "
 QUESTION = "\n\nQuestion: What is the secret passcode for the vault?\nAnswer: The secret passcode for the vault is"
@@ -299,7 +299,7 @@ def guard_fires(q, k, plan: LayerPlan, index, *, scale: float, threshold: float)
     from .kernels import guard
 
     is_vs = torch.tensor([h.pattern is Pattern.VERTICAL_SLASH for h in plan.heads])
-    listed = torch.tensor([h.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE) for h in plan.heads])
+    listed = torch.tensor([h.pattern in LISTED_PATTERNS for h in plan.heads])
     fires = guard.near_dense(index, q.shape[2], k.shape[2], 0).cpu() & listed[None]
     if threshold > 0 and bool(is_vs.any()):
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale), index, min(guard.VS_LAST_Q, q.shape[2]))

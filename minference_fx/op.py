@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.guard import GuardStats
-from .plan import LayerPlan, Pattern
+from .plan import LISTED_PATTERNS, LayerPlan, Pattern
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
@@ -244,7 +244,7 @@ def _split(plan: LayerPlan) -> _PlanSplit:
     patterns = tuple(SKIP_CODE if h in dense else code for h, code in enumerate(patterns))
     return _PlanSplit((patterns, tuple(budget_a), tuple(budget_b)), dense,
                       tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads),
-                      tuple(hp.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE) for hp in plan.heads))
+                      tuple(hp.pattern in LISTED_PATTERNS for hp in plan.heads))
 
 
 @functools.lru_cache(maxsize=4096)

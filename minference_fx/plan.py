@@ -26,6 +26,9 @@ PATTERN_CODES = {
     Pattern.BLOCK_SPARSE: 3,
 }
 PATTERN_FROM_CODE = {code: pattern for pattern, code in PATTERN_CODES.items()}
+LISTED_PATTERNS = frozenset({Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE})
+"""Patterns whose keys the online index lists (dense and A-shape keys are enumerated from the plan); only
+these can turn out near-dense at run time and be run dense (``kernels.guard.near_dense``)."""
 
 
 @dataclasses.dataclass(frozen=True)

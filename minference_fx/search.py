@@ -58,7 +58,7 @@ import torch
 from . import observe
 from .config import HeadEntry, Provenance, SemanticConfig, _tool_version, model_identity_from_hf
 from .kernels import guard, reference
-from .plan import HeadPlan, LayerPlan, Pattern
+from .plan import LISTED_PATTERNS, HeadPlan, LayerPlan, Pattern
 
 METRIC = ("relative L2 error of the head's attention output vs dense and attention-mass recall of its index "
           "(mean over samples; estimated on the last query rows plus a stratified random sample of the others)")
@@ -160,7 +160,7 @@ def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last
                 out[m].append(torch.full((hq,), value))
             continue
         index = reference.build_index(q, k, LayerPlan((cand,) * hq), scale=call.scale, **masks)
-        if cand.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE):
+        if cand.pattern in LISTED_PATTERNS:
             # the op runs a near-dense index dense (kernels.guard.near_dense): score what it computes
             near = guard.near_dense(index, sq, skv, call.q_offset)
             index = guard.densify(index, near, sq, skv, call.q_offset)
