@@ -38,7 +38,7 @@ import torch
 from . import observe
 from .config import SemanticConfig, default_config, load_config, model_identity_from_hf
 from .kernels import reference
-from .plan import LISTED_PATTERNS, LayerPlan, Pattern
+from .plan import LayerPlan, Pattern
 
 NEEDLE = " The secret passcode for the vault is {passkey}. "
 QUESTION = "\n\nQuestion: What is the secret passcode for the vault?\nAnswer: The secret passcode for the vault is"
@@ -297,10 +297,10 @@ def guard_fires(q, k, plan: LayerPlan, index, *, scale: float, threshold: float)
     a near-dense index (vertical-slash and block-sparse heads), or a captured mass under ``threshold``
     (vertical-slash heads, when the threshold is positive)."""
     from .kernels import guard
+    from .op import near_dense_heads
 
     is_vs = torch.tensor([h.pattern is Pattern.VERTICAL_SLASH for h in plan.heads])
-    listed = torch.tensor([h.pattern in LISTED_PATTERNS for h in plan.heads])
-    fires = guard.near_dense(index, q.shape[2], k.shape[2], 0).cpu() & listed[None]
+    fires = near_dense_heads(index, plan, q.shape[2], k.shape[2], 0).cpu()
     if threshold > 0 and bool(is_vs.any()):
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale), index, min(guard.VS_LAST_Q, q.shape[2]))
         fires = fires | ((mass < threshold).cpu() & is_vs[None])

@@ -129,8 +129,8 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     from .kernels import guard
 
     masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
-    vs_mask = _split(plan).vs_mask
-    n_vs = sum(vs_mask)
+    split = _split(plan)
+    n_vs = split.n_vs
     guarded = guard_threshold > 0 and n_vs > 0
     if q.is_cuda:
         from .autotune.dispatch import launch_config
@@ -144,16 +144,16 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     from .kernels import reference
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
-    listed = _split(plan).listed_mask
-    force = guard.near_dense(index, q.shape[-2], k.shape[-2], q_offset) & torch.tensor(listed)[None, :]
-    _record_near_dense(force, q.shape[0] * sum(listed))
+    force = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], q_offset)
+    _record_near_dense(force, q.shape[0] * split.n_listed)
     if guarded:
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index,
                                    min(guard.VS_LAST_Q, q.shape[-2]))
-        weak = (mass < guard_threshold) & torch.tensor(vs_mask)[None, :]
+        weak = (mass < guard_threshold) & torch.tensor(split.vs_mask)[None, :]
         guard.record(weak, q.shape[0] * n_vs)
         force = force | weak
-    index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
+    if bool(force.any()):  # CPU: a host check is free, and densify copies the index
+        index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
 
@@ -176,9 +176,10 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)  # dense heads list nothing
     weak = mass < guard_threshold if guarded else None
     force = weak
-    if any(split.listed_mask):  # only listed heads can be near-dense: a plan without any needs no check
+    if split.n_listed:  # only listed heads can be near-dense: a plan without any needs no check
+        # the GPU index lists nothing for other heads, so near_dense alone never picks them
         near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
-        _record_near_dense(near, q.shape[0] * sum(split.listed_mask))
+        _record_near_dense(near, q.shape[0] * split.n_listed)
         force = near if force is None else force | near
     if force is None:
         out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, **tuned.launch(), **masks)
@@ -193,6 +194,15 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, _kv_heads(split.dense_heads, q.shape[1] // k.shape[1]),
                              scale, masks)
     return out, weak
+
+
+def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int) -> torch.Tensor:
+    """[B, Hq] bool: the (batch, head) pairs the op runs dense by the near-dense rule, for an index that lists
+    every head (the reference's; it enumerates dense and A-shape heads' tiles too, which the rule skips)."""
+    from .kernels import guard
+
+    listed = torch.tensor(_split(plan).listed_mask, device=index.tile_count.device)
+    return guard.near_dense(index, sq, skv, q_offset) & listed[None, :]
 
 
 NEAR_DENSE_STATS = GuardStats()
@@ -224,6 +234,8 @@ class _PlanSplit:
     listed_mask: tuple
     """per head, whether it is vertical-slash or block-sparse: the heads the GPU index lists, so the only
     ones that can be near-dense (the reference index enumerates dense and A-shape heads' tiles too)"""
+    n_vs: int
+    n_listed: int
 
     @property
     def all_dense(self) -> bool:
@@ -242,9 +254,10 @@ def _split(plan: LayerPlan) -> _PlanSplit:
     patterns, budget_a, budget_b = plan.op_arguments()
     dense = tuple(h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE)
     patterns = tuple(SKIP_CODE if h in dense else code for h, code in enumerate(patterns))
-    return _PlanSplit((patterns, tuple(budget_a), tuple(budget_b)), dense,
-                      tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads),
-                      tuple(hp.pattern in LISTED_PATTERNS for hp in plan.heads))
+    vs_mask = tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads)
+    listed_mask = tuple(hp.pattern in LISTED_PATTERNS for hp in plan.heads)
+    return _PlanSplit((patterns, tuple(budget_a), tuple(budget_b)), dense, vs_mask, listed_mask, sum(vs_mask),
+                      sum(listed_mask))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -58,7 +58,8 @@ import torch
 from . import observe
 from .config import HeadEntry, Provenance, SemanticConfig, _tool_version, model_identity_from_hf
 from .kernels import guard, reference
-from .plan import LISTED_PATTERNS, HeadPlan, LayerPlan, Pattern
+from .op import near_dense_heads
+from .plan import HeadPlan, LayerPlan, Pattern
 
 METRIC = ("relative L2 error of the head's attention output vs dense and attention-mass recall of its index "
           "(mean over samples; estimated on the last query rows plus a stratified random sample of the others)")
@@ -159,10 +160,11 @@ def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last
             for m, value in zip(METRICS, (0.0, 1.0, 1.0, 1.0)):
                 out[m].append(torch.full((hq,), value))
             continue
-        index = reference.build_index(q, k, LayerPlan((cand,) * hq), scale=call.scale, **masks)
-        if cand.pattern in LISTED_PATTERNS:
-            # the op runs a near-dense index dense (kernels.guard.near_dense): score what it computes
-            near = guard.near_dense(index, sq, skv, call.q_offset)
+        plan = LayerPlan((cand,) * hq)
+        index = reference.build_index(q, k, plan, scale=call.scale, **masks)
+        # the op runs a near-dense index dense (kernels.guard.near_dense): score what it computes
+        near = near_dense_heads(index, plan, sq, skv, call.q_offset)
+        if bool(near.any()):  # offline: a host check costs nothing here
             index = guard.densify(index, near, sq, skv, call.q_offset)
         kept = prob * (_row_key_mask(index, rows, skv) & base)
         mass = kept.sum(-1)  # [B, Hq, R]
