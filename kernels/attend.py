@@ -1,7 +1,9 @@
 """Sparse attention forward in Triton: one launch for every head of a layer.
 
-A program owns one query tile (``BLOCK`` rows) of one (batch, query head) and
-reads K/V through ``kv_head = h // group`` (no repeat_kv copy). It visits:
+A program owns one query tile (``BLOCK`` rows, or a part of one) of one (batch,
+query head) and reads K/V through ``kv_head = h // group`` (no repeat_kv copy).
+A launch of forced-dense heads only (the op's dense walk) reads no list: its
+programs may own two tiles and walk the keys in contiguous steps. It visits:
 
 1. key tiles — listed in the index for vertical-slash and block-sparse heads;
    enumerated from the plan for dense (every tile up to the diagonal) and
@@ -74,7 +76,7 @@ def _load_block(ptrs, desc, b, hk, row0, col_ok, d_ok, FULL_TILE: tl.constexpr, 
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One [BLOCK_N, BLOCK_D] block of K or V: a TMA copy of rows row0.. (zero past the end), or a pointer load."""
     if USE_DESC:
-        blk = desc.load([b.to(tl.int32), hk.to(tl.int32), row0.to(tl.int32), 0]).reshape(BLOCK_N, BLOCK_D)
+        blk = desc.load([b.to(tl.int32), hk.to(tl.int32), tl.cast(row0, tl.int32), 0]).reshape(BLOCK_N, BLOCK_D)
     elif FULL_TILE:
         blk = tl.load(ptrs)
     else:
@@ -108,7 +110,8 @@ def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
     p = tl.exp2(s * qk_scale - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_block(v_ptrs, v_desc, b, hk, row0, col_ok, d_ok, FULL_TILE, USE_DESC, BLOCK_N, BLOCK_D)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # the rescaled accumulator goes into the MMA as its addend: no separate add of the product tile
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -176,6 +179,32 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
     return m_i, l_i, acc
 
 
+@triton.jit
+def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+               HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, KV_DESC: tl.constexpr, CROSSING: tl.constexpr, APPLY_MASK: tl.constexpr,
+               FULL_TILE: tl.constexpr):
+    """Keys ``lo .. hi - 1`` (multiples of BLOCK_N apart) in contiguous steps of BLOCK_N: the dense walk, which
+    reads no list, so each step's K/V rows are known before the loop (TMA copies at any BLOCK_N when
+    ``KV_DESC``) and the pipeline never waits on a list entry."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        if CROSSING:
+            col_ok = cols < seq_k
+        else:
+            col_ok = cols >= 0  # all true: the step is inside the keys
+        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CROSSING)
+        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
+                                FULL_TILE=FULL_TILE, k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=start,
+                                USE_DESC=KV_DESC)
+    return m_i, l_i, acc
+
+
 # Lengths and offsets change with every prompt: specialising on them (==1, %16) would
 # compile new variants as prompts vary. So do the index's and the masks' strides (query
 # tiles, list capacities, key count), which are read a scalar or a row at a time anyway.
@@ -199,7 +228,12 @@ def _sparse_attn_fwd(
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    if FORCE_MODE == FORCE_ONLY:
+        # the dense walk's programs differ in length by the causal triangle: launching the longest first
+        # leaves short ones for the last wave
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -245,52 +279,70 @@ def _sparse_attn_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # -- stage 1: key tiles (TILE keys each), listed or enumerated from the pattern
-    last_tile = tl.minimum(pos_hi, seq_k - 1) // TILE
-    listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
-    sink_tiles = tl.cdiv(tl.load(BudgetA + h), TILE)
-    win_first = tl.maximum(list_lo - tl.load(BudgetB + h) + 1, 0) // TILE
-    sink_tiles = tl.minimum(sink_tiles, win_first)
-    n_tiles = last_tile + 1  # dense
-    if pattern == A_SHAPE:
-        n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
-    if listed:
-        n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + m_list)
-    n_tiles = tl.where(runs, n_tiles, 0)
-    tile_list = TileIndex + pid_bh * stride_ti_bh + m_list * stride_ti_m
-    # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
-    # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
-    # The ones before need no causal mask (issue: mask only where a tile crosses the diagonal).
-    first_crossing = tl.minimum(pos_lo + 1, seq_k) // TILE
-    crossing_last = last_tile
-    if BLOCK_M != TILE:
-        crossing_last = tl.where(listed, tl.minimum(list_hi, seq_k - 1) // TILE, last_tile)
-    n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
     EXTRA_MASKS: tl.constexpr = HAS_KEY_MASK or HAS_DOC or HAS_WINDOW
-    m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
-                                win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
-                                HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
-                                CROSSING=False, APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
-    m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
-                                win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
-                                HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
-                                CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
+    if FORCE_MODE == FORCE_ONLY:
+        # -- the dense walk: keys 0 .. the diagonal (from the window's start with one), no list; steps wholly
+        # before the first row and inside the keys need no causal mask
+        key_end = tl.where(runs, tl.minimum(pos_hi + 1, seq_k), 0)
+        clear_end = tl.minimum(pos_lo + 1, key_end) // BLOCK_N * BLOCK_N
+        key_lo = 0
+        if HAS_WINDOW:  # keys at or before pos_lo - window are out of every row's window
+            key_lo = tl.maximum(pos_lo - window + 1, 0) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _walk_keys(key_lo, clear_end, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
+                                   stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask,
+                                   stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
+                                   DOT_PRECISION, KV_DESC, CROSSING=False, APPLY_MASK=EXTRA_MASKS,
+                                   FULL_TILE=HEAD_DIM == BLOCK_D)
+        m_i, l_i, acc = _walk_keys(tl.maximum(clear_end, key_lo), key_end, q, m_i, l_i, acc, qk_scale, k_base, v_base,
+                                   stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b,
+                                   hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC,
+                                   HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
+    else:
+        # -- stage 1: key tiles (TILE keys each), listed or enumerated from the pattern
+        last_tile = tl.minimum(pos_hi, seq_k - 1) // TILE
+        listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
+        sink_tiles = tl.cdiv(tl.load(BudgetA + h), TILE)
+        win_first = tl.maximum(list_lo - tl.load(BudgetB + h) + 1, 0) // TILE
+        sink_tiles = tl.minimum(sink_tiles, win_first)
+        n_tiles = last_tile + 1  # dense
+        if pattern == A_SHAPE:
+            n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
+        if listed:
+            n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + m_list)
+        n_tiles = tl.where(runs, n_tiles, 0)
+        tile_list = TileIndex + pid_bh * stride_ti_bh + m_list * stride_ti_m
+        # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
+        # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
+        # The ones before need no causal mask (issue: mask only where a tile crosses the diagonal).
+        first_crossing = tl.minimum(pos_lo + 1, seq_k) // TILE
+        crossing_last = last_tile
+        if BLOCK_M != TILE:
+            crossing_last = tl.where(listed, tl.minimum(list_hi, seq_k - 1) // TILE, last_tile)
+        n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
+        m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
+                                    win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
+                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                                    HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
+                                    CROSSING=False, APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
+        m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
+                                    win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
+                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                                    HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
+                                    CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
 
-    # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
-    n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + m_list)
-    n_cols = tl.where((pattern == DENSE) | (pattern == SKIP), 0, n_cols)  # dense already covers every column
-    col_list = ColIndex + pid_bh * stride_ci_bh + m_list * stride_ci_m
-    for c0 in range(0, n_cols, BLOCK_N):
-        slot_ok = c0 + offs_n < n_cols
-        cols = tl.load(col_list + c0 + offs_n, mask=slot_ok, other=0)
-        col_ok = slot_ok & (cols >= 0) & (cols < seq_k)
-        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
-        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
+        # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
+        n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + m_list)
+        n_cols = tl.where((pattern == DENSE) | (pattern == SKIP), 0, n_cols)  # dense already covers every column
+        col_list = ColIndex + pid_bh * stride_ci_bh + m_list * stride_ci_m
+        for c0 in range(0, n_cols, BLOCK_N):
+            slot_ok = c0 + offs_n < n_cols
+            cols = tl.load(col_list + c0 + offs_n, mask=slot_ok, other=0)
+            col_ok = slot_ok & (cols >= 0) & (cols < seq_k)
+            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
+            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
 
     # epilogue: rows that saw no key are 0, not 0/0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -343,8 +395,8 @@ def sparse_attention_triton(
         program: 16, 32 or 64 (a part of one of the index's 64-row query tiles), or 128 with
         ``forced="only"`` (dense heads read no list); ``block_n`` keys per step: 32, 64 or 128 (two
         listed tiles gathered side by side).
-    kv_desc : read K/V tiles by TMA (Hopper+, ``block_n == 64``); falls back to pointer loads where the
-        layout does not allow it.
+    kv_desc : read K/V tiles by TMA (Hopper+; ``block_n == 64``, or any ``block_n`` with ``forced="only"``);
+        falls back to pointer loads where the layout does not allow it.
     return_lse : also return the natural-log sum of exp(scale * q·k) over the keys each row read,
         fp32 ``[B, Hq, Sq]`` (``-inf`` for a row that read none), e.g. to merge with other attention.
 
@@ -378,7 +430,8 @@ def sparse_attention_triton(
         raise ValueError(f"block_m must be 16, 32 or 64 (or 128 for a launch of forced-dense heads only, "
                          f"forced='only'), got {block_m}")
     block_d = triton.next_power_of_2(D)
-    use_desc = kv_desc and block_n == BLOCK and _tma_ok(k, block_d) and _tma_ok(v, block_d)
+    # the sparse walk's 128-key steps gather two listed tiles (no TMA); the dense walk's are contiguous
+    use_desc = kv_desc and (block_n == BLOCK or dense_only) and _tma_ok(k, block_d) and _tma_ok(v, block_d)
     if use_desc:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

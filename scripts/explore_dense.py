@@ -29,8 +29,8 @@ from explore_kernels import time_variant  # noqa: E402  (scripts/ is on sys.path
 
 # (block_m, block_n, num_warps, num_stages, tma)
 DENSE_VARIANTS = [
-    (64, 64, 4, 3, True), (64, 64, 4, 2, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
-    (128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 64, 4, 2, True),
+    (128, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True),
+    (128, 128, 8, 3, False), (128, 64, 8, 2, True), (64, 64, 4, 2, True), (64, 128, 4, 2, True),
 ]
 
 
@@ -135,7 +135,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="32k,128k")
     ap.add_argument("--split-at", default="")
+    ap.add_argument("--variants", default="", help="dense-walk launches to time, e.g. 128/64/4/2/tma,128/128/8/3")
     a = ap.parse_args()
+    if a.variants:
+        DENSE_VARIANTS[:] = [tuple(int(x) for x in v.split("/")[:4]) + (v.endswith("/tma"),) for v in a.variants.split(",")]
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for n in parse_lengths(a.split_at) if a.split_at else []:
         split_dense_heads(n)

@@ -140,6 +140,38 @@ def test_a_skip_launch_and_a_dense_walk_write_one_output_that_equals_the_densifi
     torch.testing.assert_close(out[:, others], want[:, others], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("launch", [dict(block_m=128), dict(block_m=128, block_n=128), dict(block_m=64, block_n=128),
+                                    dict(block_m=128, block_n=128, kv_desc=False)],
+                         ids=["bm128", "bm128-bn128-tma", "bm64-bn128-tma", "bm128-bn128-pointers"])
+@pytest.mark.parametrize("case", ["offset-padded", "narrow-window", "documents"])
+def test_the_dense_walk_equals_dense_attention_under_every_base_mask(launch, case):
+    """The dense walk steps through keys 0 .. the diagonal without a list, BLOCK_N at a time (TMA copies at
+    128 keys too), starting at the window's first key: it must equal dense attention under the base mask for
+    chunked prefill (queries after a prefix of keys), windows narrower than a program's rows and packed
+    documents. Heads not forced stay as they were."""
+    q, k, v = _inputs(2, 4, 2, 200, 330, 16, torch.float32, seed=6)
+    scale = 0.25
+    masks = dict(q_offset=130)
+    if case == "offset-padded":
+        key_mask = torch.ones(2, 330, dtype=torch.bool)
+        key_mask[1, :150] = False  # batch 1: the first query rows see no key at all
+        masks.update(key_mask=key_mask)
+    elif case == "narrow-window":
+        masks.update(window=40)
+    else:
+        masks.update(doc_ids=(torch.arange(330) // 90).repeat(2, 1))
+    dense = LayerPlan((HeadPlan(Pattern.DENSE),) * 4)
+    index = reference.build_index(q, k, dense, scale=scale, **masks)
+    force = torch.ones(2, 4, dtype=torch.bool)
+    force[0, 1] = False
+    out = torch.full_like(q, 7.0)
+    sparse_attention_triton(q, k, v, index, *dense.op_arguments(), scale=scale, force_dense=force, forced="only",
+                            out=out, **launch, **masks)
+    want = reference.sparse_attention_reference(q, k, v, dense, scale=scale, index=index, **masks)
+    assert (out[0, 1] == 7.0).all()
+    torch.testing.assert_close(out[force], want[force], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("launch", [dict(), dict(block_m=32, block_n=128)], ids=["default", "bm32-bn128"])
 def test_lse_is_the_log_sum_exp_over_the_keys_each_row_read(launch):
     """The LSE over exactly the index's keys under the base mask; -inf where a row read nothing."""
