@@ -57,9 +57,9 @@ class TuneEntry:
 
 DEFAULT_ENTRY = TuneEntry()
 # What an untuned lookup launches, per kernel. The dense walk runs only heads that read no list, so
-# its programs may own two index query tiles: 128 rows with 4 warps were its best on an H200 at 32K and
-# 128K at d128 (results/explore_dense_h200_2026-11-30.txt, _v2.txt, and the re-tune of kernel d72d3989;
-# at d64 that re-tune chose 64 rows).
+# its programs may own two index query tiles: 128 rows of 64-key steps with 4 warps were its best on an
+# H200 at 32K and 128K at d128 (results/explore_dense_h200_2026-11-30.txt, _v2 to _v4, and the re-tunes of
+# kernels d72d3989 and ba0c0a7c; at d64 those re-tunes chose 64 rows, the last with 128-key steps).
 DEFAULT_ENTRIES = {"sparse_attention": DEFAULT_ENTRY, "dense_walk": TuneEntry(128, 64, 4, 2)}
 
 
