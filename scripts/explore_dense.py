@@ -1,10 +1,11 @@
 """GPU exploration (not a test): how close the sparse kernel gets to cuDNN on dense work, and what
 the online index keeps on diffuse (random-weight-like) attention.
 
-usage: python scripts/explore_dense.py [--lengths 32k,128k] [--split-at 128k]
+usage: python scripts/explore_dense.py [--lengths 32k,128k] [--split-at 128k] [--variants 128/64/4/2/tma,...]
 
-* dense work (every head forced dense: the op's dense walk, tiles enumerated): launch variants including
-  BLOCK_M 128 (allowed there, since forced-dense heads read no list);
+* dense work (every head forced dense: the op's dense walk, contiguous key steps): launch variants
+  (BLOCK_M/BLOCK_N/warps/stages[/tma]) including BLOCK_M 128 (allowed there, since forced-dense heads read
+  no list);
 * diffuse Q/K (N(0, 1.28^2) entries, logits of std ~1.6, as a std-0.02 random Llama gives): the
   VS(1000, 6096) index's physical density, kernel time, and cuDNN on the same inputs;
 * ``--split-at``: the op's GPU path on plans with dense heads, those heads through SDPA (as shipped)
