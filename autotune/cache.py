@@ -69,7 +69,7 @@ class CrossoverKey:
     carries the source hash too."""
 
     source_hash: str
-    """hash of the kernel sources: an edited kernel invalidates its timings"""
+    """hash of the kernel sources' code (``identity.code_of``): an edited kernel invalidates its timings"""
     gpu: str
     """``torch.cuda.get_device_name()``; part of the key, never a condition"""
     capability: str

@@ -4,11 +4,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
+import re
+import tokenize
 from importlib import resources
 
 import torch
 
-# Every file whose edit can change how fast the op's sparse path runs; reference.py is
+# Every file whose code edit can change how fast the op's sparse path runs; reference.py is
 # in because it fixes BLOCK and the vertical-slash minima, guard.py for the mass estimate.
 KERNEL_SOURCES = ("attend.py", "index.py", "guard.py", "reference.py", "tables.py")
 
@@ -19,6 +22,31 @@ class DeviceIdentity:
     capability: str
 
 
+def code_of(source: str) -> str:
+    """``source`` without comments, string statements (docstrings) and blank lines: the part whose edit
+    can change how fast the kernels run, so that a comment fixed does not void every tuned table.
+
+    Only COMMENT tokens and single-string statements are cut, both located by tokenize the same way on
+    every Python version (the device's 3.12 and CI's 3.11 differ in how they tokenize f-strings, which
+    are kept as written)."""
+    lines = io.StringIO(source).readlines()  # split as tokenize reads them, so token rows index this list
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    statements = [t for t in tokens if t.type not in (tokenize.NL, tokenize.COMMENT)]
+    for t in tokens:
+        if t.type == tokenize.COMMENT:  # runs to the end of its line
+            row = t.start[0] - 1
+            lines[row] = lines[row].rstrip().removesuffix(t.string.rstrip())
+    starts = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    for i, t in enumerate(statements):
+        begins = i == 0 or statements[i - 1].type in starts
+        # 3.12 splits f-strings into FSTRING_* tokens, 3.11 keeps them one STRING: never cut one on either
+        plain = t.type == tokenize.STRING and "f" not in re.match(r"[A-Za-z]*", t.string).group().lower()
+        if plain and begins and i + 1 < len(statements) and statements[i + 1].type == tokenize.NEWLINE:
+            for row in range(t.start[0] - 1, t.end[0]):
+                lines[row] = ""
+    return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_source_hash() -> str:
     root = resources.files("minference_fx.kernels")
@@ -26,7 +54,8 @@ def kernel_source_hash() -> str:
     for name in KERNEL_SOURCES:
         path = root.joinpath(name)
         # a file that is gone still changes the hash, rather than breaking every lookup
-        h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"<missing>") + b"\0")
+        code = code_of(path.read_text(encoding="utf-8")) if path.is_file() else "<missing>"
+        h.update(name.encode() + b"\0" + code.encode() + b"\0")
     return h.hexdigest()[:16]
 
 

@@ -12,7 +12,7 @@ import torch
 
 import minference_fx.kernels.reference as reference
 import minference_fx.op as op_module
-from minference_fx.autotune import cache, dispatch, space, tuner
+from minference_fx.autotune import cache, dispatch, identity, space, tuner
 from minference_fx.autotune.cache import CrossoverKey, Table, TuneEntry, TuneKey, seq_bucket
 from minference_fx.autotune.identity import DeviceIdentity
 from minference_fx.autotune.shapes import shape_from_hf_config
@@ -165,6 +165,65 @@ def test_shipped_tables_are_valid():
     assert any(p.name == "h200.json" for p in paths)
     for p in paths:
         Table.from_json(p.read_text())  # raises when foreign or corrupt
+
+
+def test_the_shipped_h200_table_was_tuned_on_these_kernels():
+    """A kernel edit that can change speed voids the shipped table: re-tune on the H200 (scripts/gpu_session.sh
+    tune) and ship the new cache, or every lookup falls back to the untuned defaults."""
+    table = Table.from_json(next(p for p in cache.shipped_paths() if p.name == "h200.json").read_text())
+    hashes = {k.source_hash for k in table.configs} | {k.source_hash for k in table.crossovers}
+    assert hashes == {identity.kernel_source_hash()}, "autotune/h200.json is stale: re-tune it for these kernels"
+
+
+KERNEL_TEXT = '''"""Module docstring."""
+import triton.language as tl
+
+SKIP = -1
+"""What SKIP means."""
+
+
+def launch(x):  # a trailing comment
+    """Docstring."""
+    # a comment line
+
+    y = x + 64
+    if y > 0:
+        raise ValueError(f"bad {y!r}")
+    return y
+'''
+
+
+@pytest.mark.parametrize("edit", [
+    ("# a comment line", "# another comment, longer"),
+    ("# a trailing comment", "# edited"),
+    ('"""Docstring."""', '"""Docstring,\n    now two lines."""'),
+    ('"""What SKIP means."""', '"""SKIP, explained."""'),
+    ("    y = x + 64\n", "\n    y = x + 64   \n\n"),
+], ids=["comment", "trailing-comment", "docstring", "attribute-docstring", "blank-lines"])
+def test_the_kernel_hash_ignores_comments_docstrings_and_blank_lines(edit):
+    assert KERNEL_TEXT.count(edit[0]) == 1
+    assert identity.code_of(KERNEL_TEXT.replace(*edit)) == identity.code_of(KERNEL_TEXT)
+
+
+@pytest.mark.parametrize("edit", [
+    ("x + 64", "x + 128"), ("    if y > 0:\n        raise", "    if y > 0:\n        pass\n    raise"),
+    ('f"bad {y!r}"', 'f"bad {y}"'), ("SKIP = -1", "SKIP = -2"),
+], ids=["constant", "indentation", "f-string", "assignment"])
+def test_the_kernel_hash_follows_code_edits(edit):
+    assert KERNEL_TEXT.count(edit[0]) == 1
+    assert identity.code_of(KERNEL_TEXT.replace(*edit)) != identity.code_of(KERNEL_TEXT)
+
+
+def test_the_kernel_hash_sees_the_kernels_code_not_their_comments():
+    from importlib import resources
+
+    text = resources.files("minference_fx.kernels").joinpath("attend.py").read_text(encoding="utf-8")
+    comment = "# the rescaled accumulator goes into the MMA as its addend: no separate add of the product tile"
+    code = "acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)"
+    assert text.count(comment) == 1 and text.count(code) == 1
+    assert identity.code_of(text.replace(comment, "# reworded")) == identity.code_of(text)
+    assert "tl.dot(p.to(v.dtype), v, acc * alpha[:, None]" in identity.code_of(text)
+    assert identity.code_of(text.replace(code, code.replace("acc * alpha", "alpha * acc"))) != identity.code_of(text)
 
 
 def test_write_is_atomic(cache_dir, monkeypatch):
