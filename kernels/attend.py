@@ -3,7 +3,7 @@
 A program owns one query tile (``BLOCK`` rows, or a part of one) of one (batch,
 query head) and reads K/V through ``kv_head = h // group`` (no repeat_kv copy).
 A launch of forced-dense heads only (the op's dense walk) reads no list: its
-programs may own two tiles and walk the keys in contiguous steps. It visits:
+programs may own two tiles and walk the keys in contiguous steps. Other launches visit:
 
 1. key tiles — listed in the index for vertical-slash and block-sparse heads;
    enumerated from the plan for dense (every tile up to the diagonal) and
@@ -39,7 +39,7 @@ SKIP = tl.constexpr(SKIP_CODE)
 # What a launch does with the (batch, head) pairs of its ``force_dense`` table (the op's dense heads of
 # this call: the quality guard's and the near-dense ones). Programs that run nothing store nothing, so
 # two launches can write one output: the sparse walk skips the forced pairs, a dense walk with 128-row
-# programs (1.11x faster per tile on dense work) runs only them.
+# programs and contiguous key steps (1.24x faster per tile on near-dense work at 128K) runs only them.
 FORCE_MODES = {None: 0, "here": 1, "skip": 2, "only": 3}
 FORCE_HERE = tl.constexpr(FORCE_MODES["here"])
 FORCE_SKIP = tl.constexpr(FORCE_MODES["skip"])
