@@ -31,17 +31,17 @@ def code_of(source: str) -> str:
     are kept as written)."""
     lines = io.StringIO(source).readlines()  # split as tokenize reads them, so token rows index this list
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-    statements = [t for t in tokens if t.type not in (tokenize.NL, tokenize.COMMENT)]
+    significant = [t for t in tokens if t.type not in (tokenize.NL, tokenize.COMMENT)]  # what statements are made of
     for t in tokens:
         if t.type == tokenize.COMMENT:  # runs to the end of its line
             row = t.start[0] - 1
             lines[row] = lines[row].rstrip().removesuffix(t.string.rstrip())
     starts = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
-    for i, t in enumerate(statements):
-        begins = i == 0 or statements[i - 1].type in starts
+    for i, t in enumerate(significant):
+        begins = i == 0 or significant[i - 1].type in starts
         # 3.12 splits f-strings into FSTRING_* tokens, 3.11 keeps them one STRING: never cut one on either
         plain = t.type == tokenize.STRING and "f" not in re.match(r"[A-Za-z]*", t.string).group().lower()
-        if plain and begins and i + 1 < len(statements) and statements[i + 1].type == tokenize.NEWLINE:
+        if plain and begins and i + 1 < len(significant) and significant[i + 1].type == tokenize.NEWLINE:
             for row in range(t.start[0] - 1, t.end[0]):
                 lines[row] = ""
     return "\n".join(line.rstrip() for line in lines if line.strip())

@@ -51,7 +51,7 @@ def cudnn_ms(q, k, v) -> float:
     return ms
 
 
-def dense_variants(n: int) -> None:
+def dense_variants(n: int, variants=DENSE_VARIANTS) -> None:
     shape = LLAMA3_8B
     scale = shape["head_dim"] ** -0.5
     q, k, v = structured_qkv(n, **shape)
@@ -62,7 +62,7 @@ def dense_variants(n: int) -> None:
     flops = 4 * shape["head_dim"] * shape["num_q_heads"] * n * (n + 1) / 2
     print(f"dense @ {n}: cuDNN {cud:.2f} ms ({flops / cud / 1e9:.0f} TF/s causal)", flush=True)
     base = None
-    for bm, bn, w, st, tma in DENSE_VARIANTS:
+    for bm, bn, w, st, tma in variants:
         name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if tma else ''}"
         fn = lambda: launch(q, k, v, index, *args, scale, bm, bn, w, st, tma)  # noqa: E731
         timed = time_variant(f"dense @ {n}: {name}", fn)
@@ -138,14 +138,14 @@ def main() -> None:
     ap.add_argument("--split-at", default="")
     ap.add_argument("--variants", default="", help="dense-walk launches to time, e.g. 128/64/4/2/tma,128/128/8/3")
     a = ap.parse_args()
-    if a.variants:
-        DENSE_VARIANTS[:] = [tuple(int(x) for x in v.split("/")[:4]) + (v.endswith("/tma"),) for v in a.variants.split(",")]
+    variants = ([tuple(int(x) for x in v.split("/")[:4]) + (v.endswith("/tma"),) for v in a.variants.split(",")]
+                if a.variants else DENSE_VARIANTS)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for n in parse_lengths(a.split_at) if a.split_at else []:
         split_dense_heads(n)
     for n in parse_lengths(a.lengths) if a.lengths else []:
         diffuse(n)
-        dense_variants(n)
+        dense_variants(n, variants)
 
 
 if __name__ == "__main__":
