@@ -116,6 +116,40 @@ def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
 
 
 @triton.jit
+def _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, d,
+          d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window,
+          HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+          CAUSAL: tl.constexpr = True, APPLY_MASK: tl.constexpr = True, FULL_TILE: tl.constexpr = False,
+          k_desc=None, v_desc=None, hk=0, row0=0, USE_DESC: tl.constexpr = False):
+    """Keys ``cols`` of one step (every walk's): the base rule's mask, then the online-softmax update."""
+    ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                  HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CAUSAL)
+    return _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
+                   v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+                   ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
+                   FULL_TILE=FULL_TILE, k_desc=k_desc, v_desc=v_desc, b=b, hk=hk, row0=row0, USE_DESC=USE_DESC)
+
+
+@triton.jit
+def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                     KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, KV_DESC: tl.constexpr, CROSSING: tl.constexpr,
+                     APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
+    """Keys ``start .. start + BLOCK_N - 1`` (one whole tile, or one step of the dense walk): contiguous rows of
+    K/V, so TMA can copy them when ``KV_DESC``. Unless ``CROSSING``, they lie inside the keys."""
+    cols = start + offs_n
+    if CROSSING:
+        col_ok = cols < seq_k
+    else:
+        col_ok = cols >= 0  # all true
+    return _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                 d, d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
+                 DOT_PRECISION, CAUSAL=CROSSING, APPLY_MASK=APPLY_MASK, FULL_TILE=FULL_TILE, k_desc=KDesc,
+                 v_desc=VDesc, hk=hk, row0=start, USE_DESC=KV_DESC)
+
+
+@triton.jit
 def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first, slot_ok=True):
     """Key tile in slot i (scalar or vector) of a query tile's visits: listed (VS/BS), or enumerated for
     dense and A-shape (sinks, then the window)."""
@@ -141,18 +175,10 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
     if BLOCK_N == TILE:
         for i in range(first, stop):
             n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
-            cols = n * TILE + offs_n
-            if CROSSING:
-                col_ok = cols < seq_k
-            else:
-                col_ok = cols >= 0  # all true: the tile is inside the keys
-            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CROSSING)
-            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
-                                    FULL_TILE=FULL_TILE, k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=n * TILE,
-                                    USE_DESC=KV_DESC)
+            m_i, l_i, acc = _contiguous_step(n * TILE, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
+                                             stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k,
+                                             KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC,
+                                             HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING, APPLY_MASK, FULL_TILE)
     else:
         lo = first * TILE // BLOCK_N
         if CROSSING:
@@ -170,12 +196,10 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
                 n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first)
                 cols = n * TILE + at % TILE
                 col_ok = cols >= 0
-            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CROSSING)
-            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
-                                    FULL_TILE=FULL_TILE)
+            m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
+                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                                  HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, CAUSAL=CROSSING,
+                                  APPLY_MASK=APPLY_MASK, FULL_TILE=FULL_TILE)
     return m_i, l_i, acc
 
 
@@ -190,18 +214,10 @@ def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, st
     ``KV_DESC``) and the pipeline never waits on a list entry."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     for start in range(lo, hi, BLOCK_N):
-        cols = start + offs_n
-        if CROSSING:
-            col_ok = cols < seq_k
-        else:
-            col_ok = cols >= 0  # all true: the step is inside the keys
-        ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                      HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CROSSING)
-        m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
-                                FULL_TILE=FULL_TILE, k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=start,
-                                USE_DESC=KV_DESC)
+        m_i, l_i, acc = _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
+                                         stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k,
+                                         KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC,
+                                         HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING, APPLY_MASK, FULL_TILE)
     return m_i, l_i, acc
 
 
@@ -338,11 +354,9 @@ def _sparse_attn_fwd(
             slot_ok = c0 + offs_n < n_cols
             cols = tl.load(col_list + c0 + offs_n, mask=slot_ok, other=0)
             col_ok = slot_ok & (cols >= 0) & (cols < seq_k)
-            ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
-                          HAS_KEY_MASK, HAS_DOC, HAS_WINDOW)
-            m_i, l_i, acc = _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok)
+            m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
+                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                                  HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION)
 
     # epilogue: rows that saw no key are 0, not 0/0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -43,13 +43,14 @@ class GuardStats:
 STATS = GuardStats()
 
 
-def record(force: torch.Tensor, checked: int) -> None:
-    """Add one call's firing to the process-wide counters (a host sync on GPU: only when asked for)."""
+def record(force: torch.Tensor, checked: int, stats: GuardStats = STATS) -> None:
+    """Add one call's firing to ``stats``, the guard's process-wide counters unless told otherwise (a host sync
+    on GPU: only when asked for)."""
     if force.is_cuda and not STATS_ON_GPU:
         return
-    STATS.calls += 1
-    STATS.heads_checked += checked
-    STATS.heads_forced_dense += int(force.sum())
+    stats.calls += 1
+    stats.heads_checked += checked
+    stats.heads_forced_dense += int(force.sum())
 
 
 def captured_mass(vertical: torch.Tensor, index: SparseIndex, rows: int) -> torch.Tensor:

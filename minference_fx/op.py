@@ -211,14 +211,10 @@ block-sparse) (batch, head) pairs, ``heads_forced_dense`` those whose index was 
 
 
 def _record_near_dense(near: torch.Tensor, listed: int) -> None:
-    """Count one call's near-dense heads; on GPU only when the guard's counters are on (a host sync)."""
+    """Count one call's near-dense heads, under the guard's rule for when counting may sync."""
     from .kernels import guard
 
-    if near.is_cuda and not guard.STATS_ON_GPU:
-        return
-    NEAR_DENSE_STATS.calls += 1
-    NEAR_DENSE_STATS.heads_checked += listed
-    NEAR_DENSE_STATS.heads_forced_dense += int(near.sum())
+    guard.record(near, listed, NEAR_DENSE_STATS)
 
 
 @dataclasses.dataclass(frozen=True)
