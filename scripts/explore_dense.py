@@ -51,16 +51,28 @@ def cudnn_ms(q, k, v) -> float:
     return ms
 
 
-def dense_variants(n: int, variants=DENSE_VARIANTS) -> None:
+def diffuse_qkv(n: int, shape: dict):
+    """Q/K/V of N(0, 1.28^2) entries: logits of std ~1.6, as a std-0.02 random Llama gives."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: (1.28 * torch.randn(1, h, n, shape["head_dim"], device="cuda", generator=g)).bfloat16()  # noqa: E731
+    return mk(shape["num_q_heads"]), mk(shape["num_kv_heads"]), mk(shape["num_kv_heads"])
+
+
+def dense_variants(n: int, variants=DENSE_VARIANTS, layout: str = "bhsd", data: str = "structured") -> None:
+    """``layout`` "bshd": the [B, H, S, D] views of [B, S, H, D] memory that HF's attention (and so the op
+    in a compiled model) receives, one head's rows ``H * D`` elements apart. ``data`` "diffuse": random
+    Q/K/V (:func:`diffuse_qkv`) instead of the benchmark's structured ones (the same work either way)."""
     shape = LLAMA3_8B
     scale = shape["head_dim"] ** -0.5
-    q, k, v = structured_qkv(n, **shape)
+    q, k, v = structured_qkv(n, **shape) if data == "structured" else diffuse_qkv(n, shape)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     plan = LayerPlan((HeadPlan(Pattern.DENSE),) * shape["num_q_heads"])
     args = plan.op_arguments()
     index = attend.empty_index(1, shape["num_q_heads"], -(-n // 64), q.device)
     cud = cudnn_ms(q, k, v)
     flops = 4 * shape["head_dim"] * shape["num_q_heads"] * n * (n + 1) / 2
-    print(f"dense @ {n}: cuDNN {cud:.2f} ms ({flops / cud / 1e9:.0f} TF/s causal)", flush=True)
+    print(f"dense @ {n} {layout} {data}: cuDNN {cud:.2f} ms ({flops / cud / 1e9:.0f} TF/s causal)", flush=True)
     base = None
     for bm, bn, w, st, tma in variants:
         name = f"bm{bm} bn{bn} w{w} s{st}{' tma' if tma else ''}"
@@ -72,7 +84,7 @@ def dense_variants(n: int, variants=DENSE_VARIANTS) -> None:
         if base is None:
             base = out
         err = (out.float() - base.float()).abs().max().item()
-        print(f"dense @ {n}: {name:<24} {ms:8.2f} ms {flops / ms / 1e9:5.0f} TF/s causal, {cud / ms:.3f}x cuDNN, "
+        print(f"dense @ {n} {layout} {data}: {name:<24} {ms:8.2f} ms {flops / ms / 1e9:5.0f} TF/s causal, {cud / ms:.3f}x cuDNN, "
               f"max|diff| {err:.2e}", flush=True)
     del q, k, v, base
     torch.cuda.empty_cache()
@@ -81,9 +93,7 @@ def dense_variants(n: int, variants=DENSE_VARIANTS) -> None:
 def diffuse(n: int) -> None:
     shape = LLAMA3_8B
     scale = shape["head_dim"] ** -0.5
-    g = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h: (1.28 * torch.randn(1, h, n, shape["head_dim"], device="cuda", generator=g)).bfloat16()  # noqa: E731
-    q, k, v = mk(shape["num_q_heads"]), mk(shape["num_kv_heads"]), mk(shape["num_kv_heads"])
+    q, k, v = diffuse_qkv(n, shape)
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * shape["num_q_heads"])
     args = plan.op_arguments()
     index = build_index_gpu(q, k, plan, scale=scale)
@@ -137,6 +147,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="32k,128k")
     ap.add_argument("--split-at", default="")
     ap.add_argument("--variants", default="", help="dense-walk launches to time, e.g. 128/64/4/2/tma,128/128/8/3")
+    ap.add_argument("--layouts", default="bhsd", help="memory layouts of Q/K/V for the dense walk: bhsd, bshd")
+    ap.add_argument("--data", default="structured", help="Q/K/V for the dense walk: structured, diffuse")
+    ap.add_argument("--no-diffuse", action="store_true", help="only the dense walk")
     a = ap.parse_args()
     variants = ([tuple(int(x) for x in v.split("/")[:4]) + (v.endswith("/tma"),) for v in a.variants.split(",")]
                 if a.variants else DENSE_VARIANTS)
@@ -144,8 +157,11 @@ def main() -> None:
     for n in parse_lengths(a.split_at) if a.split_at else []:
         split_dense_heads(n)
     for n in parse_lengths(a.lengths) if a.lengths else []:
-        diffuse(n)
-        dense_variants(n, variants)
+        if not a.no_diffuse:
+            diffuse(n)
+        for layout in a.layouts.split(","):
+            for data in a.data.split(","):
+                dense_variants(n, variants, layout, data)
 
 
 if __name__ == "__main__":
