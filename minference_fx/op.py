@@ -145,7 +145,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
     force = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], q_offset)
-    _record_near_dense(force, q.shape[0] * split.n_listed)
+    guard.record(force, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
     if guarded:
         mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index,
                                    min(guard.VS_LAST_Q, q.shape[-2]))
@@ -179,7 +179,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     if split.n_listed:  # only listed heads can be near-dense: a plan without any needs no check
         # the GPU index lists nothing for other heads, so near_dense alone never picks them
         near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
-        _record_near_dense(near, q.shape[0] * split.n_listed)
+        guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
         force = near if force is None else force | near
     if force is None:
         out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, **tuned.launch(), **masks)
@@ -208,13 +208,6 @@ def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int) -
 NEAR_DENSE_STATS = GuardStats()
 """Counters of the near-dense rule, in the guard's type: ``heads_checked`` counts the listed (vertical-slash or
 block-sparse) (batch, head) pairs, ``heads_forced_dense`` those whose index was near-dense, so they ran dense."""
-
-
-def _record_near_dense(near: torch.Tensor, listed: int) -> None:
-    """Count one call's near-dense heads, under the guard's rule for when counting may sync."""
-    from .kernels import guard
-
-    guard.record(near, listed, NEAR_DENSE_STATS)
 
 
 @dataclasses.dataclass(frozen=True)
