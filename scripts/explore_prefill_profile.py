@@ -1,7 +1,8 @@
 """Where a prefill's GPU time goes: HF eager against backend="minference", kernel by kernel.
 
 Random-weight Llama-3-8B shape (few layers), one profiled forward per variant after a warm-up; prints each
-variant's kernels by total CUDA time and the totals. Used to find what the compiled model spends beyond
+variant's kernels by total CUDA time and the totals. Then one layer's op inputs, captured from a compiled
+forward, are timed alone: the op's GPU path against cuDNN on them, and on contiguous copies. Used to find what the compiled model spends beyond
 dense attention at 128K (index, dense walk against cuDNN, the rest of the layer).
 
 usage: python3 scripts/explore_prefill_profile.py [--length 128k] [--layers 2] [--top 15]
@@ -49,6 +50,28 @@ def time_captured_layer(captured: dict) -> None:
           f"on contiguous [B, H, S, D] copies {op_contiguous:.2f} ms")
 
 
+def capture_layer_inputs(model, ids, length: int) -> dict:
+    """The first layer's arguments of the op's GPU path at ``length`` in a compiled forward (cloned, strides kept)."""
+    import minference_fx.op as op_module
+
+    captured = {}
+    real = op_module.sparse_on_gpu
+
+    def capture(q, k, v, *rest, **kwargs):
+        if q.shape[-2] == length and "qkv" not in captured:  # not the background precompile's short calls
+            captured["qkv"] = (q.clone(), k.clone(), v.clone())  # clone keeps the strides (preserve_format)
+            captured["rest"] = rest
+        return real(q, k, v, *rest, **kwargs)
+
+    op_module.sparse_on_gpu = capture
+    try:
+        with torch.no_grad():
+            make_variant("minference", model).fn(input_ids=ids, logits_to_keep=1)
+    finally:
+        op_module.sparse_on_gpu = real
+    return captured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--length", type=lambda text: parse_lengths(text)[0], default=131072)
@@ -70,28 +93,10 @@ def main() -> None:
         for key, ms, count in rows:
             print(f"{ms:10.2f} ms {count:5d}x  {key[:110]}")
         torch._dynamo.reset()
-    import minference_fx.op as op_module
-
-    captured = {}
-    real = op_module.sparse_on_gpu
-
-    def capture(q, k, v, *rest, **kwargs):
-        if q.shape[-2] != args.length or "qkv" in captured:  # the background precompile's short calls too
-            return real(q, k, v, *rest, **kwargs)
-        captured.setdefault("qkv", (q.clone(memory_format=torch.preserve_format), k.clone(memory_format=torch.preserve_format),
-                                    v.clone(memory_format=torch.preserve_format)))
-        captured.setdefault("rest", rest)
-        return real(q, k, v, *rest, **kwargs)
-
-    op_module.sparse_on_gpu = capture
-    variant = make_variant("minference", model)
-    with torch.no_grad():
-        variant.fn(input_ids=ids, logits_to_keep=1)
-    op_module.sparse_on_gpu = real
+    captured = capture_layer_inputs(model, ids, args.length)
     del model
     torch.cuda.empty_cache()
     time_captured_layer(captured)
-
 
 if __name__ == "__main__":
     main()
