@@ -2,6 +2,7 @@
 the online index keeps on diffuse (random-weight-like) attention.
 
 usage: python scripts/explore_dense.py [--lengths 32k,128k] [--split-at 128k] [--variants 128/64/4/2/tma,...]
+                                      [--layouts bhsd,bshd] [--data structured,diffuse] [--no-diffuse]
 
 * dense work (every head forced dense: the op's dense walk, contiguous key steps): launch variants
   (BLOCK_M/BLOCK_N/warps/stages[/tma]) including BLOCK_M 128 (allowed there, since forced-dense heads read
@@ -84,8 +85,8 @@ def dense_variants(n: int, variants=DENSE_VARIANTS, layout: str = "bhsd", data: 
         if base is None:
             base = out
         err = (out.float() - base.float()).abs().max().item()
-        print(f"dense @ {n} {layout} {data}: {name:<24} {ms:8.2f} ms {flops / ms / 1e9:5.0f} TF/s causal, {cud / ms:.3f}x cuDNN, "
-              f"max|diff| {err:.2e}", flush=True)
+        print(f"dense @ {n} {layout} {data}: {name:<24} {ms:8.2f} ms {flops / ms / 1e9:5.0f} TF/s causal, "
+              f"{cud / ms:.3f}x cuDNN, max|diff| {err:.2e}", flush=True)
     del q, k, v, base
     torch.cuda.empty_cache()
 

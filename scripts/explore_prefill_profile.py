@@ -2,8 +2,9 @@
 
 Random-weight Llama-3-8B shape (few layers), one profiled forward per variant after a warm-up; prints each
 variant's kernels by total CUDA time and the totals. Then one layer's op inputs, captured from a compiled
-forward, are timed alone: the op's GPU path against cuDNN on them, and on contiguous copies. Used to find what the compiled model spends beyond
-dense attention at 128K (index, dense walk against cuDNN, the rest of the layer).
+forward, are timed alone: the op's GPU path against cuDNN on them, and on contiguous copies. Used to find
+what the compiled model spends beyond dense attention at 128K (index, dense walk against cuDNN, the rest of
+the layer).
 
 usage: python3 scripts/explore_prefill_profile.py [--length 128k] [--layers 2] [--top 15]
 """
@@ -30,9 +31,8 @@ def kernel_times(step, top: int):
 
 
 def time_captured_layer(captured: dict) -> None:
-    """The op's inputs of one layer, as the compiled model passed them: the dense walk and cuDNN timed alone."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """The op's inputs of one layer, as the compiled model passed them: its GPU path and cuDNN timed alone."""
+    from explore_dense import cudnn_ms  # scripts/ is on sys.path when run as a script
 
     from minference_fx.bench import _ms
     from minference_fx.op import sparse_on_gpu
@@ -40,10 +40,7 @@ def time_captured_layer(captured: dict) -> None:
     q, k, v = captured["qkv"]
     print(f"op inputs: q {tuple(q.shape)} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}")
     op_ms = _ms(lambda: sparse_on_gpu(*captured["qkv"], *captured["rest"])[0], 3)
-    group = q.shape[1] // k.shape[1]
-    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), 3)
+    cudnn = cudnn_ms(q, k, v)
     contiguous = [t.contiguous() for t in (q, k, v)]
     op_contiguous = _ms(lambda: sparse_on_gpu(*contiguous, *captured["rest"])[0], 3)
     print(f"one layer alone: op's GPU path {op_ms:.2f} ms ({cudnn / op_ms:.3f}x cuDNN {cudnn:.2f} ms); "
