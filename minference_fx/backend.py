@@ -117,7 +117,7 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
     guard = options.guard_threshold
     if guard is None:
         guard = config.guard_threshold if config is not None else DEFAULT_GUARD_THRESHOLD
-    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard)
+    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense)
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard)
     _publish(report)
     return report

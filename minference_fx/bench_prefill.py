@@ -17,6 +17,9 @@ logits for the last position only (``logits_to_keep=1``), then the argmax. Varia
   last rows' attention mass runs dense) fires on most heads: ``minference`` then measures the
   guarded fallback, ``minference-noguard`` the sparse path itself. Real weights are sparser;
   ``guard`` in each minference cell says how often the guard fired;
+* ``minference-noroute``: the same with ``route_dense=False``: heads that run dense (near-dense index,
+  guard) take the kernel's dense walk at every call instead of being routed to cuDNN from the call after
+  (``minference_fx.routing``); ``routed_heads`` in each minference cell counts the routed ones;
 * ``minference-ro`` (``--reduce-overhead``): ``options={"mode": "reduce-overhead"}`` (CUDA graphs);
   ``inductor-ro``: ``torch.compile(model, mode="reduce-overhead")``.
 
@@ -46,13 +49,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import routing
 from .assets import smollm2_yarn_factor
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
 )
-VARIANTS = ("eager", "eager-default", "inductor", "inductor-ro", "minference", "minference-noguard", "minference-ro")
+VARIANTS = ("eager", "eager-default", "inductor", "inductor-ro", "minference", "minference-noguard", "minference-noroute",
+            "minference-ro")
 DEFAULT_VARIANTS = ("eager", "inductor", "minference", "minference-noguard")
 _CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
@@ -152,6 +157,9 @@ def make_variant(name: str, model, minference_options: Optional[dict] = None) ->
     if name == "minference-noguard":
         opts = {**extra, "guard_threshold": 0.0}
         return minference(opts, f'torch.compile(model, backend="minference", options={opts!r})')
+    if name == "minference-noroute":
+        opts = {**extra, "route_dense": False}
+        return minference(opts, f'torch.compile(model, backend="minference", options={opts!r})')
     if name == "minference-ro":
         opts = {**extra, "mode": "reduce-overhead"}
         return minference(opts, f'torch.compile(model, backend="minference", options={opts!r})', cuda_graphs=True)
@@ -182,6 +190,8 @@ class Cell:
     this length's bucket is not tuned, whose it is"""
     guard: Optional[dict] = None
     """minference with the guard on: head-calls the guard checked / forced dense in one extra forward"""
+    routed_heads: Optional[int] = None
+    """minference: heads sent to SDPA by the routing at the last timed forward, summed over its sites"""
 
 
 @dataclasses.dataclass
@@ -258,6 +268,8 @@ class PrefillResult:
                 notes.append(c.launch)
             if c.guard and c.guard.get("heads_checked"):
                 notes.append(f"guard dense {c.guard['heads_forced_dense']}/{c.guard['heads_checked']}")
+            if c.routed_heads:
+                notes.append(f"routed {c.routed_heads}")
             if c.guard and c.guard.get("heads_listed"):
                 notes.append(f"near-dense {c.guard['heads_near_dense']}/{c.guard['heads_listed']}")
             if c.finite is False:
@@ -422,6 +434,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
     vocab = model.config.vocab_size
     last = _last_logits_kwarg(model)
     torch._dynamo.reset()
+    routing.reset()  # one variant's routing decisions never reach the next (in-process runs)
     reports_before = {id(r) for r in recent_reports()}
     variant = make_variant(name, model, minference_options)
     summary = VariantSummary(name, variant.description, variant.compiled)
@@ -465,6 +478,8 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
                     step()
                 cell.times_ms = [_time_ms(step, device) for _ in range(max(1, reps))]
                 cell.ttft_ms = statistics.median(cell.times_ms)
+                if name.startswith("minference"):
+                    cell.routed_heads = routing.routed_count()
                 if device.type == "cuda":
                     cell.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
                 if (guard_probe and name.startswith("minference") and not variant.cuda_graphs

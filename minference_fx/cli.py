@@ -241,7 +241,7 @@ def main(argv=None) -> int:
                    help="prefill: random-weight Llama-3-8B shape, or SmolLM2-135M-Instruct's real weights on Austen's prose")
     b.add_argument("--variants", default="eager,inductor,minference,minference-noguard",
                    help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
-                        "minference-noguard, minference-ro")
+                        "minference-noguard, minference-noroute, minference-ro")
     b.add_argument("--reduce-overhead", action="store_true", help="prefill: also minference with mode=reduce-overhead")
     b.add_argument("--reps", type=int, default=3, help="prefill: timed forwards per cell (median), after one warm-up")
     b.add_argument("--in-process", action="store_true",

@@ -21,7 +21,11 @@ read when all of these hold:
   whose plan is dense on every head and, on GPU, the dense heads of a mixed
   plan (cuDNN is faster than the sparse kernel's tile walk on dense work). A negative
   ``min_sparse_len`` means the tuned crossover of this device and shape
-  (``minference-fx autotune``; untuned: 8192).
+  (``minference-fx autotune``; untuned: 8192);
+* or unless ``route_site`` names a rewritten site (``routing.new_site``) whose previous call ran the
+  head dense in every batch row (near-dense index or guard): then the head runs dense through the
+  device's SDPA this call (``minference_fx.routing``: lagged, read without a host sync). A head only
+  ever gains keys by it.
 
 A row with no readable key yields zeros, never NaN.
 """
@@ -29,13 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .kernels.guard import GuardStats
-from .plan import LISTED_PATTERNS, LayerPlan, Pattern
+from .plan import LISTED_PATTERNS, HeadPlan, LayerPlan, Pattern
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
@@ -106,6 +110,7 @@ def sparse_attention(
     budget_b: list[int],
     min_sparse_len: int,
     guard_threshold: float = 0.0,
+    route_site: int = -1,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b)
     if q.is_cuda:
@@ -122,23 +127,27 @@ def sparse_attention(
     if q.shape[-2] < min_sparse_len or _split(plan).all_dense:
         # a layer the plan keeps wholly dense runs the device's fused SDPA, faster than any tile walk
         return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
-    return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan, guard_threshold)
+    return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan, guard_threshold, route_site)
 
 
-def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: LayerPlan, guard_threshold):
+def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: LayerPlan, guard_threshold, route_site):
+    from . import routing
     from .kernels import guard
 
     masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
     split = _split(plan)
     n_vs = split.n_vs
     guarded = guard_threshold > 0 and n_vs > 0
+    routed = routing.routed_heads(route_site, q.shape[1], q.device)
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
-        out, weak = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0, launch_config(q, k),
-                                  launch_config(q, k, "dense_walk"))
+        out, weak, ran_dense = sparse_on_gpu(q, k, v, plan, scale, masks, guard_threshold if guarded else 0.0,
+                                             launch_config(q, k), launch_config(q, k, "dense_walk"), routed)
         if weak is not None:
             guard.record(weak, q.shape[0] * n_vs)
+        if ran_dense is not None:
+            routing.observe(route_site, ran_dense)
         return out
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
@@ -152,19 +161,29 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
         weak = (mass < guard_threshold) & torch.tensor(split.vs_mask)[None, :]
         guard.record(weak, q.shape[0] * n_vs)
         force = force | weak
+    routing.observe(route_site, force)
+    force = force | _head_mask(routed, q.shape[1])[None, :]
     if bool(force.any()):  # CPU: a host check is free, and densify copies the index
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
 
 
-def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_threshold: float, tuned,
-                  dense_walk=None):
-    """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``dense_walk``: index, the
-    heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads through
-    the device's fused SDPA.
+class GpuResult(NamedTuple):
+    out: torch.Tensor
+    weak: Optional[torch.Tensor]
+    """[B, Hq] bool: the pairs the quality guard forced dense; None without a guard"""
+    ran_dense: Optional[torch.Tensor]
+    """[B, Hq] bool: the pairs this call's index or guard ran dense (routed heads by their own index, not by
+    the routing); None when the plan lists no head and there is no guard"""
 
-    Returns (output, the (batch, head) pairs the guard forced dense, or None without a guard)."""
+
+def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_threshold: float, tuned,
+                  dense_walk=None, routed: tuple = ()) -> GpuResult:
+    """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``dense_walk``: index, the
+    heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
+    ``routed`` ones through the device's fused SDPA (the whole layer in one call when that is every head).
+    The index still covers routed heads, so ``ran_dense`` says whether they would have run dense."""
     from .autotune.cache import DEFAULT_ENTRIES
     from .kernels import guard
     from .kernels.attend import sparse_attention_triton
@@ -181,6 +200,11 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
         guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
         force = near if force is None else force | near
+    if routed:
+        split = _split(_layer_plan_with_dense(plan, routed))
+        if split.all_dense:
+            out = dense_attention(q, k, v, masks["key_mask"], masks["doc_ids"], scale, masks["q_offset"], masks["window"])
+            return GpuResult(out, weak, force)
     if force is None:
         out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, **tuned.launch(), **masks)
     else:
@@ -193,7 +217,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     if split.dense_heads:
         _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, _kv_heads(split.dense_heads, q.shape[1] // k.shape[1]),
                              scale, masks)
-    return out, weak
+    return GpuResult(out, weak, force)
 
 
 def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int) -> torch.Tensor:
@@ -250,6 +274,18 @@ def _split(plan: LayerPlan) -> _PlanSplit:
 
 
 @functools.lru_cache(maxsize=4096)
+def _layer_plan_with_dense(plan: LayerPlan, heads: tuple) -> LayerPlan:
+    """``plan`` with ``heads`` dense (the routed ones)."""
+    dense = HeadPlan(Pattern.DENSE)
+    return LayerPlan(tuple(dense if h in heads else hp for h, hp in enumerate(plan.heads)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_mask(heads: tuple, count: int) -> torch.Tensor:
+    return torch.tensor([h in heads for h in range(count)], dtype=torch.bool)
+
+
+@functools.lru_cache(maxsize=4096)
 def _kv_heads(heads: tuple, group: int) -> tuple:
     return tuple(h // group for h in heads)
 
@@ -269,6 +305,6 @@ def _dense_heads_by_sdpa(q, k, v, out, dense_heads: tuple, kv_heads: tuple, scal
 
 @sparse_attention.register_fake
 def _sparse_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, min_sparse_len,
-                           guard_threshold=0.0):
+                           guard_threshold=0.0, route_site=-1):
     # new_empty, not empty_like: q is often a transposed view and the real op returns contiguous
     return q.new_empty(q.shape)

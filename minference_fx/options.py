@@ -45,8 +45,13 @@ class BackendOptions:
     """on a GPU, JIT the sparse kernels in a background thread while Inductor compiles the graph (the first
     call waits for it); False: the first sparse call compiles them"""
 
+    route_dense: bool = True
+    """send the heads that ran dense at a site's previous call (near-dense index, guard) to the device's
+    SDPA at its next call instead of the kernel's dense walk (``minference_fx.routing``); False: the index
+    of each call alone decides"""
+
     _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold",
-              "autotune", "precompile")
+              "autotune", "precompile", "route_dense")
     AUTOTUNE_POLICIES = ("off", "on-miss")
 
     @classmethod
@@ -69,8 +74,9 @@ class BackendOptions:
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
-        if not isinstance(options.get("precompile", True), bool):
-            problems.append(f"precompile={options['precompile']!r}; expected True or False")
+        for flag in ("precompile", "route_dense"):
+            if not isinstance(options.get(flag, True), bool):
+                problems.append(f"{flag}={options[flag]!r}; expected True or False")
         if not isinstance(options.get("inductor_config", {}), dict):
             problems.append("inductor_config must be a dict of Inductor config patches")
         if problems:
@@ -87,4 +93,5 @@ class BackendOptions:
             guard_threshold=None if guard is None else float(guard),
             autotune=options.get("autotune", "off"),
             precompile=options.get("precompile", True),
+            route_dense=options.get("route_dense", True),
         )

@@ -75,7 +75,7 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 def spec_of(node) -> Optional[KernelSpec]:
     """The spec of a ``minference::sparse_attention`` call node, or None when its inputs are not on a GPU."""
-    q, k, v, key_mask, doc_ids, scale, _q_offset, window, patterns, budget_a, budget_b, min_len, guard = node.args
+    q, k, v, key_mask, doc_ids, scale, _q_offset, window, patterns, budget_a, budget_b, min_len, guard = node.args[:13]
     vals = [x.meta.get("example_value", x.meta.get("val")) if hasattr(x, "meta") else None for x in (q, k, v)]
     if any(not isinstance(t, torch.Tensor) for t in vals) or not _on_gpu(vals[0]):
         return None

@@ -34,5 +34,5 @@ def analyse(gm: fx.GraphModule) -> list[AttentionSite]:
 
 
 def apply(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
-          observer: int | None = None, guard_threshold: float = 0.0) -> list[AttentionSite]:
-    return rewrite.run(gm, sites, plan_for, min_sparse_len, observer, guard_threshold)
+          observer: int | None = None, guard_threshold: float = 0.0, route_dense: bool = True) -> list[AttentionSite]:
+    return rewrite.run(gm, sites, plan_for, min_sparse_len, observer, guard_threshold, route_dense)

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..observe import observed_attention  # noqa: F401  (registers the search-mode op)
+from .. import routing
 from ..op import sparse_attention  # noqa: F401  (registers the op)
 from ..plan import LayerPlan
 from .site import AttentionSite
@@ -60,10 +61,12 @@ def _remove_dead(graph: fx.Graph, roots):
 
 
 def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
-        observer: int | None = None, guard_threshold: float = 0.0) -> list[AttentionSite]:
-    """Rewrite every unblocked site; with ``observer`` (search mode) into the dense observed op instead."""
+        observer: int | None = None, guard_threshold: float = 0.0, route_dense: bool = True) -> list[AttentionSite]:
+    """Rewrite every unblocked site; with ``observer`` (search mode) into the dense observed op instead.
+    ``route_dense``: each op gets its own routing site id (``minference_fx.routing``)."""
     graph = gm.graph
     out = []
+    replaced: dict[fx.Node, fx.Node] = {}
     for site in sites:
         if site.blocker:
             out.append(site)
@@ -82,14 +85,19 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
         info = site.mask_info
         with graph.inserting_before(site.node):
             q_offset = _q_offset_arg(graph, info.q_offset)
-            common = (site.query, site.key, site.value, info.key_mask, info.doc_ids, float(scale), q_offset, int(info.window))
+            # an input may be an attention output rewritten above (attention fed straight into attention)
+            q, k, v = (replaced.get(x, x) for x in (site.query, site.key, site.value))
+            common = (q, k, v, info.key_mask, info.doc_ids, float(scale), q_offset, int(info.window))
             if observer is None:
-                new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold)))
+                route_site = routing.new_site() if route_dense else routing.NO_SITE
+                new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold),
+                                                route_site))
             else:
                 new = graph.call_function(_OBSERVE_OP, (*common, int(site.layer), int(observer)))
         new.meta.update({k: site.node.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack") if k in site.node.meta})
         old_inputs = list(site.node.all_input_nodes)
         site.node.replace_all_uses_with(new)
+        replaced[site.node] = new
         graph.erase_node(site.node)
         _remove_dead(graph, old_inputs + list(site.chain))
         out.append(dataclasses.replace(site, node=new))

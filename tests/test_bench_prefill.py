@@ -159,8 +159,8 @@ def test_gpu_small_model_all_variants(tmp_path):
     """On a GPU: every variant runs (reduce-overhead included, CUDA graphs not skipped) and nothing recompiles."""
     shape = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
     lengths = [2048, 4096, 6144]
-    result = bp.bench_prefill(lengths, layers=2, variants=("eager", "inductor", "minference", "minference-noguard"),
-                              reduce_overhead=True, isolate=False, reps=2, config_overrides=shape,
+    result = bp.bench_prefill(lengths, layers=2, variants=("eager", "inductor", "minference", "minference-noguard",
+                                                           "minference-noroute"), reduce_overhead=True, isolate=False, reps=2, config_overrides=shape,
                               minference_options={"min_sparse_len": 1024}, out=tmp_path / "p.json")
     print(result.table())
     assert all(c.status == "ok" and c.finite for c in result.cells), [c for c in result.cells if c.status != "ok"]

@@ -264,3 +264,46 @@ def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
         torch.testing.assert_close(out, OP(*inputs, None, None, *args))
         if inputs is diffuse:
             assert _rel(out, dense) < 1e-2
+
+
+def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync():
+    """Diffuse Q/K at 16K make every VS head near-dense: after that call (and the copy it queued has landed)
+    the site routes all 8 heads, so its next call runs cuDNN on the whole layer even for structured inputs,
+    whose own index is sparse; the call after that routes nothing again. A CUDA graph captured on a routed
+    site reads and queues nothing while capturing and replays the routed path."""
+    import torch.nn.functional as F
+
+    from minference_fx import routing
+    from minference_fx.bench import structured_qkv
+
+    n, scale = 16384, 128 ** -0.5
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    diffuse = [(1.28 * torch.randn(1, h, n, 128, device="cuda", generator=g)).bfloat16() for h in (8, 2, 2)]
+    structured = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
+    site = routing.new_site()
+    args = (scale, 0, 0, *plan.op_arguments(), 0, 0.0)
+    OP(*diffuse, None, None, *args, site)
+    torch.cuda.synchronize()
+    assert routing.routed_heads(site, 8, diffuse[0].device) == tuple(range(8))
+    q, k, v = structured
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    unrouted = OP(q, k, v, None, None, *args)
+    assert _rel(unrouted, dense) > 1e-2  # structured inputs alone run sparse
+    routed = OP(q, k, v, None, None, *args, site)
+    torch.testing.assert_close(routed, dense)
+    torch.cuda.synchronize()
+    assert routing.routed_heads(site, 8, q.device) == ()
+    torch.testing.assert_close(OP(q, k, v, None, None, *args, site), unrouted)
+
+    OP(*diffuse, None, None, *args, site)
+    torch.cuda.synchronize()
+    assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # read before the capture, which reads nothing
+    static = [t.clone() for t in structured]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OP(*static, None, None, *args, site)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, dense)
+    assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # the capture observed nothing

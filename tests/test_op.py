@@ -94,7 +94,7 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded):
         key_mask = torch.ones(2, 200, dtype=torch.bool)
         key_mask[1, :90] = False  # left padding: the first rows of batch 1 read nothing
     masks = dict(key_mask=key_mask, doc_ids=None, q_offset=0, window=0)
-    got, force = sparse_on_gpu(q, k, v, plan, 0.2, masks, 0.0, DEFAULT_ENTRY)
+    got, force, _ = sparse_on_gpu(q, k, v, plan, 0.2, masks, 0.0, DEFAULT_ENTRY)
     index = reference.build_index(q, k, plan, scale=0.2, **masks)
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.2, index=index, **masks)
     assert force is None and torch.isfinite(got).all()
@@ -124,7 +124,7 @@ def test_a_head_whose_index_keeps_nearly_every_tile_runs_dense(path):
         if path == "cpu":
             got = OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0)
         else:
-            got, _ = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY)
+            got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY).out
         on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index)
         assert (on_index - dense).abs().max() > 1e-3  # the index alone misses keys that matter
         torch.testing.assert_close(got, dense if promoted else on_index, atol=2e-5, rtol=2e-5)
@@ -144,7 +144,7 @@ def test_gpu_path_without_listed_heads_runs_one_launch_and_matches_the_reference
     q, k, v = _qkv(200, 200)
     plan = LayerPlan((HeadPlan(Pattern.A_SHAPE, 16, 64), HeadPlan(Pattern.DENSE)) * 2)
     masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
-    got, weak = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY)
+    got, weak, _ = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY)
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=reference.build_index(q, k, plan, scale=0.25))
     assert launches == [None] and weak is None
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -1,0 +1,96 @@
+"""Lagged routing of the heads that run dense to the device's fused SDPA.
+
+Which heads run dense at a call (a near-dense index, or the quality guard) is decided on the device,
+after the index is built; the host cannot know it without a sync, so on the GPU those heads go
+through the kernel's dense walk, which is slower than cuDNN on the same work (0.93x of it inside a
+Llama-shaped model at 128K on an H200, ``results/explore_prefill_profile_h200_2026-12-01.txt``).
+Each rewritten site therefore remembers the heads that ran dense at its previous call, read back
+by an asynchronous copy into pinned memory, and its next call sends them to SDPA instead. A head
+routed this way runs dense whatever its index says, so routing can only add keys: it changes speed,
+never costs accuracy. The index is still built for routed heads, so a head that stops being
+near-dense is routed back at the call after.
+
+No host sync: the host reads a decision only once the copy's event has completed
+(``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read
+or copied, so a captured graph replays the decision of the warm-up calls before it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Optional
+
+import torch
+
+NO_SITE = -1
+"""the op's ``route_site`` when routing is off"""
+
+
+@dataclasses.dataclass
+class _SiteState:
+    heads: int
+    routed: tuple = ()
+    host: Optional[torch.Tensor] = None
+    """pinned [heads] uint8: whether each head ran dense at the last observed call (GPU only)"""
+    ready: Optional[torch.cuda.Event] = None
+    """recorded after the copy into ``host``; None once read (or on CPU)"""
+
+
+_STATES: dict[int, _SiteState] = {}
+_LOCK = threading.Lock()
+_SITE_IDS = itertools.count()
+
+
+def new_site() -> int:
+    """A process-unique id for one rewritten attention site (the op's ``route_site``)."""
+    with _LOCK:
+        return next(_SITE_IDS)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def routed_heads(site: int, heads: int, device: torch.device) -> tuple:
+    """The query heads ``site`` sends to SDPA at this call: those that ran dense in every batch row at
+    its latest observed call with the same head count; () for a new site or ``NO_SITE``."""
+    state = _STATES.get(site)
+    if site == NO_SITE or state is None or state.heads != heads:
+        return ()
+    if state.ready is not None and not _capturing(device) and state.ready.query():
+        state.routed = tuple(h for h, dense in enumerate(state.host.tolist()) if dense)
+        state.ready = None
+    return state.routed
+
+
+def observe(site: int, ran_dense: torch.Tensor) -> None:
+    """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense)
+    for the next call of ``site``. On the GPU: an asynchronous copy, read when it has landed."""
+    if site == NO_SITE or _capturing(ran_dense.device):
+        return
+    heads = ran_dense.shape[1]
+    every_row = ran_dense.all(0)
+    state = _STATES.get(site)
+    if state is None or state.heads != heads:
+        state = _STATES[site] = _SiteState(heads)
+    if not ran_dense.is_cuda:
+        state.routed = tuple(h for h, dense in enumerate(every_row.tolist()) if dense)
+        return
+    if state.host is None:
+        state.host = torch.empty(heads, dtype=torch.uint8, pin_memory=True)
+        state.ready = None
+    state.host.copy_(every_row.to(torch.uint8), non_blocking=True)
+    if state.ready is None:
+        state.ready = torch.cuda.Event()
+    state.ready.record(torch.cuda.current_stream(ran_dense.device))
+
+
+def routed_count() -> int:
+    """Heads routed to SDPA at the latest call of every site (what the host knows now, no sync)."""
+    return sum(len(state.routed) for state in _STATES.values())
+
+
+def reset() -> None:
+    """Forget every site's decisions (tests; a benchmark between variants)."""
+    _STATES.clear()

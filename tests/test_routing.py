@@ -1,0 +1,105 @@
+"""Lagged routing of the heads that ran dense to SDPA (``minference_fx.routing``)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minference_fx.kernels.reference as reference
+from minference_fx import routing
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+OP = torch.ops.minference.sparse_attention.default
+
+
+@pytest.fixture(autouse=True)
+def _fresh_routing():
+    routing.reset()
+    yield
+    routing.reset()
+
+
+def _qkv(n, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, n, 16, generator=g)
+    k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def test_a_head_is_routed_only_when_it_ran_dense_in_every_batch_row():
+    site = routing.new_site()
+    assert routing.routed_heads(site, 4, torch.device("cpu")) == ()  # nothing observed yet
+    ran_dense = torch.tensor([[True, True, False, True], [True, False, False, True]])
+    routing.observe(site, ran_dense)
+    assert routing.routed_heads(site, 4, torch.device("cpu")) == (0, 3)
+    assert routing.routed_heads(site, 8, torch.device("cpu")) == ()  # another head count: not this decision
+    assert routing.routed_heads(routing.NO_SITE, 4, torch.device("cpu")) == ()
+    routing.observe(routing.NO_SITE, ran_dense)
+    assert routing.routed_count() == 2
+    assert routing.new_site() != site
+
+
+def test_gpu_path_runs_routed_heads_dense_and_reports_what_their_index_said():
+    """sparse_on_gpu (Triton under the interpreter): block-sparse with 7 tiles per query tile keeps 49 of the
+    55 causal tiles of 640 tokens, not near-dense. Routed heads 0 and 2 still equal dense attention, the others
+    the reference on their index; ``ran_dense`` comes from the index (False), not from the routing."""
+    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.op import sparse_on_gpu
+
+    q, k, v = _qkv(640)
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 7),) * 4)
+    masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25,
+                                                    index=reference.build_index(q, k, plan, scale=0.25))
+    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 2))
+    assert not got.ran_dense.any()
+    torch.testing.assert_close(got.out[:, [0, 2]], dense[:, [0, 2]], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.out[:, [1, 3]], on_index[:, [1, 3]], atol=2e-5, rtol=2e-5)
+    assert (on_index[:, [0, 2]] - dense[:, [0, 2]]).abs().max() > 1e-3  # routing changed those heads
+
+    every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
+    torch.testing.assert_close(every.out, dense, atol=2e-5, rtol=2e-5)
+    assert every.ran_dense is not None and not every.ran_dense.any()
+
+
+@pytest.mark.parametrize("route", [True, False])
+def test_op_routes_a_head_that_was_near_dense_at_the_previous_call(route):
+    """8 tiles per query tile are near-dense at 640 tokens (52 of 55 causal tiles) and sparse at 1280
+    (at most 160 of 210). After a 640-token call the routed op runs 1280 tokens dense; unrouted it runs
+    the index."""
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
+    site = routing.new_site() if route else routing.NO_SITE
+    OP(*_qkv(640), None, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    q, k, v = _qkv(1280, seed=6)
+    got = OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25,
+                                                    index=reference.build_index(q, k, plan, scale=0.25))
+    assert (on_index - dense).abs().max() > 1e-3
+    torch.testing.assert_close(got, dense if route else on_index, atol=2e-5, rtol=2e-5)
+    # the 1280-token call was sparse by its own index, so the call after it routes nothing
+    assert routing.routed_heads(site, 4, q.device) == ()
+
+
+class _TwoLayers(torch.nn.Module):
+    def forward(self, q, k, v):
+        x = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(x, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("route_dense", [True, False])
+def test_each_rewritten_site_gets_its_own_routing_state_unless_turned_off(route_dense):
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    opts = {"inner": "eager", "min_sparse_len": 0, "route_dense": route_dense}
+    out = torch.compile(_TwoLayers(), backend="minference", options=opts)(q, k, v)
+    assert len(routing._STATES) == (2 if route_dense else 0)
+    # attention fed straight into attention: the second op reads the first op's output; the default budgets
+    # cover all 128 keys, so the result is dense attention twice
+    torch.testing.assert_close(out, _TwoLayers()(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_route_dense_must_be_a_bool():
+    from minference_fx.options import BackendOptions
+
+    with pytest.raises(ValueError, match="route_dense='yes'; expected True or False"):
+        BackendOptions.from_user({"route_dense": "yes"})
