@@ -296,15 +296,11 @@ def guard_fires(q, k, plan: LayerPlan, index, *, scale: float, threshold: float)
     """[Hq] bool: heads the op switches to dense at run time (the same rules and estimates as its CPU path):
     a near-dense index (vertical-slash and block-sparse heads), or a captured mass under ``threshold``
     (vertical-slash heads, when the threshold is positive)."""
-    from .kernels import guard
-    from .op import near_dense_heads
+    from .op import dense_rules
 
-    is_vs = torch.tensor([h.pattern is Pattern.VERTICAL_SLASH for h in plan.heads])
-    fires = near_dense_heads(index, plan, q.shape[2], k.shape[2], 0).cpu()
-    if threshold > 0 and bool(is_vs.any()):
-        mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale), index, min(guard.VS_LAST_Q, q.shape[2]))
-        fires = fires | ((mass < threshold).cpu() & is_vs[None])
-    return fires.any(0)
+    near, weak = dense_rules(q, k, plan, index, scale, dict(key_mask=None, doc_ids=None, q_offset=0, window=0), threshold)
+    fires = near if weak is None else near | weak
+    return fires.cpu().any(0)
 
 
 def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_threshold: float = 0.0):

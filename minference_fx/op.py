@@ -153,12 +153,9 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     from .kernels import reference
 
     index = reference.build_index(q, k, plan, scale=scale, **masks)
-    force = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], q_offset)
+    force, weak = dense_rules(q, k, plan, index, scale, masks, guard_threshold if guarded else 0.0)
     guard.record(force, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
-    if guarded:
-        mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index,
-                                   min(guard.VS_LAST_Q, q.shape[-2]))
-        weak = (mass < guard_threshold) & torch.tensor(split.vs_mask)[None, :]
+    if weak is not None:
         guard.record(weak, q.shape[0] * n_vs)
         force = force | weak
     routing.observe(route_site, force)
@@ -167,6 +164,19 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
+
+
+def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_threshold: float):
+    """The run-time rules that send a (batch, head) pair dense, on an index that lists every head (the
+    reference's): ([B, Hq] near-dense listed heads, [B, Hq] vertical-slash heads whose estimated captured
+    mass is under ``guard_threshold``, or None when that is 0)."""
+    from .kernels import guard
+
+    near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], masks["q_offset"])
+    if guard_threshold <= 0 or not _split(plan).n_vs:
+        return near, None
+    mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index, min(guard.VS_LAST_Q, q.shape[-2]))
+    return near, (mass < guard_threshold) & torch.tensor(_split(plan).vs_mask, device=mass.device)[None, :]
 
 
 class GpuResult(NamedTuple):

@@ -48,6 +48,29 @@ def test_head_recall_marks_the_heads_the_op_runs_dense():
         assert fires.tolist() == [dense, dense]
 
 
+def test_guard_fires_names_exactly_the_heads_the_op_runs_dense():
+    """Vertical-slash (32, 64) at 640 tokens captures ~0.21 and ~0.27 of the last rows' mass: a guard at 0.24
+    sends the first head dense, at 0.5 both, at 0 none. The eval's prediction matches the op's output: dense
+    attention on the heads it names, something else on the others."""
+    import torch.nn.functional as F
+
+    from minference_fx.kernels import reference
+    from minference_fx.plan import HeadPlan, LayerPlan
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 640, 16, generator=g), torch.randn(1, 1, 640, 16, generator=g), torch.randn(1, 1, 640, 16, generator=g)
+    q[:, 1] *= 4
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 32, 64),) * 2)
+    index = reference.build_index(q, k, plan, scale=0.25)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    op = torch.ops.minference.sparse_attention.default
+    for threshold, expected in ((0.0, [False, False]), (0.24, [True, False]), (0.5, [True, True])):
+        fires = evaluate.guard_fires(q, k, plan, index, scale=0.25, threshold=threshold)
+        out = op(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0, threshold)
+        ran_dense = [bool((out[:, h] - dense[:, h]).abs().max() < 1e-4) for h in range(2)]
+        assert fires.tolist() == ran_dense == expected
+
+
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     from minference_fx import assets
 
