@@ -8,7 +8,9 @@ Each rewritten site therefore remembers the heads that ran dense at its previous
 by an asynchronous copy into pinned memory, and its next call sends them to SDPA instead. A head
 routed this way runs dense whatever its index says, so routing can only add keys: it changes speed,
 never costs accuracy. The index is still built for routed heads, so a head that stops being
-near-dense is routed back at the call after.
+near-dense is routed back at the call after. Measured on random weights (every head near-dense), 8
+layers of the Llama-3-8B shape: 0.98x -> 1.04x HF eager at 128K; at 256K the dense walk keeps up with
+cuDNN and routing changes nothing (``results/bench_prefill_h200_2026-12-01_v15*``, ``_v16_256k*``).
 
 No host sync: the host reads a decision only once the copy's event has completed
 (``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read
