@@ -118,7 +118,7 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
     if guard is None:
         guard = config.guard_threshold if config is not None else DEFAULT_GUARD_THRESHOLD
     sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense)
-    report = Report.build(sites, plans, code_before, gm.code, min_len, guard)
+    report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense)
     _publish(report)
     return report
 

@@ -35,10 +35,11 @@ class Report:
     code_after: str
     min_sparse_len: int
     guard_threshold: float = 0.0
+    route_dense: bool = True
 
     @staticmethod
     def build(sites: list[AttentionSite], plans: dict, code_before: str, code_after: str, min_sparse_len: int,
-              guard_threshold: float = 0.0) -> "Report":
+              guard_threshold: float = 0.0, route_dense: bool = True) -> "Report":
         rows = []
         for i, site in enumerate(sites):
             mask = site.mask_info.describe() if site.mask_info else "?"
@@ -50,7 +51,7 @@ class Report:
                                         else f"rewritten; dense below {min_sparse_len} query tokens"),
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
-        return Report(rows, code_before, code_after, min_sparse_len, guard_threshold)
+        return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense)
 
     @property
     def rewritten(self) -> int:
@@ -76,6 +77,9 @@ class Report:
 
             out.append(f"quality guard: vertical-slash heads under {self.guard_threshold:.2f} captured mass run dense; "
                        f"so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in {STATS.calls} calls")
+        if self.rewritten:
+            out.append("routing: heads that ran dense at a site's last call run through SDPA at its next" if self.route_dense
+                       else "routing off: heads that run dense take the kernel's dense walk")
         return "\n".join(out)
 
     def __str__(self) -> str:

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import minference_fx.kernels.reference as reference
-from minference_fx import routing
+from minference_fx import recent_reports, routing
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 OP = torch.ops.minference.sparse_attention.default
@@ -93,6 +93,7 @@ def test_each_rewritten_site_gets_its_own_routing_state_unless_turned_off(route_
     opts = {"inner": "eager", "min_sparse_len": 0, "route_dense": route_dense}
     out = torch.compile(_TwoLayers(), backend="minference", options=opts)(q, k, v)
     assert len(routing._STATES) == (2 if route_dense else 0)
+    assert ("routing off" in recent_reports()[-1].table()) is not route_dense
     # attention fed straight into attention: the second op reads the first op's output; the default budgets
     # cover all 128 keys, so the result is dense attention twice
     torch.testing.assert_close(out, _TwoLayers()(q, k, v), atol=1e-5, rtol=1e-5)
