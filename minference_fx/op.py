@@ -172,11 +172,12 @@ def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_t
     mass is under ``guard_threshold``, or None when that is 0)."""
     from .kernels import guard
 
+    split = _split(plan)
     near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], masks["q_offset"])
-    if guard_threshold <= 0 or not _split(plan).n_vs:
+    if guard_threshold <= 0 or not split.n_vs:
         return near, None
     mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index, min(guard.VS_LAST_Q, q.shape[-2]))
-    return near, (mass < guard_threshold) & torch.tensor(_split(plan).vs_mask, device=mass.device)[None, :]
+    return near, (mass < guard_threshold) & torch.tensor(split.vs_mask, device=mass.device)[None, :]
 
 
 class GpuResult(NamedTuple):

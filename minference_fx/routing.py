@@ -61,7 +61,7 @@ def routed_heads(site: int, heads: int, device: torch.device) -> tuple:
     if site == NO_SITE or state is None or state.heads != heads:
         return ()
     if state.ready is not None and not _capturing(device) and state.ready.query():
-        state.routed = tuple(h for h, dense in enumerate(state.host.tolist()) if dense)
+        state.routed = _heads(state.host)
         state.ready = None
     return state.routed
 
@@ -77,7 +77,7 @@ def observe(site: int, ran_dense: torch.Tensor) -> None:
     if state is None or state.heads != heads:
         state = _STATES[site] = _SiteState(heads)
     if not ran_dense.is_cuda:
-        state.routed = tuple(h for h, dense in enumerate(every_row.tolist()) if dense)
+        state.routed = _heads(every_row)
         return
     if state.host is None:
         state.host = torch.empty(heads, dtype=torch.uint8, pin_memory=True)
@@ -86,6 +86,11 @@ def observe(site: int, ran_dense: torch.Tensor) -> None:
     if state.ready is None:
         state.ready = torch.cuda.Event()
     state.ready.record(torch.cuda.current_stream(ran_dense.device))
+
+
+def _heads(dense: torch.Tensor) -> tuple:
+    """The indices of a host [heads] tensor's nonzero entries."""
+    return tuple(dense.nonzero().flatten().tolist())
 
 
 def routed_count() -> int:

@@ -4,7 +4,9 @@ Random-weight Llama-3-8B shape (few layers), one profiled forward per variant af
 variant's kernels by total CUDA time and the totals. Then one layer's op inputs, captured from a compiled
 forward, are timed alone: the op's GPU path against cuDNN on them, and on contiguous copies. Used to find
 what the compiled model spends beyond dense attention at 128K (index, dense walk against cuDNN, the rest of
-the layer).
+the layer). The profiled forward is each variant's second, so with routing on (the default since
+2026-12-01 04:00 UTC) the compiled model's near-dense heads run through cuDNN there; the captured layer is
+from a fresh compile's first call, before any routing, so it times the op's own path (index + dense walk).
 
 usage: python3 scripts/explore_prefill_profile.py [--length 128k] [--layers 2] [--top 15]
 """
