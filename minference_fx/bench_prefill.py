@@ -166,6 +166,28 @@ def make_variant(name: str, model, minference_options: Optional[dict] = None) ->
     raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
+_DEFAULT_SEMANTIC = "default: every head vertical-slash (1000, 6096)"
+
+
+def _with_semantic_config(variant: Variant, model, budgets: Optional[tuple], config_path: Optional[str]) -> Variant:
+    """``variant`` (a minference one) compiled with a semantic config: the JSON at ``config_path``, or every head
+    vertical-slash with ``budgets`` (columns, diagonals) and this GPU's tuned crossover. Other variants as they are."""
+    if not variant.name.startswith("minference"):
+        return variant
+    if config_path is not None:
+        options, said = {**(variant.minference_options or {}), "config": config_path}, f"config {config_path}"
+    else:
+        from .config import default_config, model_identity_from_hf
+
+        semantic = default_config(model_identity_from_hf(model.config), budgets=tuple(budgets))
+        options = {"min_sparse_len": -1, **(variant.minference_options or {}), "config": semantic}
+        said = f"every head vertical-slash {tuple(budgets)}, tuned crossover"
+    # mode= cannot go beside options= in torch.compile; reduce-overhead travels in the options already
+    compiled = torch.compile(model, backend="minference", options=options)
+    return dataclasses.replace(variant, fn=compiled, minference_options=options,
+                               description=f"{variant.description}; {said}")
+
+
 # ---------------------------------------------------------------- results
 
 
@@ -285,7 +307,8 @@ class PrefillResult:
             if m:
                 lines.append(f"{v.variant}: {m['rewritten']}/{m['sites']} attention sites rewritten in {m['graphs']} graph(s); "
                              f"min_sparse_len {m['min_sparse_len']} (resolved {m['min_sparse_len_resolved']}); "
-                             f"guard_threshold {m['guard_threshold']}")
+                             f"guard_threshold {m['guard_threshold']}; semantic config: "
+                             f"{self.meta.get('semantic_config', _DEFAULT_SEMANTIC)}")
             if v.attention_kernels:
                 names = [f"{k[:70]} x{n}" for k, n in list(v.attention_kernels.items())[:4]]
                 lines.append(f"{v.variant}: attention ran as " + ", ".join(names))
@@ -426,7 +449,8 @@ def _attention_kernels(step, device: torch.device, top: int = 12) -> dict:
 def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, seed: int = 0,
                 minference_options: Optional[dict] = None, guard_probe: bool = True, profile: bool = True,
                 on_cell: Optional[Callable[[Cell], None]] = None,
-                make_prompt: Optional[Callable[[int], torch.Tensor]] = None) -> tuple[list, VariantSummary]:
+                make_prompt: Optional[Callable[[int], torch.Tensor]] = None,
+                budgets: Optional[tuple] = None, config_path: Optional[str] = None) -> tuple[list, VariantSummary]:
     from .backend import recent_reports
 
     device = next(model.parameters()).device
@@ -437,6 +461,8 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
     routing.reset()  # one variant's routing decisions never reach the next (in-process runs)
     reports_before = {id(r) for r in recent_reports()}
     variant = make_variant(name, model, minference_options)
+    if budgets is not None or config_path is not None:
+        variant = _with_semantic_config(variant, model, budgets, config_path)
     summary = VariantSummary(name, variant.description, variant.compiled)
     graphs0, breaks0 = _counter("stats", "unique_graphs"), _counter("graph_break")
     skips0 = _counter("inductor", "cudagraph_skips")
@@ -558,7 +584,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                   config_overrides: Optional[dict] = None, minference_options: Optional[dict] = None,
                   isolate: bool = True, cold_caches: bool = True, guard_probe: bool = True,
                   out=None, append: bool = False, command: Optional[str] = None,
-                  model_name: str = "llama3-8b-random") -> PrefillResult:
+                  model_name: str = "llama3-8b-random", budgets: Optional[tuple] = None,
+                  config_path: Optional[str] = None) -> PrefillResult:
     """Time to first token of every variant at every length; a table via ``.table()``, JSON via ``out``.
 
     ``out`` is rewritten after every finished variant (every cell in-process), so a run cut
@@ -567,7 +594,17 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     can be split by variant. ``config_overrides`` change the Llama-3-8B shape (tests use a tiny one).
     ``model_name="smollm2"`` runs SmolLM2-135M-Instruct's real weights (all 30 layers, YaRN to the
     longest length) on Austen's prose instead; ``layers`` and ``config_overrides`` do not apply.
+    The minference variants run MInference's default budgets unless ``budgets`` (columns, diagonals: every
+    head vertical-slash with those, this GPU's tuned crossover) or ``config_path`` (a semantic config JSON) says.
     """
+    if budgets is not None and config_path is not None:
+        raise ValueError("give budgets or a semantic config, not both")
+    if budgets is not None and (len(budgets) != 2 or min(budgets) < 1):
+        raise ValueError(f"budgets must be two positive ints (columns, diagonals), got {budgets!r}")
+    if config_path is not None:
+        config_path = os.path.abspath(config_path)  # the variants' processes may run elsewhere
+        if not os.path.isfile(config_path):
+            raise ValueError(f"semantic config {config_path} does not exist")
     if model_name not in MODELS:
         raise ValueError(f"unknown model {model_name!r}; known: {', '.join(MODELS)}")
     real = model_name == SMOLLM2
@@ -590,7 +627,9 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "model_name": model_name,
         "dtype": str(dtype).removeprefix("torch."), "lengths": lengths, "variants_requested": variants,
         "reps": reps, "warmup": warmup, "seed": seed, "isolated_processes": isolate, "cold_caches": cold_caches and isolate,
-        "minference_options": minference_options or {}, "use_cache": False, "logits": "last position only",
+        "minference_options": minference_options or {},
+        "semantic_config": config_path or (f"every head vertical-slash {list(budgets)}" if budgets else _DEFAULT_SEMANTIC),
+        "use_cache": False, "logits": "last position only",
         "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
         "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths)),
     }
@@ -611,7 +650,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
             part = _run_child(name, dict(
                 lengths=lengths, layers=layers, device=str(device), dtype=str(dtype).removeprefix("torch."), reps=reps,
                 warmup=warmup, seed=seed, config_overrides=config_overrides, minference_options=minference_options,
-                guard_probe=guard_probe, model_name=model_name), cold_caches, out)
+                guard_probe=guard_probe, model_name=model_name, budgets=budgets, config_path=config_path), cold_caches, out)
             result.cells += part.cells
             result.variants += part.variants
             for key, value in part.meta.items():  # environment, model size: the same in every process
@@ -641,7 +680,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         try:
             _, done = run_variant(model, name, lengths, reps=reps, warmup=warmup, seed=seed,
                                   minference_options=minference_options, guard_probe=guard_probe, on_cell=on_cell,
-                                  make_prompt=make_prompt)
+                                  make_prompt=make_prompt, budgets=budgets, config_path=config_path)
             result.variants[result.variants.index(summary)] = done
         except Exception as exc:  # e.g. a compile that fails outright
             summary.error = f"{type(exc).__name__}: {exc}"[:500]
@@ -655,10 +694,12 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
 
 def _take_earlier(result: PrefillResult, earlier: PrefillResult, variants) -> None:
     """Keep ``earlier``'s variants that are not run now; refuse results of another model or dtype."""
-    same = ("layers", "config", "dtype", "device")
+    same = ("layers", "config", "dtype", "device", "semantic_config")
 
     def canon(meta):
-        return json.dumps({k: meta.get(k) for k in same}, sort_keys=True, default=str)
+        # files from before semantic_config was recorded ran the default budgets
+        return json.dumps({k: meta.get(k, _DEFAULT_SEMANTIC if k == "semantic_config" else None) for k in same},
+                          sort_keys=True, default=str)
 
     if canon(json.loads(json.dumps(result.meta, default=str))) != canon(earlier.meta):
         raise ValueError(f"--append: the results already in the file are for another {'/'.join(same)}; "
@@ -709,7 +750,8 @@ def _child_main(spec_path: str) -> int:
                   dtype=getattr(torch, spec["dtype"]), reps=spec["reps"], warmup=spec["warmup"], seed=spec["seed"],
                   config_overrides=spec["config_overrides"], minference_options=spec["minference_options"],
                   guard_probe=spec["guard_probe"], isolate=False, out=spec["out"],
-                  model_name=spec.get("model_name", "llama3-8b-random"))
+                  model_name=spec.get("model_name", "llama3-8b-random"), budgets=spec.get("budgets"),
+                  config_path=spec.get("config_path"))
     return 0
 
 

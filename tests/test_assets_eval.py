@@ -224,3 +224,27 @@ def test_needle_prompts_go_to_the_models_device(monkeypatch):
     with pytest.raises(Seen) as seen:
         evaluate.needle_grid(MetaModel(), types.SimpleNamespace(decode=str), [8], [0.5], [0], text="")
     assert seen.value.args[0].type == "meta"
+
+
+def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
+    """``eval --budgets V S``: every head vertical-slash (V, S), named in the results; refused beside --config."""
+    from minference_fx import assets, cli
+    from minference_fx.tiny import tiny_model
+
+    model = tiny_model("llama")
+    seen = {}
+
+    def fake_run_eval(model, tok, text, **kwargs):
+        seen.update(kwargs)
+        return evaluate.EvalResults(model="tiny", config=kwargs["config_name"], lengths=[1024], device="cpu")
+
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: (model, None, "tiny"))
+    monkeypatch.setattr(assets, "austen_text", lambda path=None: "text")
+    monkeypatch.setattr(evaluate, "run_eval", fake_run_eval)
+    monkeypatch.setattr(evaluate, "save_png", lambda *a: None)
+    assert cli.main(["eval", "--budgets", "200", "700", "--lengths", "1k", "--out", str(tmp_path / "e.json")]) == 0
+    heads = [entry for layer in seen["config"].layers for entry in layer]
+    assert heads and all(e.pattern is Pattern.VERTICAL_SLASH and tuple(e.budgets) == (200, 700) for e in heads)
+    assert seen["config_name"] == "every head vertical-slash (200, 700)"
+    with pytest.raises(SystemExit, match="not both"):
+        cli.main(["eval", "--budgets", "200", "700", "--config", "x.json"])

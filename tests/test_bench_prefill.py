@@ -75,6 +75,30 @@ def test_own_processes_and_append(tmp_path):
                          append=True)
 
 
+def test_budgets_reach_the_minference_variants(tmp_path):
+    """--budgets: every head vertical-slash with those budgets; the smallest ones leave tiles out at 224 tokens,
+    so the heads are no longer near-dense as with the default budgets (test above); eager is untouched."""
+    out = tmp_path / "prefill.json"
+    result = bp.bench_prefill(LENGTHS[-1:], layers=1, variants=("eager", "minference"), isolate=False, reps=1,
+                              config_overrides=TINY, minference_options=OPTIONS, out=out, budgets=(30, 50))
+    data = json.loads(out.read_text())
+    assert data["semantic_config"] == "every head vertical-slash [30, 50]"
+    cell = _cells(data)[(LENGTHS[-1], "minference")]
+    assert cell["path"] == "sparse" and cell["finite"]
+    assert cell["guard"]["heads_listed"] == 4 and cell["guard"]["heads_near_dense"] == 0
+    assert "(30, 50)" in _variant(data, "minference")["description"]
+    assert "semantic config: every head vertical-slash [30, 50]" in result.table()
+    assert "(30, 50)" not in _variant(data, "eager")["description"]
+    assert result.speedup(LENGTHS[-1], "minference", "eager") > 0
+    with pytest.raises(ValueError, match="not both"):
+        bp.bench_prefill(LENGTHS[:1], budgets=(30, 50), config_path=str(out))
+    with pytest.raises(ValueError, match="does not exist"):
+        bp.bench_prefill(LENGTHS[:1], config_path=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="another"):  # results of other budgets are not mixed in
+        bp.bench_prefill(LENGTHS[-1:], layers=1, variants=("eager",), isolate=False, config_overrides=TINY, out=out,
+                         append=True)
+
+
 @pytest.mark.slow
 def test_inductor_and_reduce_overhead(tmp_path):
     out = tmp_path / "prefill.json"
@@ -151,7 +175,10 @@ def test_cli_wiring(monkeypatch, capsys):
                      "--variants", "eager,minference", "--reps", "2"]) == 0
     assert seen["lengths"] == [32768, 131072, 262144] and seen["layers"] == 8 and seen["reduce_overhead"]
     assert seen["variants"] == ("eager", "minference") and seen["reps"] == 2 and seen["isolate"]
+    assert seen["budgets"] is None and seen["config_path"] is None
     assert "length" in capsys.readouterr().out
+    assert cli.main(["bench", "prefill", "--budgets", "500", "2000"]) == 0
+    assert seen["budgets"] == (500, 2000)
 
 
 @pytest.mark.gpu
