@@ -62,3 +62,7 @@ if [[ $steps == *,frontier,* ]]; then
       --lengths "${FRONTIER_LENGTHS:-128k}" --budgets $b --out "$OUT/frontier_eval_$tag.json" 2>&1 | tee "$OUT/frontier_eval_$tag.txt"
   done
 fi
+# the device returns at most 8 files: pack more into one
+if (( $(ls "$OUT" | wc -l) > 8 )); then
+  tar czf /tmp/out_all.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/out_all.tgz "$OUT/all.tgz"
+fi
