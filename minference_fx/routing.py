@@ -18,6 +18,7 @@ or copied, so a captured graph replays the decision of the warm-up calls before 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -39,7 +40,12 @@ class _SiteState:
     """recorded after the copy into ``host``; None once read (or on CPU)"""
 
 
-_STATES: dict[int, _SiteState] = {}
+MAX_SITES = 1 << 16
+"""Sites whose decisions are kept, most recently observed first. Every compile creates new sites and
+nothing says when a compiled model is gone, so the oldest are forgotten past this many: a forgotten
+site that is still called only starts over (nothing routed until its next call), never runs wrong."""
+
+_STATES: collections.OrderedDict[int, _SiteState] = collections.OrderedDict()
 _LOCK = threading.Lock()
 _SITE_IDS = itertools.count()
 
@@ -76,6 +82,9 @@ def observe(site: int, ran_dense: torch.Tensor) -> None:
     state = _STATES.get(site)
     if state is None or state.heads != heads:
         state = _STATES[site] = _SiteState(heads)
+        while len(_STATES) > MAX_SITES:
+            _STATES.popitem(last=False)
+    _STATES.move_to_end(site)
     if not ran_dense.is_cuda:
         state.routed = _heads(every_row)
         return

@@ -37,6 +37,20 @@ def test_a_head_is_routed_only_when_it_ran_dense_in_every_batch_row():
     assert routing.new_site() != site
 
 
+def test_only_the_most_recently_observed_sites_are_kept(monkeypatch):
+    monkeypatch.setattr(routing, "MAX_SITES", 3)
+    dense = torch.tensor([[True, False]])
+    sites = [routing.new_site() for _ in range(5)]
+    for site in sites[:3]:
+        routing.observe(site, dense)
+    routing.observe(sites[0], dense)  # observed again: now the most recent
+    for site in sites[3:]:
+        routing.observe(site, dense)
+    kept = [s for s in sites if routing.routed_heads(s, 2, torch.device("cpu"))]
+    assert kept == [sites[0], sites[3], sites[4]]
+    assert routing.routed_count() == 3
+
+
 def test_gpu_path_runs_routed_heads_dense_and_reports_what_their_index_said():
     """sparse_on_gpu (Triton under the interpreter): block-sparse with 7 tiles per query tile keeps 49 of the
     55 causal tiles of 640 tokens, not near-dense. Routed heads 0 and 2 still equal dense attention, the others
