@@ -31,7 +31,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -282,6 +282,14 @@ class HeadRecall:
     guard_dense: bool = False
     """the op's run-time guard runs this head dense: its index is near-dense (>= 90 % of the causal tiles),
     or the quality guard finds its estimated captured mass under the threshold"""
+    near_dense: Optional[bool] = None
+    """the index alone sends the head dense (near-dense rule); None in results from before it was recorded"""
+    guard_mass: Optional[float] = None
+    """vertical-slash heads: the quality guard's captured-mass estimate (dense at any threshold above it)"""
+
+    def dense_at(self, threshold: float) -> bool:
+        """Whether the op would run this head dense with the quality guard at ``threshold``."""
+        return bool(self.near_dense) or (self.guard_mass is not None and self.guard_mass < threshold)
 
     @property
     def recall_guarded(self) -> float:
@@ -292,24 +300,28 @@ class HeadRecall:
         return 1.0 if self.guard_dense else self.density
 
 
-def guard_fires(q, k, plan: LayerPlan, index, *, scale: float, threshold: float) -> torch.Tensor:
-    """[Hq] bool: heads the op switches to dense at run time (the same rules and estimates as its CPU path):
-    a near-dense index (vertical-slash and block-sparse heads), or a captured mass under ``threshold``
-    (vertical-slash heads, when the threshold is positive)."""
-    from .op import dense_rules
+class LayerRecall(NamedTuple):
+    """One layer's heads, each ``[Hq]`` (see :func:`head_recall`)."""
 
-    near, weak = dense_rules(q, k, plan, index, scale, dict(key_mask=None, doc_ids=None, q_offset=0, window=0), threshold)
-    fires = near if weak is None else near | weak
-    return fires.cpu().any(0)
+    recall: torch.Tensor
+    oracle: torch.Tensor
+    density: torch.Tensor
+    fires: torch.Tensor
+    """bool: the op runs the head dense at the given guard threshold"""
+    near_dense: torch.Tensor
+    """bool: the index alone sends the head dense (at any threshold)"""
+    guard_mass: torch.Tensor
+    """fp32: the quality guard's captured-mass estimate (NaN for heads it does not check)"""
 
 
-def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_threshold: float = 0.0):
-    """(recall, oracle, density, guard_dense), each ``[Hq]``, for one layer's q ``[1,Hq,S,D]`` and k ``[1,Hkv,S,D]``.
+def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_threshold: float = 0.0) -> LayerRecall:
+    """Recall, oracle, density and the run-time rules' view of one layer's q ``[1,Hq,S,D]`` and k ``[1,Hkv,S,D]``.
 
     Only the last ``rows`` query rows are scored (dense attention of every row
     would be S x S per head). Those rows include the vertical-slash estimate's
     own last 64 queries, so VS recall there is slightly optimistic.
     """
+    from .op import guard_mass, near_dense_heads
     from .search import physical_density
 
     q, k = q.float(), k.float()
@@ -326,8 +338,14 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     n = keys.sum(-1)
     ranked = prob.sort(dim=-1, descending=True).values.cumsum(-1)
     oracle = ranked.gather(-1, (n - 1).clamp(min=0)[..., None])[..., 0] * (n > 0)
-    fires = guard_fires(q, k, plan, index, scale=scale, threshold=guard_threshold)
-    return recall.mean((0, 2)), oracle.mean((0, 2)), physical_density(index, sq, skv).float(), fires
+    # the op's run-time rules (op.dense_rules) on this index, kept apart so any threshold can be read off
+    near = near_dense_heads(index, plan, sq, skv, 0)[0].cpu()
+    checked = torch.tensor([hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads])
+    mass = guard_mass(q, k, index, scale, dict(key_mask=None, doc_ids=None, q_offset=0, window=0))[0].cpu()
+    mass = torch.where(checked, mass, float("nan"))
+    fires = near | (checked & (mass < guard_threshold)) if guard_threshold > 0 else near
+    return LayerRecall(recall.mean((0, 2)), oracle.mean((0, 2)), physical_density(index, sq, skv).float(), fires,
+                       near, mass)
 
 
 def index_recall(model, ids: torch.Tensor, config: SemanticConfig, *, rows: int = 256) -> list[HeadRecall]:
@@ -342,11 +360,12 @@ def index_recall(model, ids: torch.Tensor, config: SemanticConfig, *, rows: int 
 
     def on_call(call: observe.AttentionCall):
         plan = config.layer_plan(call.layer, 0, call.q.shape[1])
-        recall, oracle, density, fires = head_recall(call.q, call.k, plan, scale=call.scale, rows=rows,
-                                                     guard_threshold=config.guard_threshold)
+        layer = head_recall(call.q, call.k, plan, scale=call.scale, rows=rows, guard_threshold=config.guard_threshold)
         for h, head in enumerate(plan.heads):
-            results.append(HeadRecall(length, call.layer, h, head.pattern.value, float(recall[h]),
-                                      float(oracle[h]), float(density[h]), bool(fires[h])))
+            mass = float(layer.guard_mass[h])
+            results.append(HeadRecall(length, call.layer, h, head.pattern.value, float(layer.recall[h]),
+                                      float(layer.oracle[h]), float(layer.density[h]), bool(layer.fires[h]),
+                                      bool(layer.near_dense[h]), None if math.isnan(mass) else mass))
 
     observe.run_observed(model, ids, on_call)
     return sorted(results, key=lambda r: (r.layer, r.head))
@@ -380,6 +399,30 @@ class RecallSummary:
             min(r.recall_guarded for r in rows), sum(r.density_guarded for r in rows) / n)
 
 
+GUARD_SWEEP = (0.5, 0.6, 0.7, 0.8, 0.9)
+"""quality-guard thresholds the eval's recall table shows besides the config's"""
+
+
+@dataclasses.dataclass
+class GuardSweepRow:
+    """One length and quality-guard threshold: what the recall would be with the op's run-time rules there."""
+
+    length: int
+    threshold: float
+    dense_heads: int
+    mean: float
+    worst: float
+    density_mean: float
+
+    @staticmethod
+    def of(rows: list[HeadRecall], threshold: float) -> "GuardSweepRow":
+        dense = [r.dense_at(threshold) for r in rows]
+        recall = [1.0 if d else r.recall for r, d in zip(rows, dense)]
+        density = [1.0 if d else r.density for r, d in zip(rows, dense)]
+        return GuardSweepRow(rows[0].length, threshold, sum(dense), sum(recall) / len(rows), min(recall),
+                             sum(density) / len(rows))
+
+
 def layer_density(heads: list[HeadRecall]) -> dict[int, float]:
     """Mean physical density per layer (over its heads)."""
     per: dict[int, list[float]] = {}
@@ -408,9 +451,20 @@ class EvalResults:
         lengths = sorted({r.length for r in self.recall})
         return [RecallSummary.of([r for r in self.recall if r.length == n]) for n in lengths]
 
+    def guard_sweep(self) -> list[GuardSweepRow]:
+        """Per length, the recall at each threshold of :data:`GUARD_SWEEP` (empty for results without the
+        guard's estimates)."""
+        out = []
+        for n in sorted({r.length for r in self.recall}):
+            rows = [r for r in self.recall if r.length == n]
+            if all(r.near_dense is not None for r in rows):
+                out += [GuardSweepRow.of(rows, t) for t in GUARD_SWEEP]
+        return out
+
     def to_json(self) -> dict:
         doc = dataclasses.asdict(self)
         doc["recall_summary"] = [dataclasses.asdict(s) for s in self.recall_summaries()]
+        doc["guard_sweep"] = [dataclasses.asdict(s) for s in self.guard_sweep()]
         return doc
 
     def save(self, path) -> None:
@@ -444,6 +498,12 @@ class EvalResults:
                                 f"{s.oracle_mean - s.mean:+.4f}", f"{s.density_mean:.3f}", s.guard_dense_heads,
                                 f"{s.guarded_mean:.4f}", f"{s.guarded_worst:.4f}", f"{s.guarded_density_mean:.3f}")
                                for s in self.recall_summaries()]))
+            sweep = self.guard_sweep()
+            if sweep:
+                out.append("if the quality guard's threshold were:\n" + _table(
+                    ("length", "threshold", "dense heads", "recall mean", "worst", "density"),
+                    [(s.length, f"{s.threshold:.2f}", s.dense_heads, f"{s.mean:.4f}", f"{s.worst:.4f}",
+                      f"{s.density_mean:.3f}") for s in sweep]))
         if self.guard:
             out.append("quality guard: " + ", ".join(f"{k} {v}" for k, v in self.guard.items()))
         out += self.notes

@@ -176,8 +176,16 @@ def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_t
     near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], masks["q_offset"])
     if guard_threshold <= 0 or not split.n_vs:
         return near, None
-    mass = guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index, min(guard.VS_LAST_Q, q.shape[-2]))
+    mass = guard_mass(q, k, index, scale, masks)
     return near, (mass < guard_threshold) & torch.tensor(split.vs_mask, device=mass.device)[None, :]
+
+
+def guard_mass(q, k, index, scale: float, masks: dict) -> torch.Tensor:
+    """[B, Hq] fp32: the quality guard's estimate of each head's captured mass (the last query rows' softmax
+    mass inside the last query tile's keys of ``index``), which it compares with the threshold."""
+    from .kernels import guard
+
+    return guard.captured_mass(guard.vertical_scores(q, k, scale=scale, **masks), index, min(guard.VS_LAST_Q, q.shape[-2]))
 
 
 class GpuResult(NamedTuple):

