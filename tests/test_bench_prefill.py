@@ -207,6 +207,30 @@ def test_smollm2_yarn_factor_covers_the_longest_prompt():
     assert all(8192 * bp.smollm2_yarn_factor(n) >= n for n in (1, 5000, 40000, 1 << 20))
 
 
+def test_a_local_model_directory_is_benchmarked_with_its_own_weights(tmp_path):
+    """--model DIR: the HF model saved there (no tokenizer: random ids), all its layers rewritten; the results
+    name the directory and its shape."""
+    from minference_fx.tiny import tiny_model
+
+    saved = tiny_model("qwen2")
+    saved.save_pretrained(tmp_path / "model")
+    out = tmp_path / "prefill.json"
+    result = bp.bench_prefill(LENGTHS[:2], variants=("eager", "minference"), isolate=False, reps=1,
+                              minference_options=OPTIONS, out=out, model_name=str(tmp_path / "model"))
+    data = json.loads(out.read_text())
+    layers = saved.config.num_hidden_layers
+    assert data["model"].startswith(str(tmp_path / "model")) and "Qwen2Config" in data["model"]
+    assert data["layers"] == layers and data["config"]["num_attention_heads"] == saved.config.num_attention_heads
+    assert data["prompt"] == "random token ids (no tokenizer)"
+    mf = _variant(data, "minference")["minference"]
+    assert mf["sites"] == mf["rewritten"] == layers
+    cells = _cells(data)
+    assert all(c["status"] == "ok" and c["finite"] for c in cells.values())
+    for n in LENGTHS[:2]:  # the default budgets cover these lengths: the same greedy token as eager
+        assert cells[(n, "minference")]["next_token"] == cells[(n, "eager")]["next_token"]
+    assert result.speedup(LENGTHS[0], "minference", "eager") > 0
+
+
 def test_unknown_model_is_refused():
     with pytest.raises(ValueError, match="unknown model 'gpt2'.*smollm2"):
         bp.bench_prefill([96], model_name="gpt2", isolate=False)
@@ -232,6 +256,22 @@ def test_smollm2_prefill_runs_real_weights_on_prose():
     assert ids.shape == (1, 96)
     # real prose: mostly letters and spaces, unlike random token ids
     assert sum(ch.isalpha() or ch.isspace() for ch in text) > 0.9 * len(text)
+
+
+def test_a_local_model_directory_with_a_tokenizer_gets_prose():
+    """SmolLM2's converted directory, given as a path: its tokenizer makes the prompt, as for --model smollm2."""
+    from minference_fx.assets import AssetError, smollm2_dir
+
+    try:
+        path = smollm2_dir()
+    except AssetError as exc:
+        pytest.skip(f"SmolLM2 unavailable: {str(exc)[:300]}")
+    result = bp.bench_prefill([96], variants=("eager",), isolate=False, reps=1, guard_probe=False,
+                              model_name=str(path))
+    assert result.meta["prompt"] == "Austen's novels through the model's tokenizer"
+    assert result.meta["layers"] == 30 and result.cell(96, "eager").finite
+    _, tokenizer = bp.build_local(str(path), "cpu", torch.float32)
+    assert tokenizer is not None and bp.text_prompt_ids(tokenizer, 96, 0, "cpu").shape == (1, 96)
 
 
 def test_launch_config_says_whose_config_a_length_runs(monkeypatch):
