@@ -5,7 +5,8 @@ far above the kernels' GPU time: the path is host-bound there, which sets the de
 For each shape and length: host ms per call (calls queued back to back, no sync between them), GPU ms per
 call (events around the same calls), then the 25 host operations with the most self time in one profiled call.
 
-usage: python3 scripts/explore_host_overhead.py [--lengths 4k,32k] [--shapes 64/3/3,128/4/8]   (head_dim/group/kv heads)
+usage: python3 scripts/explore_host_overhead.py [--lengths 4k,32k] [--shapes 64/3/3,128/4/8] [--kernels 30]
+       (shapes: head_dim/group/kv heads)
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=parse_lengths, default=[4096, 32768])
     parser.add_argument("--shapes", default="64/3/3,128/4/8")
+    parser.add_argument("--kernels", type=int, default=0, help="also list this many GPU kernels by time")
     args = parser.parse_args()
     masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
     for shape in args.shapes.split(","):
@@ -63,6 +65,12 @@ def main() -> None:
             print(f"  one profiled call: GPU kernels {kernels:.3f} ms; host self time by op:")
             for e in rows:
                 print(f"  {e.self_cpu_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:90]}")
+            if args.kernels:
+                print("  GPU time by kernel:")
+                gpu = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                             key=lambda e: -e.self_device_time_total)
+                for e in gpu[:args.kernels]:
+                    print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":
