@@ -48,7 +48,7 @@ def test_round_trip_equal_and_byte_identical(tmp_path):
     assert loaded == cfg
     assert loaded.layers[0][1].pattern is Pattern.A_SHAPE
     assert loaded.min_sparse_len == 4096
-    assert loaded.guard_threshold == 0.5
+    assert loaded.guard_threshold == 0.8  # not in mixed_config's defaults: the default's
     second = tmp_path / "b.json"
     loaded.save(second)
     assert first.read_bytes() == second.read_bytes()
@@ -61,7 +61,7 @@ def test_round_trip_equal_and_byte_identical(tmp_path):
 def test_defaults_filled():
     cfg = default_config(MODEL)
     assert cfg.defaults["min_sparse_len"] == 8192
-    assert cfg.defaults["guard_threshold"] == 0.5
+    assert cfg.defaults["guard_threshold"] == 0.8
     assert cfg.default_head == HeadEntry(Pattern.VERTICAL_SLASH, (1000, 6096), None)
 
 
