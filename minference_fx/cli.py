@@ -77,7 +77,8 @@ def _bench(args) -> int:
             parse_lengths(args.lengths), layers=args.layers, variants=tuple(args.variants.split(",")),
             reduce_overhead=args.reduce_overhead, reps=args.reps, isolate=not args.in_process,
             out=args.out, append=args.append, command=command, model_name=args.model,
-            budgets=tuple(args.budgets) if args.budgets else None, config_path=args.config)
+            budgets=tuple(args.budgets) if args.budgets else None, config_path=args.config,
+            minference_options=None if args.guard_threshold is None else {"guard_threshold": args.guard_threshold})
         print(result.table())
         if args.out:
             print(f"wrote {args.out}")
@@ -175,6 +176,9 @@ def _eval(args) -> int:
         config_name = f"every head vertical-slash {tuple(args.budgets)}"
     else:
         config, config_name = evaluate.resolve_config(model, args.config, longest=max(lengths))
+    if args.guard_threshold is not None:
+        config = config.with_guard_threshold(args.guard_threshold)
+        config_name += f", guard threshold {args.guard_threshold:g}"
     results = evaluate.run_eval(
         model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
         model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
@@ -214,6 +218,8 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")
     e.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help="every head vertical-slash with these budgets (instead of --config)")
+    e.add_argument("--guard-threshold", type=float, default=None,
+                   help="the quality guard's threshold in the sparse runs and the recall's guarded columns (default: the config's)")
     e.add_argument("--data", default="austen", help="'austen' or a text file")
     e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -249,6 +255,8 @@ def main(argv=None) -> int:
     b.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help="vertical columns and slash diagonals of every head (default: MInference's 1000 6096)")
     b.add_argument("--config", default=None, help="prefill: semantic config JSON for the minference variants (instead of --budgets)")
+    b.add_argument("--guard-threshold", type=float, default=None,
+                   help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--out", default=None, help="JSON results file")
     b.add_argument("--layers", type=int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")

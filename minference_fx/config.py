@@ -212,6 +212,12 @@ class SemanticConfig:
         d = self.defaults["default_head"]
         return HeadEntry(d["pattern"], tuple(d["budgets"]), None)
 
+    def with_guard_threshold(self, threshold: float) -> "SemanticConfig":
+        """A copy whose quality guard runs at ``threshold`` (validated like a loaded config's)."""
+        copy = dataclasses.replace(self, defaults={**self.defaults, "guard_threshold": threshold})
+        _raise_if(copy.validate(), None)
+        return copy
+
     # -- checks -----------------------------------------------------------
 
     def validate(self) -> list[str]:
@@ -386,8 +392,8 @@ def _defaults_problems(defaults) -> list[str]:
     if not _is_nonneg_int(msl):
         problems.append(f"defaults.min_sparse_len must be a non-negative integer, got {msl!r}")
     gt = defaults.get("guard_threshold")
-    if not (isinstance(gt, (int, float)) and not isinstance(gt, bool) and math.isfinite(gt)):
-        problems.append(f"defaults.guard_threshold must be a finite number, got {gt!r}")
+    if not (isinstance(gt, (int, float)) and not isinstance(gt, bool) and math.isfinite(gt) and 0 <= gt <= 1):
+        problems.append(f"defaults.guard_threshold must be a number in [0, 1] (a share of attention mass), got {gt!r}")
     dh = defaults.get("default_head")
     if not isinstance(dh, Mapping):
         problems.append(f"defaults.default_head must be a mapping with pattern and budgets, got {dh!r}")

@@ -272,6 +272,10 @@ def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
     assert cli.main(["eval", "--budgets", "200", "700", "--lengths", "1k", "--out", str(tmp_path / "e.json")]) == 0
     heads = [entry for layer in seen["config"].layers for entry in layer]
     assert heads and all(e.pattern is Pattern.VERTICAL_SLASH and tuple(e.budgets) == (200, 700) for e in heads)
-    assert seen["config_name"] == "every head vertical-slash (200, 700)"
+    assert seen["config_name"] == "every head vertical-slash (200, 700)" and seen["config"].guard_threshold == 0.8
+    assert cli.main(["eval", "--budgets", "200", "700", "--guard-threshold", "0.5", "--lengths", "1k",
+                     "--out", str(tmp_path / "e.json")]) == 0
+    assert seen["config"].guard_threshold == 0.5
+    assert seen["config_name"] == "every head vertical-slash (200, 700), guard threshold 0.5"
     with pytest.raises(SystemExit, match="not both"):
         cli.main(["eval", "--budgets", "200", "700", "--config", "x.json"])

@@ -177,8 +177,9 @@ def test_cli_wiring(monkeypatch, capsys):
     assert seen["variants"] == ("eager", "minference") and seen["reps"] == 2 and seen["isolate"]
     assert seen["budgets"] is None and seen["config_path"] is None
     assert "length" in capsys.readouterr().out
-    assert cli.main(["bench", "prefill", "--budgets", "500", "2000"]) == 0
-    assert seen["budgets"] == (500, 2000)
+    assert seen["minference_options"] is None
+    assert cli.main(["bench", "prefill", "--budgets", "500", "2000", "--guard-threshold", "0.5"]) == 0
+    assert seen["budgets"] == (500, 2000) and seen["minference_options"] == {"guard_threshold": 0.5}
 
 
 @pytest.mark.gpu

@@ -58,6 +58,14 @@ def test_round_trip_equal_and_byte_identical(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_with_guard_threshold_copies_and_validates():
+    cfg = default_config(MODEL)
+    half = cfg.with_guard_threshold(0.5)
+    assert half.guard_threshold == 0.5 and cfg.guard_threshold == 0.8 and half.layers == cfg.layers
+    with pytest.raises(ConfigError, match=r"guard_threshold must be a number in \[0, 1\]"):
+        cfg.with_guard_threshold(1.5)
+
+
 def test_defaults_filled():
     cfg = default_config(MODEL)
     assert cfg.defaults["min_sparse_len"] == 8192
