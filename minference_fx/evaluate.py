@@ -321,7 +321,7 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     would be S x S per head). Those rows include the vertical-slash estimate's
     own last 64 queries, so VS recall there is slightly optimistic.
     """
-    from .op import guard_mass, near_dense_heads
+    from .op import guard_mass, near_dense_heads, weak_heads
     from .search import physical_density
 
     q, k = q.float(), k.float()
@@ -338,14 +338,13 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     n = keys.sum(-1)
     ranked = prob.sort(dim=-1, descending=True).values.cumsum(-1)
     oracle = ranked.gather(-1, (n - 1).clamp(min=0)[..., None])[..., 0] * (n > 0)
-    # the op's run-time rules (op.dense_rules) on this index, kept apart so any threshold can be read off
+    # the op's run-time rules (op.dense_rules) on this index, their inputs kept so any threshold can be read off
     near = near_dense_heads(index, plan, sq, skv, 0)[0].cpu()
+    mass = guard_mass(q, k, index, scale, dict(key_mask=None, doc_ids=None, q_offset=0, window=0)).cpu()
+    fires = near | weak_heads(mass, plan, guard_threshold)[0] if guard_threshold > 0 else near
     checked = torch.tensor([hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads])
-    mass = guard_mass(q, k, index, scale, dict(key_mask=None, doc_ids=None, q_offset=0, window=0))[0].cpu()
-    mass = torch.where(checked, mass, float("nan"))
-    fires = near | (checked & (mass < guard_threshold)) if guard_threshold > 0 else near
     return LayerRecall(recall.mean((0, 2)), oracle.mean((0, 2)), physical_density(index, sq, skv).float(), fires,
-                       near, mass)
+                       near, torch.where(checked, mass[0], float("nan")))
 
 
 def index_recall(model, ids: torch.Tensor, config: SemanticConfig, *, rows: int = 256) -> list[HeadRecall]:

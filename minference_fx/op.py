@@ -170,14 +170,16 @@ def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_t
     """The run-time rules that send a (batch, head) pair dense, on an index that lists every head (the
     reference's): ([B, Hq] near-dense listed heads, [B, Hq] vertical-slash heads whose estimated captured
     mass is under ``guard_threshold``, or None when that is 0)."""
-    from .kernels import guard
-
-    split = _split(plan)
     near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], masks["q_offset"])
-    if guard_threshold <= 0 or not split.n_vs:
+    if guard_threshold <= 0 or not _split(plan).n_vs:
         return near, None
-    mass = guard_mass(q, k, index, scale, masks)
-    return near, (mass < guard_threshold) & torch.tensor(split.vs_mask, device=mass.device)[None, :]
+    return near, weak_heads(guard_mass(q, k, index, scale, masks), plan, guard_threshold)
+
+
+def weak_heads(mass: torch.Tensor, plan: LayerPlan, guard_threshold: float) -> torch.Tensor:
+    """[B, Hq] bool: the vertical-slash heads (the only ones the quality guard checks) whose estimated
+    captured ``mass`` ([B, Hq]) is under ``guard_threshold``."""
+    return (mass < guard_threshold) & torch.tensor(_split(plan).vs_mask, device=mass.device)[None, :]
 
 
 def guard_mass(q, k, index, scale: float, masks: dict) -> torch.Tensor:
