@@ -111,7 +111,7 @@ def build_smollm2(max_len: int, device, dtype: torch.dtype):
     return model.to(device).eval(), tokenizer
 
 
-def is_model_dir(name: str) -> bool:
+def _is_model_dir(name: str) -> bool:
     """Whether ``name`` names a local HF model directory (a config.json in it) rather than a built-in model."""
     return os.path.isfile(os.path.join(name, "config.json"))
 
@@ -624,7 +624,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         config_path = os.path.abspath(config_path)  # the variants' processes may run elsewhere
         if not os.path.isfile(config_path):
             raise ValueError(f"semantic config {config_path} does not exist")
-    local = model_name not in MODELS and is_model_dir(model_name)
+    local = model_name not in MODELS and _is_model_dir(model_name)
     if model_name not in MODELS and not local:
         raise ValueError(f"unknown model {model_name!r}; known: {', '.join(MODELS)}, or a local HF model "
                          "directory (with its config.json)")

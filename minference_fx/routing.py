@@ -90,7 +90,6 @@ def observe(site: int, ran_dense: torch.Tensor) -> None:
         return
     if state.host is None:
         state.host = torch.empty(heads, dtype=torch.uint8, pin_memory=True)
-        state.ready = None
     state.host.copy_(every_row.to(torch.uint8), non_blocking=True)
     if state.ready is None:
         state.ready = torch.cuda.Event()
