@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import re
+import warnings
 
 import torch
 import torch.fx as fx
@@ -125,6 +126,12 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
 
 def _publish(report: Report) -> None:
     _REPORTS.append(report)
+    needs_grad = sum(r.reason.startswith(passes.layout.NEEDS_GRAD) for r in report.rows)
+    if needs_grad:
+        # the report alone is easy to miss, and the model still runs (densely): say it where users look
+        warnings.warn(f"minference: {needs_grad} attention site(s) traced with autograd on stay dense (the sparse "
+                      "op is inference-only); run the prefill under torch.inference_mode() or torch.no_grad()",
+                      stacklevel=2)
     log.info("minference: %d/%d attention sites rewritten\n%s", report.rewritten, len(report.rows), report.table())
     try:
         from torch._logging import trace_structured

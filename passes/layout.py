@@ -10,9 +10,18 @@ import dataclasses
 
 from .site import AttentionSite, shape_of
 
+NEEDS_GRAD = "q/k/v require grad"
+"""The start of the reason a site traced with autograd on stays dense (the backend warns on it)."""
+
 
 def _fmt(shape):
     return "x".join(str(s) for s in shape)
+
+
+def _requires_grad(*nodes) -> bool:
+    """Whether Dynamo traced any of ``nodes`` as a tensor that requires grad (grad mode on, a parameter
+    upstream): AOTAutograd then traces a backward through the site, and the sparse op has none."""
+    return any(getattr(n.meta.get("example_value"), "requires_grad", False) for n in nodes)
 
 
 def run(sites: list[AttentionSite]) -> list[AttentionSite]:
@@ -33,5 +42,8 @@ def run(sites: list[AttentionSite]) -> list[AttentionSite]:
             site = site.blocked(f"value head dim {v[3]} differs from query head dim {q[3]}")
         elif site.dropout_p != 0.0:
             site = site.blocked(f"dropout p={site.dropout_p} (sparse attention is inference-only)")
+        elif _requires_grad(site.query, site.key, site.value):
+            site = site.blocked(f"{NEEDS_GRAD} (sparse attention is inference-only: run the prefill under "
+                                "torch.inference_mode() or torch.no_grad())")
         out.append(site)
     return out

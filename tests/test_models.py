@@ -115,6 +115,27 @@ def test_chunked_prefill_through_the_cache_equals_one_pass():
     torch.testing.assert_close(torch.cat(chunks, dim=1), whole, rtol=1e-5, atol=1e-5)
 
 
+def test_autograd_on_leaves_attention_dense_says_why_and_backward_matches_eager():
+    """A forward with grad enabled (a training step, or a prefill without no_grad) would make AOTAutograd
+    trace a backward through the op, which has none: the sites stay dense with the reason, a warning says
+    so, the gradients equal eager's; the same model under no_grad is rewritten."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 96))
+    model(ids, labels=ids).loss.backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = _compile(model, covering_config(model))
+    with pytest.warns(UserWarning, match="inference_mode"):
+        compiled(ids, labels=ids).loss.backward()
+    rows = recent_reports()[-1].rows
+    assert rows and all(r.decision == "dense" and "require grad" in r.reason for r in rows), rows
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        compiled(ids)
+    assert all(r.decision == "sparse" for r in recent_reports()[-1].rows), recent_reports()[-1]
+
+
 def test_generate_matches_eager_and_lengths_do_not_recompile():
     model = tiny_model("llama")
     compiled = _compile(model, covering_config(model))
