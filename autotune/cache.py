@@ -310,17 +310,17 @@ def has_crossover(key: CrossoverKey, path=None) -> bool:
     return any(key in table.crossovers for table in _tables(path))
 
 
-def lookup_crossover(key: CrossoverKey, path=None) -> int:
-    """Prompt length from which the sparse path runs: tuned, :data:`DENSE_ALWAYS`, or the default (logged once)."""
+def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SPARSE_LEN) -> int:
+    """Prompt length from which the sparse path runs: tuned, :data:`DENSE_ALWAYS`, or ``untuned`` (logged once)."""
     for table in _tables(path):
         if key in table.crossovers:
             length = table.crossovers[key]
             return DENSE_ALWAYS if length is None else length
-    if key not in _missed:
-        _missed.add(key)
+    if (key, untuned) not in _missed:
+        _missed.add((key, untuned))
         log.warning("no tuned dense/sparse crossover for %s; sparse from %d tokens (run `minference-fx autotune`)",
-                    key, DEFAULT_MIN_SPARSE_LEN)
-    return DEFAULT_MIN_SPARSE_LEN
+                    key, untuned)
+    return untuned
 
 
 def describe(path=None) -> str:

@@ -71,14 +71,49 @@ def tune_key(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: in
     return cache.TuneKey.of(kernel, crossover_key(device, dtype, head_dim, group), length)
 
 
-def tuned_min_sparse_len(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Prompt length from which the sparse path beats dense SDPA for q ``[B, Hq, Sq, D]``, k ``[B, Hkv, Skv, D]``."""
+# A device with no measured crossover still knows the plan's budgets, and they bound what sparse attention
+# can save on any GPU: a head reading more than a quarter of the prompt's keys per row (half of a causal
+# row's mean) saves too little to pay for its index. On the H200 the default budgets (1000 + 6096 keys a
+# row) lost to dense SDPA at 16K, where they are 87 % of the mean causal row, and won from 32K (43 %):
+# results/autotune_warmup_h200_2026-12-01_v10.txt. A fixed 8K would run them sparse, and slower, from 8K.
+UNTUNED_LENGTH_PER_KEY = 4
+
+
+def plan_keys_per_row(plan) -> int:
+    """The most keys a query row of ``plan``'s sparse heads can read, from the budgets alone (0: every head dense)."""
+    from ..kernels.reference import BLOCK
+    from ..plan import Pattern
+
+    per_head = {Pattern.VERTICAL_SLASH: lambda hp: hp.budget_a + hp.budget_b,  # columns + diagonals
+                Pattern.A_SHAPE: lambda hp: hp.budget_a + hp.budget_b,  # sink + window
+                Pattern.BLOCK_SPARSE: lambda hp: hp.budget_a * BLOCK}  # key tiles
+    return max((per_head[hp.pattern](hp) for hp in plan.heads if hp.pattern in per_head), default=0)
+
+
+def untuned_crossover(plan=None) -> int:
+    """The crossover used where none was measured: the first power of two at least
+    :data:`UNTUNED_LENGTH_PER_KEY` times ``plan``'s keys per row (MInference's default head when None), and never
+    below the semantic default :data:`cache.DEFAULT_MIN_SPARSE_LEN`."""
+    if plan is None:
+        from ..plan import HeadPlan, LayerPlan, Pattern
+        from .workload import DEFAULT_BUDGETS
+
+        plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *DEFAULT_BUDGETS),))
+    bound = UNTUNED_LENGTH_PER_KEY * plan_keys_per_row(plan)
+    return max(cache.DEFAULT_MIN_SPARSE_LEN, 1 << max(bound - 1, 0).bit_length())
+
+
+def tuned_min_sparse_len(q: torch.Tensor, k: torch.Tensor, plan=None) -> int:
+    """Prompt length from which the sparse path beats dense SDPA for q ``[B, Hq, Sq, D]``, k ``[B, Hkv, Skv, D]``
+    (on a device with no measured crossover: :func:`untuned_crossover` of ``plan``)."""
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
     if _on_miss and _can_tune(q) and not cache.has_crossover(crossover_key(*shape)):
         from .tuner import CROSSOVER_LENGTHS
 
         _tune_now(q, k, max(CROSSOVER_LENGTHS))  # the whole grid: a crossover from short prompts alone would mislead
-    return cache.remembered(("crossover", _where(), *shape), lambda: cache.lookup_crossover(crossover_key(*shape)))
+    untuned = untuned_crossover(plan)
+    return cache.remembered(("crossover", _where(), *shape, untuned),
+                            lambda: cache.lookup_crossover(crossover_key(*shape), untuned=untuned))
 
 
 def launch_config(q: torch.Tensor, k: torch.Tensor, kernel: str = "sparse_attention") -> cache.TuneEntry:

@@ -389,10 +389,11 @@ def warm_up_compiler(device: torch.device) -> None:
 # ---------------------------------------------------------------- one variant, in this process
 
 
-def _minference_summary(reports, model, device, dtype, lengths) -> dict:
+def _minference_summary(reports, model, device, dtype, lengths, budgets: Optional[tuple] = None) -> dict:
     from collections import Counter
 
     from .autotune.dispatch import tuned_min_sparse_len
+    from .plan import HeadPlan, LayerPlan, Pattern
 
     rows = [r for rep in reports for r in rep.rows]
     option = reports[0].min_sparse_len if reports else None
@@ -400,7 +401,9 @@ def _minference_summary(reports, model, device, dtype, lengths) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q = torch.empty(1, cfg.num_attention_heads, 1, head_dim, device=device, dtype=dtype)
     k = torch.empty(1, cfg.num_key_value_heads, 1, head_dim, device=device, dtype=dtype)
-    resolved = tuned_min_sparse_len(q, k) if option is not None and option < 0 else option
+    # the plan every head runs (--budgets) sets the crossover of a device that has none tuned
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),)) if budgets else None
+    resolved = tuned_min_sparse_len(q, k, plan) if option is not None and option < 0 else option
     sparse_lengths = [n for n in lengths if resolved is not None and n >= resolved]
     return {
         "graphs": len(reports), "sites": len(rows), "rewritten": sum(r.decision == "sparse" for r in rows),
@@ -556,7 +559,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
         summary.cudagraph_skips = _counter("inductor", "cudagraph_skips") - skips0
     if name.startswith("minference"):
         reports = [r for r in recent_reports() if id(r) not in reports_before]
-        summary.minference = _minference_summary(reports, model, device, dtype, lengths)
+        summary.minference = _minference_summary(reports, model, device, dtype, lengths, budgets)
         for cell in cells:
             cell.path = summary.minference["path"].get(str(cell.length))
             cell.launch = summary.minference["launch"].get(str(cell.length))

@@ -21,7 +21,8 @@ read when all of these hold:
   whose plan is dense on every head and, on GPU, the dense heads of a mixed
   plan (cuDNN is faster than the sparse kernel's tile walk on dense work). A negative
   ``min_sparse_len`` means the tuned crossover of this device and shape
-  (``minference-fx autotune``; untuned: 8192);
+  (``minference-fx autotune``; untuned: from the plan's budgets, ``autotune.dispatch.untuned_crossover``,
+  32768 for MInference's default head);
 * or unless ``route_site`` names a rewritten site (``routing.new_site``) whose previous call ran the
   head dense in every batch row (near-dense index or guard): then the head runs dense through the
   device's SDPA this call (``minference_fx.routing``: lagged, read without a host sync). A head only
@@ -119,11 +120,11 @@ def sparse_attention(
         # the first call, dense or sparse, waits for the kernels compiling in the background (at once when
         # none is): no CUDA work of that thread can then overlap a graph capture that follows this call
         precompile.wait()
+    plan = _layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
     if min_sparse_len < 0:
         from .autotune.dispatch import tuned_min_sparse_len
 
-        min_sparse_len = tuned_min_sparse_len(q, k)
-    plan = _layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
+        min_sparse_len = tuned_min_sparse_len(q, k, plan)
     if q.shape[-2] < min_sparse_len or _split(plan).all_dense:
         # a layer the plan keeps wholly dense runs the device's fused SDPA, faster than any tile walk
         return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)

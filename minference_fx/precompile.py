@@ -99,7 +99,11 @@ def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
     # the stored crossover, never an on-miss tuning run from this thread
     min_len = spec.min_sparse_len
     if min_len < 0:
-        min_len = cache.lookup_crossover(dispatch.crossover_key(q.device, q.dtype, spec.head_dim, group))
+        from .op import _layer_plan
+
+        plan = _layer_plan(spec.patterns, spec.budget_a, spec.budget_b)
+        min_len = cache.lookup_crossover(dispatch.crossover_key(q.device, q.dtype, spec.head_dim, group),
+                                         untuned=dispatch.untuned_crossover(plan))
     if min_len >= cache.DENSE_ALWAYS:
         return []
     configs = set()

@@ -417,7 +417,7 @@ def test_tuned_entries_reach_the_op_dispatch(cache_dir):
     table = Table.from_json((cache_dir / cache.FILE_NAME).read_text())
     # the fake GPU's entries are not this device's: the CPU dispatch must not pick them up
     q, k = torch.empty(1, 4, 4096, 16), torch.empty(1, 2, 4096, 16)
-    assert dispatch.tuned_min_sparse_len(q, k) == cache.DEFAULT_MIN_SPARSE_LEN
+    assert dispatch.tuned_min_sparse_len(q, k) == dispatch.untuned_crossover()
     ident = DeviceIdentity("cpu", "none")
     entries = {dataclasses.replace(key, gpu=ident.gpu, capability=ident.capability): e for key, e in table.configs.items()}
     cache.write(configs=entries)
@@ -541,6 +541,42 @@ def test_op_without_a_tuned_crossover_uses_the_default_length(cache_dir, monkeyp
     OP(*_qkv(96), None, None, 0.25, 0, 0, *VS, -1)
     assert ran == ["dense", "dense"]  # 80, 96 < 8192
     assert len([r for r in _warnings(caplog) if "crossover" in r.getMessage()]) == 1
+
+
+def test_untuned_crossover_follows_the_plans_budgets(cache_dir):
+    """With no measured crossover, sparse starts where the widest sparse head reads at most a quarter of the
+    prompt's keys per row (a power of two, never below the semantic default)."""
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    def plan(*heads):
+        return LayerPlan(tuple(HeadPlan(*h) for h in heads))
+
+    vs = (Pattern.VERTICAL_SLASH, 1000, 6096)
+    assert dispatch.untuned_crossover() == dispatch.untuned_crossover(plan(vs)) == 32768  # 4 x 7096 = 28384
+    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 500, 1024))) == 8192  # 6096: the floor
+    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 4096, 4096))) == 32768  # exactly 4 x 8192
+    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 4096, 4097))) == 65536
+    assert dispatch.untuned_crossover(plan((Pattern.BLOCK_SPARSE, 100, 0))) == 32768  # 100 tiles of 64 keys
+    assert dispatch.untuned_crossover(plan((Pattern.A_SHAPE, 64, 1024))) == 8192
+    # the widest head decides; dense heads read every key but go to SDPA, so they do not count
+    assert dispatch.untuned_crossover(plan((Pattern.DENSE,), vs, (Pattern.A_SHAPE, 64, 1024))) == 32768
+    assert dispatch.untuned_crossover(plan((Pattern.DENSE,))) == cache.DEFAULT_MIN_SPARSE_LEN
+    q, k = torch.empty(1, 4, 64, 16), torch.empty(1, 2, 64, 16)
+    assert dispatch.tuned_min_sparse_len(q, k, plan(*[(Pattern.VERTICAL_SLASH, 500, 1024)] * 4)) == 8192
+    assert dispatch.tuned_min_sparse_len(q, k, plan(*[vs] * 4)) == 32768
+    # a measured crossover wins over the budgets
+    cache.write(crossovers={dispatch.crossover_key(torch.device("cpu"), torch.float32, 16, 2): 2048})
+    cache.forget()
+    assert dispatch.tuned_min_sparse_len(q, k, plan(*[vs] * 4)) == 2048
+
+
+def test_op_asks_for_the_crossover_of_its_own_plan(cache_dir, monkeypatch):
+    asked = []
+    monkeypatch.setattr(dispatch, "tuned_min_sparse_len", lambda q, k, plan=None: asked.append(plan) or 1 << 20)
+    OP(*_qkv(80), None, None, 0.25, 0, 0, [2, 2, 0, 2], [500] * 4, [1024] * 4, -1)
+    (plan,) = asked
+    assert [h.pattern.value for h in plan.heads] == ["vertical_slash", "vertical_slash", "dense", "vertical_slash"]
+    assert dispatch.untuned_crossover(plan) == 8192
 
 
 def test_launch_kwargs_carry_every_field_of_the_config():

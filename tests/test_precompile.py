@@ -80,7 +80,8 @@ def _fake_table(monkeypatch, crossover, entries, walks=None):
 
     monkeypatch.setattr(dispatch, "crossover_key", lambda *a: "shape")
     monkeypatch.setattr(dispatch, "tune_key", lambda kernel, dev, dtype, d, g, bucket: key(kernel, bucket))
-    monkeypatch.setattr(cache, "lookup_crossover", lambda key: crossover)
+    # crossover None: none stored, so the lookup answers what the plan's budgets give
+    monkeypatch.setattr(cache, "lookup_crossover", lambda key, untuned: untuned if crossover is None else crossover)
     table = cache.Table({**{key("sparse_attention", bucket): entry for bucket, entry in entries.items()},
                          **{key("dense_walk", bucket): entry for bucket, entry in (walks or {}).items()}})
     monkeypatch.setattr(cache, "_tables", lambda path=None: [table])
@@ -104,6 +105,11 @@ def test_launch_configs_are_those_of_the_buckets_the_sparse_path_runs_at(monkeyp
     assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([(small, tuned_walk), (big, tuned_walk)])
     _fake_table(monkeypatch, cache.DENSE_ALWAYS, every_bucket)
     assert precompile.launch_configs(_spec(), q, q) == []
+    # no crossover stored: VS(1000, 6096) runs sparse from 32K, VS(500, 1024) from 8K
+    _fake_table(monkeypatch, None, {**every_bucket, 8192: small})
+    assert precompile.launch_configs(_spec(), q, q) == [(big, walk)]
+    assert sorted(precompile.launch_configs(_spec(budget_a=(500,) * 8, budget_b=(1024,) * 8), q, q)) == sorted(
+        [(small, walk), (big, walk)])
     # an explicit min_sparse_len wins over the stored crossover
     _fake_table(monkeypatch, cache.DENSE_ALWAYS, {**every_bucket, 8192: small})
     assert sorted(precompile.launch_configs(_spec(min_sparse_len=8192), q, q)) == sorted([(small, walk), (big, walk)])
