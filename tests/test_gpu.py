@@ -226,6 +226,31 @@ def test_compiled_model_reduce_overhead_matches_eager():
     assert _rel(sparse, dense) < 2e-2
 
 
+def test_training_step_through_inductor_stays_dense_and_matches_eager_grads():
+    """With autograd on, the sites stay dense (the op has no backward) and Inductor's forward + backward
+    give eager's gradients; under inference_mode the same model is rewritten."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import covering_config, tiny_model
+    from minference_fx.backend import recent_reports
+
+    model = tiny_model("llama").cuda()
+    ids = torch.randint(0, 128, (1, 256), device="cuda")
+    model(ids, labels=ids).loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend="minference", options={"config": covering_config(model)})
+    with pytest.warns(UserWarning, match="inference_mode"):
+        compiled(ids, labels=ids).loss.backward()
+    assert all(r.decision == "dense" for r in recent_reports()[-1].rows)
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, want[name]) < 1e-3, name
+    with torch.inference_mode():
+        compiled(ids)
+    assert all(r.decision == "sparse" for r in recent_reports()[-1].rows)
+
+
 def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
     """On diffuse Q/K (random-weight-like) VS(1000, 6096) keeps nearly every tile at 16K: the op runs those
     heads through the dense walk, so it matches cuDNN's dense attention. The choice is made on the device:
