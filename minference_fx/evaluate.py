@@ -121,14 +121,28 @@ def text_window_ids(tokenizer, text: str, start: int, length: int) -> torch.Tens
     return ids
 
 
-def held_out_ids(tokenizer, text: str, length: int, *, seed: int = 0) -> torch.Tensor:
-    """``[1, length]`` token ids of held-out prose (a window of the text's last quarter)."""
+def held_out_ids(tokenizer, text: str, length: int, *, seed: int = 0, calibrated: bool = True) -> torch.Tensor:
+    """``[1, length]`` token ids of held-out prose (a window of the text's last quarter).
+
+    The search calibrates on the first three quarters, so a searched (``calibrated``) config is only measured
+    on the last. A config no search fitted to the text has nothing to hold out from: a length the last quarter
+    cannot hold (past ~170K tokens of Austen) then takes the text's last characters, reaching back into the
+    first three quarters (:func:`beyond_held_out` says when)."""
     start = int(len(text) * HELD_OUT_FROM)
     span = len(text) - start
     need = length * CHARS_PER_TOKEN_ROOM
     if span < need:
-        raise ValueError(f"the held-out quarter of the text has {span} characters; {length} tokens need about {need}")
+        if calibrated or need > len(text):
+            why = "; a searched config is only measured there" if calibrated and need <= len(text) else ""
+            raise ValueError(f"the held-out quarter of the text has {span} characters; {length} tokens need about "
+                             f"{need}{why}")
+        return text_window_ids(tokenizer, text, len(text) - need, length)
     return text_window_ids(tokenizer, text, start + random.Random(seed).randrange(0, span - need + 1), length)
+
+
+def beyond_held_out(text: str, length: int) -> bool:
+    """Whether :func:`held_out_ids` of an uncalibrated config reads more than the text's last quarter at ``length``."""
+    return length * CHARS_PER_TOKEN_ROOM > len(text) - int(len(text) * HELD_OUT_FROM)
 
 
 # --------------------------------------------------------------------------- perplexity
@@ -601,11 +615,13 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
     if unknown:
         raise ValueError(f"unknown eval task(s) {sorted(unknown)}; known: ppl, niah, recall")
     guard_before = _guard_counts()
+    calibrated = bool(config.provenance.calibration_data)
     if "ppl" in tasks or "niah" in tasks:
         compiled = sparse_model(model, config, inner=inner)
     if "ppl" in tasks:
         for n in lengths:
-            row = compare_perplexity(model, compiled, held_out_ids(tokenizer, text, n, seed=window_seed).to(device))
+            ids = held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated).to(device)
+            row = compare_perplexity(model, compiled, ids)
             results.ppl.append(row)
             progress(f"ppl L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} ({100 * row.rel_delta:+.3f}%) "
                      f"[{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
@@ -617,7 +633,8 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         results.guard = {k: after[k] - guard_before.get(k, 0) for k in after}
     if "recall" in tasks:
         for n in lengths:
-            heads = index_recall(model, held_out_ids(tokenizer, text, n, seed=window_seed).to(device), config, rows=rows)
+            ids = held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated).to(device)
+            heads = index_recall(model, ids, config, rows=rows)
             results.recall += heads
             s = RecallSummary.of(heads)
             progress(f"recall L={n}: mean {s.mean:.4f} worst {s.worst:.4f} ({s.worst_head}) "
@@ -630,6 +647,10 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         "include the vertical-slash estimate's own last 64); oracle: the top-n keys of each row, n = the index's "
         "count; density: physical (tiles x 64 x 64 + columns x 64) / causal pairs, mean over heads (dense heads = 1)",
     ]
+    beyond = [n for n in lengths if not calibrated and beyond_held_out(text, n) and ("ppl" in tasks or "recall" in tasks)]
+    if beyond:
+        results.notes.append(f"at {', '.join(map(str, beyond))} tokens the window is the text's last characters, longer "
+                             "than its last quarter (the config was not calibrated on the text, so nothing is held out)")
     return results
 
 

@@ -234,6 +234,26 @@ def test_window_seed_moves_the_held_out_window_inside_the_last_quarter():
         assert start >= int(len(text) * evaluate.HELD_OUT_FROM)
 
 
+def test_a_window_longer_than_the_last_quarter_only_for_an_uncalibrated_config():
+    class CharTokenizer:
+        def __call__(self, text, return_tensors="pt"):
+            return type("Enc", (), {"input_ids": torch.tensor([[ord(c) for c in text]])})()
+
+    rng = random.Random(0)
+    text = "".join(chr(rng.randrange(32, 122)) for _ in range(40_000))
+    quarter = len(text) - int(len(text) * evaluate.HELD_OUT_FROM)
+    longer = quarter // evaluate.CHARS_PER_TOKEN_ROOM + 100  # tokens the quarter cannot hold
+    assert evaluate.beyond_held_out(text, longer) and not evaluate.beyond_held_out(text, 512)
+    with pytest.raises(ValueError, match="searched config"):
+        evaluate.held_out_ids(CharTokenizer(), text, longer)
+    ids = evaluate.held_out_ids(CharTokenizer(), text, longer, calibrated=False)
+    assert ids.shape == (1, longer)
+    start = len(text) - longer * evaluate.CHARS_PER_TOKEN_ROOM  # the text's last characters
+    assert "".join(chr(int(t)) for t in ids[0]) == text[start:start + longer]
+    with pytest.raises(ValueError, match="held-out quarter"):  # longer than the whole text: refused either way
+        evaluate.held_out_ids(CharTokenizer(), text, len(text), calibrated=False)
+
+
 def test_needle_prompts_go_to_the_models_device(monkeypatch):
     """The prompt ids follow the model's parameters (an H200 run once fed CPU ids to a CUDA model)."""
     class Seen(Exception):
