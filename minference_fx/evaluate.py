@@ -328,6 +328,19 @@ class LayerRecall(NamedTuple):
     """fp32: the quality guard's captured-mass estimate (NaN for heads it does not check)"""
 
 
+def _recall_index(q, k, plan: LayerPlan, scale: float) -> reference.SparseIndex:
+    """The index whose recall is measured: the reference's, or on the GPU, for a plan of vertical-slash and
+    block-sparse heads only, its GPU twin, which lists the same tiles and columns for those heads in memory
+    linear in the length (the reference's masks are [Hq, S / 64, S]: 288 GiB at 512K tokens)."""
+    from .plan import LISTED_PATTERNS
+
+    if q.is_cuda and all(hp.pattern in LISTED_PATTERNS for hp in plan.heads):
+        from .kernels.index import build_index_gpu
+
+        return build_index_gpu(q, k, plan, scale=scale)
+    return reference.build_index(q, k, plan, scale=scale)
+
+
 def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_threshold: float = 0.0) -> LayerRecall:
     """Recall, oracle, density and the run-time rules' view of one layer's q ``[1,Hq,S,D]`` and k ``[1,Hkv,S,D]``.
 
@@ -341,7 +354,7 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     q, k = q.float(), k.float()
     sq, skv = q.shape[2], k.shape[2]
     r0 = max(0, sq - rows)
-    index = reference.build_index(q, k, plan, scale=scale)
+    index = _recall_index(q, k, plan, scale)
     pos = torch.arange(r0, sq, device=q.device)
     base = reference.base_allowed(pos, skv)  # [1, 1, R, Skv]
     keys = reference.index_to_mask(index, range(r0, sq), skv) & base  # [1, Hq, R, Skv]

@@ -251,6 +251,24 @@ def test_training_step_through_inductor_stays_dense_and_matches_eager_grads():
     assert all(r.decision == "sparse" for r in recent_reports()[-1].rows)
 
 
+def test_eval_recall_on_the_gpu_index_equals_the_reference_index():
+    """head_recall on CUDA measures the GPU twin of the index (memory linear in the length); it must read
+    the same as on the reference's index, here on the CPU."""
+    from minference_fx import evaluate
+    from minference_fx.bench import structured_qkv
+
+    q, k, _ = structured_qkv(3000, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, seed=3)
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 100, 300), HeadPlan(Pattern.VERTICAL_SLASH, 30, 60),
+                      HeadPlan(Pattern.BLOCK_SPARSE, 8), HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096)))
+    on_gpu = evaluate.head_recall(q, k, plan, scale=0.125, rows=256, guard_threshold=0.8)
+    on_cpu = evaluate.head_recall(q.cpu(), k.cpu(), plan, scale=0.125, rows=256, guard_threshold=0.8)
+    for name in ("recall", "oracle", "density", "guard_mass"):
+        torch.testing.assert_close(getattr(on_gpu, name).cpu().float(), getattr(on_cpu, name).float(),
+                                   rtol=1e-4, atol=1e-4, equal_nan=True, msg=name)
+    assert torch.equal(on_gpu.fires.cpu(), on_cpu.fires) and torch.equal(on_gpu.near_dense.cpu(), on_cpu.near_dense)
+    assert bool(on_gpu.near_dense[3])  # (1000, 6096) keeps every tile at 3000 tokens: the rule is exercised
+
+
 def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
     """On diffuse Q/K (random-weight-like) VS(1000, 6096) keeps nearly every tile at 16K: the op runs those
     heads through the dense walk, so it matches cuDNN's dense attention. The choice is made on the device:
