@@ -8,6 +8,7 @@ The environment variables are part of the memo key so that pointing
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -90,6 +91,7 @@ def plan_keys_per_row(plan) -> int:
     return max((per_head[hp.pattern](hp) for hp in plan.heads if hp.pattern in per_head), default=0)
 
 
+@functools.lru_cache(maxsize=4096)
 def untuned_crossover(plan=None) -> int:
     """The crossover used where none was measured: the first power of two at least
     :data:`UNTUNED_LENGTH_PER_KEY` times ``plan``'s keys per row (MInference's default head when None), and never

@@ -655,7 +655,8 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
                      f"({s.guard_dense_heads} heads dense) mean {s.guarded_mean:.4f} worst {s.guarded_worst:.4f}")
     results.notes += [
         f"sparse = torch.compile(backend='minference', inner={inner!r}, min_sparse_len=0); perplexity and recall "
-        f"on windows of the text's last quarter (window seed {window_seed}), needles in its first three quarters",
+        f"on windows of the text's last quarter (window seed {window_seed}) at the lengths it holds, needles in "
+        "its first three quarters",
         f"recall: dense attention mass of the last {rows} query rows inside the online index's key set (these rows "
         "include the vertical-slash estimate's own last 64); oracle: the top-n keys of each row, n = the index's "
         "count; density: physical (tiles x 64 x 64 + columns x 64) / causal pairs, mean over heads (dense heads = 1)",
