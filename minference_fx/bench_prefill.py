@@ -472,7 +472,8 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
                 minference_options: Optional[dict] = None, guard_probe: bool = True, profile: bool = True,
                 on_cell: Optional[Callable[[Cell], None]] = None,
                 make_prompt: Optional[Callable[[int], torch.Tensor]] = None,
-                budgets: Optional[tuple] = None, config_path: Optional[str] = None) -> tuple[list, VariantSummary]:
+                budgets: Optional[tuple] = None, config_path: Optional[str] = None,
+                attention_mask: bool = False) -> tuple[list, VariantSummary]:
     from .backend import recent_reports
 
     device = next(model.parameters()).device
@@ -500,13 +501,15 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
                 on_cell(cell)
             continue
         ids = make_prompt(n) if make_prompt else prompt_ids(n, vocab, seed, device)
+        mask = {"attention_mask": torch.ones_like(ids)} if attention_mask else {}
         if variant.compiled:
-            torch._dynamo.mark_dynamic(ids, 1)
+            for t in (ids, *mask.values()):
+                torch._dynamo.mark_dynamic(t, 1)
 
         def step(ids=ids):
             if variant.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            out = variant.fn(input_ids=ids, use_cache=False, **last)
+            out = variant.fn(input_ids=ids, use_cache=False, **mask, **last)
             logits = out.logits[0, -1]
             return logits.argmax(), torch.isfinite(logits).all()
 
@@ -607,7 +610,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                   isolate: bool = True, cold_caches: bool = True, guard_probe: bool = True,
                   out=None, append: bool = False, command: Optional[str] = None,
                   model_name: str = "llama3-8b-random", budgets: Optional[tuple] = None,
-                  config_path: Optional[str] = None) -> PrefillResult:
+                  config_path: Optional[str] = None, attention_mask: bool = False) -> PrefillResult:
     """Time to first token of every variant at every length; a table via ``.table()``, JSON via ``out``.
 
     ``out`` is rewritten after every finished variant (every cell in-process), so a run cut
@@ -618,6 +621,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     longest length) on Austen's prose instead; ``layers`` and ``config_overrides`` do not apply.
     The minference variants run MInference's default budgets unless ``budgets`` (columns, diagonals: every
     head vertical-slash with those, this GPU's tuned crossover) or ``config_path`` (a semantic config JSON) says.
+    ``attention_mask``: every forward also gets an all-ones ``attention_mask``, as ``generate`` passes one.
     """
     if budgets is not None and config_path is not None:
         raise ValueError("give budgets or a semantic config, not both")
@@ -656,6 +660,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "minference_options": minference_options or {},
         "semantic_config": config_path or (f"every head vertical-slash {list(budgets)}" if budgets else _DEFAULT_SEMANTIC),
         "use_cache": False, "logits": "last position only",
+        "attention_mask": "all ones (as generate passes)" if attention_mask else None,
         "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
         "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths)),
     }
@@ -678,7 +683,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
             part = _run_child(name, dict(
                 lengths=lengths, layers=layers, device=str(device), dtype=str(dtype).removeprefix("torch."), reps=reps,
                 warmup=warmup, seed=seed, config_overrides=config_overrides, minference_options=minference_options,
-                guard_probe=guard_probe, model_name=model_name, budgets=budgets, config_path=config_path), cold_caches, out)
+                guard_probe=guard_probe, model_name=model_name, budgets=budgets, config_path=config_path,
+                attention_mask=attention_mask), cold_caches, out)
             result.cells += part.cells
             result.variants += part.variants
             for key, value in part.meta.items():  # environment, model size: the same in every process
@@ -712,7 +718,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         try:
             _, done = run_variant(model, name, lengths, reps=reps, warmup=warmup, seed=seed,
                                   minference_options=minference_options, guard_probe=guard_probe, on_cell=on_cell,
-                                  make_prompt=make_prompt, budgets=budgets, config_path=config_path)
+                                  make_prompt=make_prompt, budgets=budgets, config_path=config_path,
+                                  attention_mask=attention_mask)
             result.variants[result.variants.index(summary)] = done
         except Exception as exc:  # e.g. a compile that fails outright
             summary.error = f"{type(exc).__name__}: {exc}"[:500]
@@ -803,7 +810,7 @@ def _child_main(spec_path: str) -> int:
                   config_overrides=spec["config_overrides"], minference_options=spec["minference_options"],
                   guard_probe=spec["guard_probe"], isolate=False, out=spec["out"],
                   model_name=spec.get("model_name", "llama3-8b-random"), budgets=spec.get("budgets"),
-                  config_path=spec.get("config_path"))
+                  config_path=spec.get("config_path"), attention_mask=spec.get("attention_mask", False))
     return 0
 
 

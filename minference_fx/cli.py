@@ -78,7 +78,8 @@ def _bench(args) -> int:
             reduce_overhead=args.reduce_overhead, reps=args.reps, isolate=not args.in_process,
             out=args.out, append=args.append, command=command, model_name=args.model,
             budgets=tuple(args.budgets) if args.budgets else None, config_path=args.config,
-            minference_options=None if args.guard_threshold is None else {"guard_threshold": args.guard_threshold})
+            minference_options=None if args.guard_threshold is None else {"guard_threshold": args.guard_threshold},
+            attention_mask=args.attention_mask)
         print(result.table())
         if args.out:
             print(f"wrote {args.out}")
@@ -272,6 +273,9 @@ def main(argv=None) -> int:
     b.add_argument("--in-process", action="store_true",
                    help="prefill: every variant in this process (default: one process each, empty compile caches)")
     b.add_argument("--append", action="store_true", help="prefill: keep the other variants already in --out")
+    b.add_argument("--attention-mask", action="store_true",
+                   help="prefill: pass an all-ones attention_mask, as generate() does (HF then builds a padding mask "
+                        "in the traced graph)")
     b.set_defaults(run=_bench)
     sp = sub.add_parser("search", help="offline pattern search: per (layer, head) pattern into a semantic config")
     sp.add_argument("--model", default="smollm2", help="smollm2, a built-in tiny family, an HF config.json, or a model directory")

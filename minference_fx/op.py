@@ -66,12 +66,20 @@ def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
         raise ValueError("minference::sparse_attention: " + "; ".join(problems))
 
 
+MASKED_SDPA_MAX_PAIRS = 1 << 24
+"""Above this many (query, key) pairs a masked dense call on the GPU runs the sparse kernel's dense walk instead
+of SDPA. SDPA takes no padding mask beside ``is_causal``, so the mask would be materialised, a byte per pair
+([1, 1, 128K, 128K] is 16 GiB), and read by a slower masked kernel; HF under torch.compile always passes a
+padding mask (``generate`` an all-ones one), so every long prefill through ``generate`` would pay it."""
+
+
 def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     """Dense attention with the op's mask semantics, through the device's fused SDPA.
 
     The plain causal cases use ``is_causal`` / no mask so the fast fused kernels
-    run; only padding, packed documents, windows or an unaligned offset build a
-    boolean mask, and then only of shape [B, 1, Sq, Skv].
+    run; padding, packed documents, windows or an unaligned offset build a
+    boolean mask of shape [B, 1, Sq, Skv], or on the GPU past
+    :data:`MASKED_SDPA_MAX_PAIRS` run :func:`dense_walk`, which builds none.
     """
     sq, skv = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
@@ -81,6 +89,8 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     if plain and q_offset >= skv - 1:
         # every cached key is visible (decode steps land here)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa).contiguous()
+    if q.is_cuda and sq * skv > MASKED_SDPA_MAX_PAIRS:
+        return dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window)
     pos = torch.arange(sq, device=q.device) + q_offset
     keys = torch.arange(skv, device=q.device)
     allowed = (keys[None, :] <= pos[:, None])[None, None]
@@ -94,6 +104,26 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     # fully masked rows (left padding) must be 0, whatever the backend does with them
     return torch.where(allowed.any(-1, keepdim=True), out, 0.0).to(q.dtype).contiguous()
+
+
+def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None):
+    """Dense attention with the op's mask semantics through the sparse kernel's dense walk (every (batch, head)
+    forced dense, nothing listed): it reads the key mask, document ids and window tile by tile, so nothing of
+    size Sq x Skv is built. ``launch``: a launch config (default: this device's tuned dense walk)."""
+    from .kernels.attend import empty_index, sparse_attention_triton
+    from .kernels.reference import BLOCK
+    from .plan import PATTERN_CODES
+
+    B, hq, sq, _ = q.shape
+    if launch is None:
+        from .autotune.dispatch import launch_config
+
+        launch = launch_config(q, k, "dense_walk")
+    zeros = (0,) * hq
+    return sparse_attention_triton(
+        q, k, v, empty_index(B, hq, -(-sq // BLOCK), q.device), (PATTERN_CODES[Pattern.DENSE],) * hq, zeros, zeros,
+        scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window,
+        force_dense=torch.ones(B, hq, dtype=torch.bool, device=q.device), forced="only", **launch.launch())
 
 
 @torch.library.custom_op("minference::sparse_attention", mutates_args=())

@@ -54,6 +54,25 @@ def test_eager_and_minference_end_to_end(tmp_path):
     assert "2/2 attention sites rewritten" in table and table.count("\n") >= 1 + 2 * len(LENGTHS)
 
 
+def test_an_all_ones_attention_mask_reaches_the_op_as_padding(tmp_path):
+    """--attention-mask: the forwards get the mask generate() passes; the sites see a padding mask, are still
+    rewritten, and give eager's tokens."""
+    from minference_fx.backend import recent_reports
+
+    before = len(recent_reports())
+    out = tmp_path / "prefill.json"
+    bp.bench_prefill(LENGTHS[:2], layers=2, variants=("eager", "minference"), isolate=False, reps=1,
+                     config_overrides=TINY, minference_options=OPTIONS, out=out, command="test", attention_mask=True)
+    data = json.loads(out.read_text())
+    assert data["attention_mask"].startswith("all ones")
+    rows = [r for rep in recent_reports()[before:] for r in rep.rows]
+    assert rows and all(r.decision == "sparse" and r.mask == "causal+padding" for r in rows), rows
+    cells = _cells(data)
+    for n in LENGTHS[:2]:
+        assert cells[(n, "minference")]["next_token"] == cells[(n, "eager")]["next_token"]
+    assert _variant(data, "minference")["recompiles"] == 0
+
+
 def test_own_processes_and_append(tmp_path):
     """Each variant in a child process with empty compile caches; --append keeps the variants already there."""
     out = tmp_path / "prefill.json"
@@ -178,8 +197,10 @@ def test_cli_wiring(monkeypatch, capsys):
     assert seen["budgets"] is None and seen["config_path"] is None
     assert "length" in capsys.readouterr().out
     assert seen["minference_options"] is None
-    assert cli.main(["bench", "prefill", "--budgets", "500", "2000", "--guard-threshold", "0.5"]) == 0
+    assert seen["attention_mask"] is False
+    assert cli.main(["bench", "prefill", "--budgets", "500", "2000", "--guard-threshold", "0.5", "--attention-mask"]) == 0
     assert seen["budgets"] == (500, 2000) and seen["minference_options"] == {"guard_threshold": 0.5}
+    assert seen["attention_mask"] is True
 
 
 @pytest.mark.gpu

@@ -269,6 +269,31 @@ def test_eval_recall_on_the_gpu_index_equals_the_reference_index():
     assert bool(on_gpu.near_dense[3])  # (1000, 6096) keeps every tile at 3000 tokens: the rule is exercised
 
 
+def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(monkeypatch):
+    """A padded dense call past MASKED_SDPA_MAX_PAIRS (what a prefill with generate's all-ones mask runs below
+    the crossover and for routed heads) goes through the dense walk: no [Sq, Skv] mask (256 MiB at 16K), and
+    the result of the mask-building SDPA path, rows that see no key included."""
+    from minference_fx import op
+    from minference_fx.bench import structured_qkv
+
+    n = 16384
+    q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=4)
+    key_mask = torch.ones(1, n, dtype=torch.bool, device="cuda")
+    key_mask[:, :1000] = False  # left padding: rows 0-999 read nothing
+    assert n * n > op.MASKED_SDPA_MAX_PAIRS
+    op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)  # compile outside the measured call
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < n * n // 8  # the output is 16 MiB, a mask 256 MiB
+    monkeypatch.setattr(op, "MASKED_SDPA_MAX_PAIRS", n * n)
+    want = op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)
+    assert torch.isfinite(got).all() and not got[:, :, :1000].any()
+    assert _rel(got, want) < 1e-2
+
+
 def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
     """On diffuse Q/K (random-weight-like) VS(1000, 6096) keeps nearly every tile at 16K: the op runs those
     heads through the dense walk, so it matches cuDNN's dense attention. The choice is made on the device:

@@ -41,6 +41,31 @@ def test_dense_path_equals_reference_with_padding_window_and_offset():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["padding", "window+offset", "documents"])
+def test_dense_walk_equals_the_masked_dense_path(case):
+    """The GPU's masked dense path past MASKED_SDPA_MAX_PAIRS (the kernel's dense walk, under the interpreter
+    here) reads exactly what the mask-building SDPA path reads: padding that hides whole rows, a window, a
+    query offset, packed documents."""
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, TuneEntry
+    from minference_fx.op import dense_walk
+
+    q, k, v = _qkv(sq=150, skv=150, b=2)
+    key_mask = doc_ids = None
+    offset = window = 0
+    if case == "padding":
+        key_mask = torch.ones(2, 150, dtype=torch.bool)
+        key_mask[1, :70] = False  # left padding: rows 0-69 of batch 1 read nothing (zeros, not NaN)
+    elif case == "window+offset":
+        q, offset, window = q[:, :, :90], 60, 33
+    else:
+        doc_ids = torch.tensor([[0] * 40 + [1] * 110, [0] * 100 + [1] * 50])
+    want = dense_attention(q, k, v, key_mask, doc_ids, 0.25, offset, window)
+    for launch in (DEFAULT_ENTRIES["dense_walk"], TuneEntry(64, 128, 4, 2)):
+        got = dense_walk(q, k, v, key_mask, doc_ids, 0.25, offset, window, launch=launch)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_fake_gives_contiguous_shape_of_q():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
