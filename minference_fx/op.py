@@ -83,12 +83,10 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     """
     sq, skv = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
-    plain = key_mask is None and doc_ids is None and window <= 0
-    if plain and q_offset == 0 and sq == skv:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa).contiguous()
-    if plain and q_offset >= skv - 1:
-        # every cached key is visible (decode steps land here)
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa).contiguous()
+    if fused_sdpa_applies(sq, skv, key_mask, doc_ids, q_offset, window):
+        # not a prefill aligned at 0: every cached key is visible (decode steps), so no causal mask either
+        causal = q_offset == 0 and sq == skv
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
     if q.is_cuda and sq * skv > MASKED_SDPA_MAX_PAIRS:
         return dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window)
     pos = torch.arange(sq, device=q.device) + q_offset
@@ -104,6 +102,13 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     # fully masked rows (left padding) must be 0, whatever the backend does with them
     return torch.where(allowed.any(-1, keepdim=True), out, 0.0).to(q.dtype).contiguous()
+
+
+def fused_sdpa_applies(sq: int, skv: int, key_mask, doc_ids, q_offset, window) -> bool:
+    """Whether :func:`dense_attention` runs the device's fused SDPA with no mask: no padding, documents or
+    window, and causal aligned top-left (a prefill) or every key visible (a decode step)."""
+    plain = key_mask is None and doc_ids is None and window <= 0
+    return plain and ((q_offset == 0 and sq == skv) or q_offset >= skv - 1)
 
 
 def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None):
@@ -234,8 +239,10 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
                   dense_walk=None, routed: tuple = ()) -> GpuResult:
     """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``dense_walk``: index, the
     heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
-    ``routed`` ones through the device's fused SDPA (the whole layer in one call when that is every head).
-    The index still covers routed heads, so ``ran_dense`` says whether they would have run dense."""
+    ``routed`` ones through the device's fused SDPA (the whole layer in one call when that is every head)
+    where it applies without a mask (:func:`fused_sdpa_applies`), else in the kernel's dense walk (routing
+    then changes nothing). The index still covers routed heads, so ``ran_dense`` says whether they would have
+    run dense."""
     from .autotune.cache import DEFAULT_ENTRIES
     from .kernels import guard
     from .kernels.attend import sparse_attention_triton
@@ -252,24 +259,42 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
         guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
         force = near if force is None else force | near
-    if routed:
+    ran_dense = force
+    by_sdpa = fused_sdpa_applies(q.shape[-2], k.shape[-2], **masks)
+    if routed and by_sdpa:
         split = _split(_layer_plan_with_dense(plan, routed))
         if split.all_dense:
             out = dense_attention(q, k, v, masks["key_mask"], masks["doc_ids"], scale, masks["q_offset"], masks["window"])
-            return GpuResult(out, weak, force)
+            return GpuResult(out, weak, ran_dense)
+    kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
+    if sdpa_heads and not by_sdpa:
+        # With a padding mask (HF under torch.compile always passes one), documents or a window, SDPA would
+        # read a materialised mask, or the dense walk would run on copies of these heads (a kernel variant of
+        # its own, compiled at the first such call): the plan's dense heads join this call's dense walk.
+        kernel_args, sdpa_heads = plan.op_arguments(), ()
+        pairs = _dense_pairs(split.dense_heads, q)
+        force = pairs if force is None else force | pairs
     if force is None:
-        out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, **tuned.launch(), **masks)
+        out = sparse_attention_triton(q, k, v, index, *kernel_args, scale=scale, **tuned.launch(), **masks)
     else:
         # Two launches into one output, whatever the device decided: the sparse walk skips the forced
         # pairs, the dense walk (programs of up to two query tiles, no list reads) runs only them.
-        out = sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force,
+        out = sparse_attention_triton(q, k, v, index, *kernel_args, scale=scale, force_dense=force,
                                       forced="skip", **tuned.launch(), **masks)
-        sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale, force_dense=force, forced="only",
+        sparse_attention_triton(q, k, v, index, *kernel_args, scale=scale, force_dense=force, forced="only",
                                 out=out, **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch(), **masks)
-    if split.dense_heads:
-        _dense_heads_by_sdpa(q, k, v, out, split.dense_heads, _kv_heads(split.dense_heads, q.shape[1] // k.shape[1]),
-                             scale, masks)
-    return GpuResult(out, weak, force)
+    if sdpa_heads:
+        _dense_heads_by_sdpa(q, k, v, out, sdpa_heads, _kv_heads(sdpa_heads, q.shape[1] // k.shape[1]), scale, masks)
+    return GpuResult(out, weak, ran_dense)
+
+
+def _dense_pairs(heads: tuple, q: torch.Tensor) -> torch.Tensor:
+    """[B, Hq] bool on q's device: True for query heads ``heads`` (built on the device: no host copy)."""
+    from .kernels.tables import int_table
+
+    pairs = torch.zeros(q.shape[1], dtype=torch.bool, device=q.device)
+    pairs.index_fill_(0, int_table(heads, q.device).long(), True)
+    return pairs[None, :].expand(q.shape[0], -1)
 
 
 def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int) -> torch.Tensor:

@@ -210,6 +210,31 @@ def test_op_captures_in_a_cuda_graph_and_replays(guard_threshold):
     torch.testing.assert_close(out, OP(q2, k2, v2, None, None, *args))
 
 
+def test_padded_op_runs_dense_heads_in_the_kernel_matches_the_cpu_op_and_captures():
+    """With a padding mask the plan's dense heads join the kernel's dense walk (SDPA would read a materialised
+    mask): the GPU op equals the CPU op (the reference with the same run-time rules) on a left-padded batch,
+    rows that see no key included, and the call captures in a CUDA graph."""
+    from minference_fx.bench import structured_qkv
+
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 300, 500), HeadPlan(Pattern.DENSE),
+                      HeadPlan(Pattern.BLOCK_SPARSE, 8), HeadPlan(Pattern.DENSE)))
+    q, k, v = structured_qkv(4096, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, seed=5)
+    key_mask = torch.ones(2, 4096, dtype=torch.bool, device="cuda")
+    key_mask[1, :700] = False
+    args = (None, 0.125, 0, 0, *plan.op_arguments(), 0, 0.5)
+    got = OP(q, k, v, key_mask, *args)
+    want = OP(q.cpu().float(), k.cpu().float(), v.cpu().float(), key_mask.cpu(), *args)
+    assert torch.isfinite(got).all() and not got[1, :, :700].any()
+    assert _rel(got.cpu(), want) < 1e-2
+    static = [t.clone() for t in (q, k, v)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OP(*static, key_mask, *args)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, got)
+
+
 def test_compiled_model_reduce_overhead_matches_eager():
     import sys, os
 

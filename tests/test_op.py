@@ -102,12 +102,18 @@ def test_layer_dense_on_every_head_runs_sdpa_not_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded):
-    """sparse_on_gpu (Triton under the interpreter here): the plan's dense heads come from SDPA, the others
-    from the kernel, and together they equal the reference on the same plan."""
+def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded, monkeypatch):
+    """sparse_on_gpu (Triton under the interpreter here): the plan's dense heads come from SDPA (with a
+    padding mask, which SDPA could only read materialised, from the kernel's dense walk), the others from
+    the kernel, and together they equal the reference on the same plan."""
+    from minference_fx import op
     from minference_fx.autotune.cache import DEFAULT_ENTRY
     from minference_fx.op import sparse_on_gpu
     from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    by_sdpa = []
+    real = op._dense_heads_by_sdpa
+    monkeypatch.setattr(op, "_dense_heads_by_sdpa", lambda *a: by_sdpa.append(a[4]) or real(*a))
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 200, 32, generator=g)
@@ -124,6 +130,7 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded):
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.2, index=index, **masks)
     assert force is None and torch.isfinite(got).all()
     torch.testing.assert_close(got, want.to(got.dtype), atol=2e-5, rtol=2e-5)
+    assert by_sdpa == ([] if padded else [(1, 3)])
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu-path"])
