@@ -24,9 +24,10 @@ read when all of these hold:
   (``minference-fx autotune``; untuned: from the plan's budgets, ``autotune.dispatch.untuned_crossover``,
   32768 for MInference's default head);
 * or unless ``route_site`` names a rewritten site (``routing.new_site``) whose previous call ran the
-  head dense in every batch row (near-dense index or guard): then the head runs dense through the
-  device's SDPA this call (``minference_fx.routing``: lagged, read without a host sync). A head only
-  ever gains keys by it.
+  head dense in every batch row (near-dense index or guard), and this call needs no mask that SDPA would
+  have to read (:func:`fused_sdpa_applies`: no padding, documents or window, causal aligned at 0): then
+  the head runs dense through the device's SDPA this call (``minference_fx.routing``: lagged, read
+  without a host sync). A head only ever gains keys by it.
 
 A row with no readable key yields zeros, never NaN.
 """
@@ -174,7 +175,9 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     split = _split(plan)
     n_vs = split.n_vs
     guarded = guard_threshold > 0 and n_vs > 0
-    routed = routing.routed_heads(route_site, q.shape[1], q.device)
+    # routing sends heads to the fused SDPA; with a mask to read it has none to send them to
+    routable = fused_sdpa_applies(q.shape[-2], k.shape[-2], **masks)
+    routed = routing.routed_heads(route_site, q.shape[1], q.device) if routable else ()
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
@@ -182,7 +185,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
                                              launch_config(q, k), launch_config(q, k, "dense_walk"), routed)
         if weak is not None:
             guard.record(weak, q.shape[0] * n_vs)
-        if ran_dense is not None:
+        if ran_dense is not None and routable:
             routing.observe(route_site, ran_dense)
         return out
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
@@ -194,7 +197,8 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     if weak is not None:
         guard.record(weak, q.shape[0] * n_vs)
         force = force | weak
-    routing.observe(route_site, force)
+    if routable:
+        routing.observe(route_site, force)
     force = force | _head_mask(routed, q.shape[1])[None, :]
     if bool(force.any()):  # CPU: a host check is free, and densify copies the index
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)

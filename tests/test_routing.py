@@ -94,6 +94,21 @@ def test_op_routes_a_head_that_was_near_dense_at_the_previous_call(route):
     assert routing.routed_heads(site, 4, q.device) == ()
 
 
+def test_a_call_with_a_padding_mask_neither_routes_nor_records():
+    """Routing sends heads to the fused SDPA, which cannot take a padding mask beside is_causal: with one
+    (an all-ones mask here, as generate passes) the op runs each head by its own index and keeps no state."""
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
+    site = routing.new_site()
+    ones = lambda n: torch.ones(1, n, dtype=torch.bool)  # noqa: E731
+    OP(*_qkv(640), ones(640), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)  # near-dense at 640 tokens
+    assert routing.routed_count() == 0 and site not in routing._STATES
+    q, k, v = _qkv(1280, seed=6)
+    got = OP(q, k, v, ones(1280), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25,
+                                                    index=reference.build_index(q, k, plan, scale=0.25))
+    torch.testing.assert_close(got, on_index, atol=2e-5, rtol=2e-5)
+
+
 class _TwoLayers(torch.nn.Module):
     def forward(self, q, k, v):
         x = F.scaled_dot_product_attention(q, k, v, is_causal=True)
