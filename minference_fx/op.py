@@ -70,8 +70,9 @@ def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
 MASKED_SDPA_MAX_PAIRS = 1 << 24
 """Above this many (query, key) pairs a masked dense call on the GPU runs the sparse kernel's dense walk instead
 of SDPA. SDPA takes no padding mask beside ``is_causal``, so the mask would be materialised, a byte per pair
-([1, 1, 128K, 128K] is 16 GiB), and read by a slower masked kernel; HF under torch.compile always passes a
-padding mask (``generate`` an all-ones one), so every long prefill through ``generate`` would pay it."""
+([1, 1, 128K, 128K] is 16 GiB), and read by a slower masked kernel; HF under torch.compile builds a padding
+mask whenever it is given an ``attention_mask`` (``generate`` always gives one), so every long prefill through
+``generate`` would pay it."""
 
 
 def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
@@ -85,7 +86,7 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     sq, skv = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if fused_sdpa_applies(sq, skv, key_mask, doc_ids, q_offset, window):
-        # not a prefill aligned at 0: every cached key is visible (decode steps), so no causal mask either
+        # a prefill aligned at 0 is causal; otherwise (a decode step) every cached key is visible
         causal = q_offset == 0 and sq == skv
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
     if q.is_cuda and sq * skv > MASKED_SDPA_MAX_PAIRS:
