@@ -133,6 +133,53 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded, mo
     assert by_sdpa == ([] if padded else [(1, 3)])
 
 
+def test_gpu_path_runs_rows_whose_keys_are_all_valid_without_the_mask(monkeypatch):
+    """With a padding mask, the rows whose keys are all valid (generate's all-ones mask) run the sparse walk
+    without the mask and the padded rows with it, each launch skipping the other's rows; the dense walk keeps
+    the mask. Together they equal the reference, rows that see no key included."""
+    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.kernels import attend
+    from minference_fx.op import sparse_on_gpu
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    launches = []
+    real = attend.sparse_attention_triton
+
+    def spy(*a, **kw):
+        ran = kw.get("force_dense")
+        launches.append((kw.get("forced"), kw.get("key_mask") is not None,
+                         None if ran is None else (~ran.bool()).any(1).tolist()))  # the rows it may run
+        return real(*a, **kw)
+
+    monkeypatch.setattr(attend, "sparse_attention_triton", spy)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 640, 16, generator=g)
+    k, v = (torch.randn(2, 2, 640, 16, generator=g) for _ in range(2))
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 30, 60), HeadPlan(Pattern.BLOCK_SPARSE, 8),
+                      HeadPlan(Pattern.VERTICAL_SLASH, 20, 40), HeadPlan(Pattern.DENSE)))
+    key_mask = torch.ones(2, 640, dtype=torch.bool)
+    key_mask[1, :300] = False
+    masks = dict(key_mask=key_mask, doc_ids=None, q_offset=0, window=0)
+    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY).out
+    # head 1 (block-sparse, 8 tiles a query tile: 52 of 55 causal tiles at 640 tokens) is near-dense and head 3
+    # the plan's dense head: they run in the dense walk
+    assert launches == [("skip", False, [True, False]), ("skip", True, [False, True]), ("only", True, [True, True])]
+    index = reference.build_index(q, k, plan, scale=0.25, **masks)
+    index = _densify_near_dense(index, q, k, plan)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index, **masks)
+    assert torch.isfinite(got).all() and not got[1, :, :300].any()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def _densify_near_dense(index, q, k, plan):
+    """The reference index with the near-dense (batch, head) pairs densified, as the op runs them."""
+    from minference_fx.kernels import guard
+    from minference_fx.op import near_dense_heads
+
+    near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], 0)
+    return guard.densify(index, near, q.shape[-2], k.shape[-2], 0)
+
+
 @pytest.mark.parametrize("path", ["cpu", "gpu-path"])
 def test_a_head_whose_index_keeps_nearly_every_tile_runs_dense(path):
     """Block-sparse with 8 tiles per query tile keeps 52 of the 55 causal tiles of 640 tokens (>= 90 %):
