@@ -273,9 +273,10 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
             return GpuResult(out, weak, ran_dense)
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:
-        # With a padding mask (HF under torch.compile always passes one), documents or a window, SDPA would
-        # read a materialised mask, or the dense walk would run on copies of these heads (a kernel variant of
-        # its own, compiled at the first such call): the plan's dense heads join this call's dense walk.
+        # With a padding mask (HF under torch.compile builds one from any attention_mask), documents or a
+        # window, SDPA would read a materialised mask, or the dense walk would run on copies of these heads (a
+        # kernel variant of its own, compiled at the first such call): the plan's dense heads join this call's
+        # dense walk.
         kernel_args, sdpa_heads = plan.op_arguments(), ()
         pairs = _dense_pairs(split.dense_heads, q)
         force = pairs if force is None else force | pairs
@@ -288,7 +289,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         # 2.26x for SmolLM2 at 128K), and generate's all-ones mask hides nothing. So the batch rows whose keys
         # are all valid run the maskless walk and the padded rows the masked one: two launches, each skipping
         # the other's rows and the pairs that run dense, so every pair is computed once, as the mask says.
-        running_dense = force if force is not None else torch.zeros_like(index.tile_count[:, :, 0], dtype=torch.bool)
+        running_dense = force if force is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
         padded = ~masks["key_mask"].all(1, keepdim=True)
         out = sparse_attention_triton(q, k, v, index, *kernel_args, **sparse, force_dense=running_dense | padded,
                                       forced="skip", **{**masks, "key_mask": None})
