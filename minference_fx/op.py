@@ -301,8 +301,13 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         out = sparse_attention_triton(q, k, v, index, *kernel_args, **sparse, force_dense=force, forced="skip",
                                       **masks)
     if force is not None:
-        sparse_attention_triton(q, k, v, index, *kernel_args, scale=scale, force_dense=force, forced="only",
-                                out=out, **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch(), **masks)
+        walk = dict(scale=scale, forced="only", out=out, **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch())
+        if padding_only:  # the dense walk likewise: all-valid rows without the mask, padded rows with it
+            sparse_attention_triton(q, k, v, index, *kernel_args, **walk, force_dense=force & ~padded,
+                                    **{**masks, "key_mask": None})
+            sparse_attention_triton(q, k, v, index, *kernel_args, **walk, force_dense=force & padded, **masks)
+        else:
+            sparse_attention_triton(q, k, v, index, *kernel_args, **walk, force_dense=force, **masks)
     if sdpa_heads:
         _dense_heads_by_sdpa(q, k, v, out, sdpa_heads, _kv_heads(sdpa_heads, q.shape[1] // k.shape[1]), scale, masks)
     return GpuResult(out, weak, ran_dense)

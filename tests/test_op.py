@@ -135,8 +135,8 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded, mo
 
 def test_gpu_path_runs_rows_whose_keys_are_all_valid_without_the_mask(monkeypatch):
     """With a padding mask, the rows whose keys are all valid (generate's all-ones mask) run the sparse walk
-    without the mask and the padded rows with it, each launch skipping the other's rows; the dense walk keeps
-    the mask. Together they equal the reference, rows that see no key included."""
+    and the dense walk without the mask and the padded rows with it, each launch leaving the other's rows
+    alone. Together they equal the reference, rows that see no key included."""
     from minference_fx.autotune.cache import DEFAULT_ENTRY
     from minference_fx.kernels import attend
     from minference_fx.op import sparse_on_gpu
@@ -146,9 +146,9 @@ def test_gpu_path_runs_rows_whose_keys_are_all_valid_without_the_mask(monkeypatc
     real = attend.sparse_attention_triton
 
     def spy(*a, **kw):
-        ran = kw.get("force_dense")
-        launches.append((kw.get("forced"), kw.get("key_mask") is not None,
-                         None if ran is None else (~ran.bool()).any(1).tolist()))  # the rows it may run
+        forced = kw.get("force_dense").bool()
+        runs = forced if kw.get("forced") == "only" else ~forced  # "only" runs the forced pairs, "skip" the rest
+        launches.append((kw.get("forced"), kw.get("key_mask") is not None, runs.any(1).tolist()))  # rows it runs
         return real(*a, **kw)
 
     monkeypatch.setattr(attend, "sparse_attention_triton", spy)
@@ -163,7 +163,8 @@ def test_gpu_path_runs_rows_whose_keys_are_all_valid_without_the_mask(monkeypatc
     got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY).out
     # head 1 (block-sparse, 8 tiles a query tile: 52 of 55 causal tiles at 640 tokens) is near-dense and head 3
     # the plan's dense head: they run in the dense walk
-    assert launches == [("skip", False, [True, False]), ("skip", True, [False, True]), ("only", True, [True, True])]
+    assert launches == [("skip", False, [True, False]), ("skip", True, [False, True]),
+                        ("only", False, [True, False]), ("only", True, [False, True])]
     index = reference.build_index(q, k, plan, scale=0.25, **masks)
     index = _densify_near_dense(index, q, k, plan)
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index, **masks)
