@@ -127,10 +127,15 @@ def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None)
 
         launch = launch_config(q, k, "dense_walk")
     zeros = (0,) * hq
-    return sparse_attention_triton(
-        q, k, v, empty_index(B, hq, -(-sq // BLOCK), q.device), (PATTERN_CODES[Pattern.DENSE],) * hq, zeros, zeros,
-        scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window,
-        force_dense=torch.ones(B, hq, dtype=torch.bool, device=q.device), forced="only", **launch.launch())
+    args = (q, k, v, empty_index(B, hq, -(-sq // BLOCK), q.device), (PATTERN_CODES[Pattern.DENSE],) * hq, zeros, zeros)
+    common = dict(scale=scale, doc_ids=doc_ids, q_offset=q_offset, window=window, forced="only", **launch.launch())
+    every_pair = torch.ones(B, hq, dtype=torch.bool, device=q.device)
+    if key_mask is None or doc_ids is not None or window > 0:
+        return sparse_attention_triton(*args, key_mask=key_mask, force_dense=every_pair, **common)
+    # rows whose keys are all valid (generate's all-ones mask) without the mask, its per-tile checks saved
+    padded = ~key_mask.all(1, keepdim=True)
+    out = sparse_attention_triton(*args, key_mask=None, force_dense=every_pair & ~padded, **common)
+    return sparse_attention_triton(*args, key_mask=key_mask, force_dense=every_pair & padded, out=out, **common)
 
 
 @torch.library.custom_op("minference::sparse_attention", mutates_args=())
