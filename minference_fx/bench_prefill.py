@@ -506,7 +506,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
             for t in (ids, *mask.values()):
                 torch._dynamo.mark_dynamic(t, 1)
 
-        def step(ids=ids):
+        def step(ids=ids, mask=mask):
             if variant.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             out = variant.fn(input_ids=ids, use_cache=False, **mask, **last)
@@ -753,7 +753,7 @@ def _local_meta(path: str, longest: int) -> dict:
 
 def _take_earlier(result: PrefillResult, earlier: PrefillResult, variants) -> None:
     """Keep ``earlier``'s variants that are not run now; refuse results of another model or dtype."""
-    same = ("layers", "config", "dtype", "device", "semantic_config")
+    same = ("layers", "config", "dtype", "device", "semantic_config", "attention_mask")
 
     def canon(meta):
         # files from before semantic_config was recorded ran the default budgets

@@ -131,7 +131,7 @@ def held_out_ids(tokenizer, text: str, length: int, *, seed: int = 0, calibrated
     start = int(len(text) * HELD_OUT_FROM)
     span = len(text) - start
     need = length * CHARS_PER_TOKEN_ROOM
-    if span < need:
+    if beyond_held_out(text, length):
         if calibrated or need > len(text):
             why = "; a searched config is only measured there" if calibrated and need <= len(text) else ""
             raise ValueError(f"the held-out quarter of the text has {span} characters; {length} tokens need about "
@@ -348,7 +348,7 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     would be S x S per head). Those rows include the vertical-slash estimate's
     own last 64 queries, so VS recall there is slightly optimistic.
     """
-    from .op import guard_mass, near_dense_heads, weak_heads
+    from .op import guard_mass, guarded_heads, near_dense_heads, weak_heads
     from .search import physical_density
 
     q, k = q.float(), k.float()
@@ -369,7 +369,7 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     near = near_dense_heads(index, plan, sq, skv, 0)[0].cpu()
     mass = guard_mass(q, k, index, scale, dict(key_mask=None, doc_ids=None, q_offset=0, window=0)).cpu()
     fires = near | weak_heads(mass, plan, guard_threshold)[0] if guard_threshold > 0 else near
-    checked = torch.tensor([hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads])
+    checked = torch.tensor(guarded_heads(plan))
     return LayerRecall(recall.mean((0, 2)), oracle.mean((0, 2)), physical_density(index, sq, skv).float(), fires,
                        near, torch.where(checked, mass[0], float("nan")))
 

@@ -117,7 +117,7 @@ def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None)
     """Dense attention with the op's mask semantics through the sparse kernel's dense walk (every (batch, head)
     forced dense, nothing listed): it reads the key mask, document ids and window tile by tile, so nothing of
     size Sq x Skv is built. ``launch``: a launch config (default: this device's tuned dense walk)."""
-    from .kernels.attend import empty_index, sparse_attention_triton
+    from .kernels.attend import empty_index
     from .kernels.reference import BLOCK
     from .plan import PATTERN_CODES
 
@@ -128,14 +128,32 @@ def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None)
         launch = launch_config(q, k, "dense_walk")
     zeros = (0,) * hq
     args = (q, k, v, empty_index(B, hq, -(-sq // BLOCK), q.device), (PATTERN_CODES[Pattern.DENSE],) * hq, zeros, zeros)
-    common = dict(scale=scale, doc_ids=doc_ids, q_offset=q_offset, window=window, forced="only", **launch.launch())
+    masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
     every_pair = torch.ones(B, hq, dtype=torch.bool, device=q.device)
-    if key_mask is None or doc_ids is not None or window > 0:
-        return sparse_attention_triton(*args, key_mask=key_mask, force_dense=every_pair, **common)
-    # rows whose keys are all valid (generate's all-ones mask) without the mask, its per-tile checks saved
-    padded = ~key_mask.all(1, keepdim=True)
-    out = sparse_attention_triton(*args, key_mask=None, force_dense=every_pair & ~padded, **common)
-    return sparse_attention_triton(*args, key_mask=key_mask, force_dense=every_pair & padded, out=out, **common)
+    return _launch_by_rows(args, masks, _padded_rows(masks), every_pair, "only", scale=scale, **launch.launch())
+
+
+def _padded_rows(masks: dict):
+    """[B, 1] bool: the batch rows whose padding mask hides a key, when a padding mask is the only mask (with
+    documents or a window the walk checks every tile anyway); else None."""
+    if masks["key_mask"] is None or masks["doc_ids"] is not None or masks["window"] > 0:
+        return None
+    return ~masks["key_mask"].all(1, keepdim=True)
+
+
+def _launch_by_rows(args: tuple, masks: dict, padded, force: torch.Tensor, forced: str, **launch) -> torch.Tensor:
+    """One kernel launch of ``forced`` mode over the [B, Hq] table ``force`` ("skip" runs the other pairs, "only"
+    these); with ``padded`` rows (:func:`_padded_rows`), two: the rows whose keys are all valid without the
+    mask, which would cost the walk its unmasked fast path on every tile (SmolLM2 at 128K: 1.81x HF eager with
+    generate's all-ones mask, 2.26x without), then the padded rows with it. Each leaves the other's rows
+    alone, so every pair runs once, as the mask says. Returns the output."""
+    from .kernels.attend import sparse_attention_triton
+
+    if padded is None:
+        return sparse_attention_triton(*args, force_dense=force, forced=forced, **launch, **masks)
+    valid_rows, padded_rows = (force | padded, force | ~padded) if forced == "skip" else (force & ~padded, force & padded)
+    out = sparse_attention_triton(*args, force_dense=valid_rows, forced=forced, **launch, **{**masks, "key_mask": None})
+    return sparse_attention_triton(*args, force_dense=padded_rows, forced=forced, **{**launch, "out": out}, **masks)
 
 
 @torch.library.custom_op("minference::sparse_attention", mutates_args=())
@@ -222,10 +240,15 @@ def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_t
     return near, weak_heads(guard_mass(q, k, index, scale, masks), plan, guard_threshold)
 
 
+def guarded_heads(plan: LayerPlan) -> tuple:
+    """Per head, whether the quality guard checks it (vertical-slash heads)."""
+    return _split(plan).vs_mask
+
+
 def weak_heads(mass: torch.Tensor, plan: LayerPlan, guard_threshold: float) -> torch.Tensor:
     """[B, Hq] bool: the vertical-slash heads (the only ones the quality guard checks) whose estimated
     captured ``mass`` ([B, Hq]) is under ``guard_threshold``."""
-    return (mass < guard_threshold) & torch.tensor(_split(plan).vs_mask, device=mass.device)[None, :]
+    return (mass < guard_threshold) & torch.tensor(guarded_heads(plan), device=mass.device)[None, :]
 
 
 def guard_mass(q, k, index, scale: float, masks: dict) -> torch.Tensor:
@@ -282,37 +305,21 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         # window, SDPA would read a materialised mask, or the dense walk would run on copies of these heads (a
         # kernel variant of its own, compiled at the first such call): the plan's dense heads join this call's
         # dense walk.
-        kernel_args, sdpa_heads = plan.op_arguments(), ()
+        kernel_args, sdpa_heads = split.op_args, ()
         pairs = _dense_pairs(split.dense_heads, q)
         force = pairs if force is None else force | pairs
-    sparse = dict(scale=scale, **tuned.launch())
-    padding_only = masks["key_mask"] is not None and masks["doc_ids"] is None and masks["window"] <= 0
-    if force is None and not padding_only:
-        out = sparse_attention_triton(q, k, v, index, *kernel_args, **sparse, **masks)
-    elif padding_only:
-        # A padding mask costs the sparse walk its unmasked fast path on every tile (1.81x HF eager instead of
-        # 2.26x for SmolLM2 at 128K), and generate's all-ones mask hides nothing. So the batch rows whose keys
-        # are all valid run the maskless walk and the padded rows the masked one: two launches, each skipping
-        # the other's rows and the pairs that run dense, so every pair is computed once, as the mask says.
-        running_dense = force if force is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
-        padded = ~masks["key_mask"].all(1, keepdim=True)
-        out = sparse_attention_triton(q, k, v, index, *kernel_args, **sparse, force_dense=running_dense | padded,
-                                      forced="skip", **{**masks, "key_mask": None})
-        sparse_attention_triton(q, k, v, index, *kernel_args, **sparse, force_dense=running_dense | ~padded,
-                                forced="skip", out=out, **masks)
+    args = (q, k, v, index, *kernel_args)
+    padded = _padded_rows(masks)
+    if force is None and padded is None:
+        out = sparse_attention_triton(*args, scale=scale, **tuned.launch(), **masks)
     else:
-        # Two launches into one output, whatever the device decided: the sparse walk skips the forced
-        # pairs, the dense walk (programs of up to two query tiles, no list reads) runs only them.
-        out = sparse_attention_triton(q, k, v, index, *kernel_args, **sparse, force_dense=force, forced="skip",
-                                      **masks)
-    if force is not None:
-        walk = dict(scale=scale, forced="only", out=out, **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch())
-        if padding_only:  # the dense walk likewise: all-valid rows without the mask, padded rows with it
-            sparse_attention_triton(q, k, v, index, *kernel_args, **walk, force_dense=force & ~padded,
-                                    **{**masks, "key_mask": None})
-            sparse_attention_triton(q, k, v, index, *kernel_args, **walk, force_dense=force & padded, **masks)
-        else:
-            sparse_attention_triton(q, k, v, index, *kernel_args, **walk, force_dense=force, **masks)
+        # Launches into one output, whatever the device decided: the sparse walk skips the forced pairs, the
+        # dense walk (programs of up to two query tiles, no list reads) runs only them.
+        skip = force if force is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+        out = _launch_by_rows(args, masks, padded, skip, "skip", scale=scale, **tuned.launch())
+        if force is not None:
+            _launch_by_rows(args, masks, padded, force, "only", scale=scale, out=out,
+                            **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch())
     if sdpa_heads:
         _dense_heads_by_sdpa(q, k, v, out, sdpa_heads, _kv_heads(sdpa_heads, q.shape[1] // k.shape[1]), scale, masks)
     return GpuResult(out, weak, ran_dense)
@@ -345,6 +352,8 @@ block-sparse) (batch, head) pairs, ``heads_forced_dense`` those whose index was 
 class _PlanSplit:
     """What the op derives from a layer's plan, once per distinct plan (not per call, not per head)."""
 
+    op_args: tuple
+    """the plan's op arguments as they are (dense heads run by the kernel when SDPA cannot take them)"""
     kernel_args: tuple
     """the plan's op arguments with its dense heads skipped (``SKIP_CODE``): cuDNN runs dense causal
     attention faster than the kernel's tile walk (0.76-0.80x of it on an H200), so those heads go to SDPA"""
@@ -373,11 +382,11 @@ def _split(plan: LayerPlan) -> _PlanSplit:
 
     patterns, budget_a, budget_b = plan.op_arguments()
     dense = tuple(h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.DENSE)
-    patterns = tuple(SKIP_CODE if h in dense else code for h, code in enumerate(patterns))
     vs_mask = tuple(hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads)
     listed_mask = tuple(hp.pattern in LISTED_PATTERNS for hp in plan.heads)
-    return _PlanSplit((patterns, tuple(budget_a), tuple(budget_b)), dense, vs_mask, listed_mask, sum(vs_mask),
-                      sum(listed_mask))
+    return _PlanSplit((tuple(patterns), tuple(budget_a), tuple(budget_b)),
+                      (tuple(SKIP_CODE if h in dense else code for h, code in enumerate(patterns)), tuple(budget_a),
+                       tuple(budget_b)), dense, vs_mask, listed_mask, sum(vs_mask), sum(listed_mask))
 
 
 @functools.lru_cache(maxsize=4096)
