@@ -73,6 +73,15 @@ def test_an_all_ones_attention_mask_reaches_the_op_as_padding(tmp_path):
     assert _variant(data, "minference")["recompiles"] == 0
 
 
+def test_append_refuses_results_with_another_attention_mask():
+    meta = {"layers": 1, "config": {}, "dtype": "float32", "device": "cpu"}
+    earlier = bp.PrefillResult(dict(meta), [], [])  # a file from before --attention-mask was recorded
+    bp._take_earlier(bp.PrefillResult(dict(meta, attention_mask=None), [], []), earlier, ["eager"])
+    with pytest.raises(ValueError, match="attention_mask"):
+        bp._take_earlier(bp.PrefillResult(dict(meta, attention_mask="all ones (as generate passes)"), [], []),
+                         earlier, ["eager"])
+
+
 def test_own_processes_and_append(tmp_path):
     """Each variant in a child process with empty compile caches; --append keeps the variants already there."""
     out = tmp_path / "prefill.json"
