@@ -127,16 +127,16 @@ def held_out_ids(tokenizer, text: str, length: int, *, seed: int = 0, calibrated
     The search calibrates on the first three quarters, so a searched (``calibrated``) config is only measured
     on the last. A config no search fitted to the text has nothing to hold out from: a length the last quarter
     cannot hold (past ~170K tokens of Austen) then takes the text's last characters, reaching back into the
-    first three quarters (:func:`beyond_held_out` says when)."""
+    first three quarters (:func:`beyond_held_out` says when), or the whole text when even that is short of
+    ``CHARS_PER_TOKEN_ROOM`` characters a token (Austen's 4.0M characters are 995K tokens: 960K fit)."""
     start = int(len(text) * HELD_OUT_FROM)
     span = len(text) - start
     need = length * CHARS_PER_TOKEN_ROOM
     if beyond_held_out(text, length):
-        if calibrated or need > len(text):
-            why = "; a searched config is only measured there" if calibrated and need <= len(text) else ""
+        if calibrated:
             raise ValueError(f"the held-out quarter of the text has {span} characters; {length} tokens need about "
-                             f"{need}{why}")
-        return text_window_ids(tokenizer, text, len(text) - need, length)
+                             f"{need}; a searched config is only measured there")
+        return text_window_ids(tokenizer, text, max(0, len(text) - need), length)
     return text_window_ids(tokenizer, text, start + random.Random(seed).randrange(0, span - need + 1), length)
 
 

@@ -250,8 +250,10 @@ def test_a_window_longer_than_the_last_quarter_only_for_an_uncalibrated_config()
     assert ids.shape == (1, longer)
     start = len(text) - longer * evaluate.CHARS_PER_TOKEN_ROOM  # the text's last characters
     assert "".join(chr(int(t)) for t in ids[0]) == text[start:start + longer]
-    with pytest.raises(ValueError, match="held-out quarter"):  # longer than the whole text: refused either way
-        evaluate.held_out_ids(CharTokenizer(), text, len(text), calibrated=False)
+    whole = evaluate.held_out_ids(CharTokenizer(), text, len(text), calibrated=False)  # the whole text, from 0
+    assert "".join(chr(int(t)) for t in whole[0]) == text
+    with pytest.raises(ValueError, match="fewer than"):  # more tokens than the whole text holds
+        evaluate.held_out_ids(CharTokenizer(), text, len(text) + 1, calibrated=False)
 
 
 def test_needle_prompts_go_to_the_models_device(monkeypatch):
