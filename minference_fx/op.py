@@ -25,9 +25,10 @@ read when all of these hold:
   32768 for MInference's default head);
 * or unless ``route_site`` names a rewritten site (``routing.new_site``) whose previous call ran the
   head dense in every batch row (near-dense index or guard), and this call needs no mask that SDPA would
-  have to read (:func:`fused_sdpa_applies`: no padding, documents or window, causal aligned at 0): then
-  the head runs dense through the device's SDPA this call (``minference_fx.routing``: lagged, read
-  without a host sync). A head only ever gains keys by it.
+  have to read beyond padding (:func:`routable`: no documents or window, causal aligned at 0): then the
+  head runs dense through the device's SDPA this call, without the mask, and the batch rows a padding mask
+  hides keys of run it again with the mask in the kernel's dense walk (``minference_fx.routing``: lagged,
+  read without a host sync). A head only ever gains keys by it.
 
 A row with no readable key yields zeros, never NaN.
 """
@@ -111,6 +112,12 @@ def fused_sdpa_applies(sq: int, skv: int, key_mask, doc_ids, q_offset, window) -
     window, and causal aligned top-left (a prefill) or every key visible (a decode step)."""
     plain = key_mask is None and doc_ids is None and window <= 0
     return plain and ((q_offset == 0 and sq == skv) or q_offset >= skv - 1)
+
+
+def routable(sq: int, skv: int, masks: dict) -> bool:
+    """Whether heads may go to the device's fused SDPA run without a mask: :func:`fused_sdpa_applies` once
+    a padding mask is set aside (the padded rows then run again with it: :func:`_padded_rows_again`)."""
+    return fused_sdpa_applies(sq, skv, **{**masks, "key_mask": None})
 
 
 def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None):
@@ -199,9 +206,9 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     split = _split(plan)
     n_vs = split.n_vs
     guarded = guard_threshold > 0 and n_vs > 0
-    # routing sends heads to the fused SDPA; with a mask to read it has none to send them to
-    routable = fused_sdpa_applies(q.shape[-2], k.shape[-2], **masks)
-    routed = routing.routed_heads(route_site, q.shape[1], q.device) if routable else ()
+    # routing sends heads to the fused SDPA; with documents or a window to read it has none to send them to
+    can_route = routable(q.shape[-2], k.shape[-2], masks)
+    routed = routing.routed_heads(route_site, q.shape[1], q.device) if can_route else ()
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
@@ -209,7 +216,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
                                              launch_config(q, k), launch_config(q, k, "dense_walk"), routed)
         if weak is not None:
             guard.record(weak, q.shape[0] * n_vs)
-        if ran_dense is not None and routable:
+        if ran_dense is not None and can_route:
             routing.observe(route_site, ran_dense)
         return out
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
@@ -221,7 +228,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     if weak is not None:
         guard.record(weak, q.shape[0] * n_vs)
         force = force | weak
-    if routable:
+    if can_route:
         routing.observe(route_site, force)
     force = force | _head_mask(routed, q.shape[1])[None, :]
     if bool(force.any()):  # CPU: a host check is free, and densify copies the index
@@ -272,10 +279,10 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
                   dense_walk=None, routed: tuple = ()) -> GpuResult:
     """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``dense_walk``: index, the
     heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
-    ``routed`` ones through the device's fused SDPA (the whole layer in one call when that is every head)
-    where it applies without a mask (:func:`fused_sdpa_applies`), else in the kernel's dense walk (routing
-    then changes nothing). The index still covers routed heads, so ``ran_dense`` says whether they would have
-    run dense."""
+    ``routed`` ones through the device's fused SDPA without a mask (the whole layer in one call when that is
+    every head) where that applies once padding is set aside (:func:`routable`; the padded rows then run again
+    in the masked dense walk), else in the kernel's dense walk (routing then changes nothing). The index still
+    covers routed heads, so ``ran_dense`` says whether they would have run dense."""
     from .autotune.cache import DEFAULT_ENTRIES
     from .kernels import guard
     from .kernels.attend import sparse_attention_triton
@@ -293,23 +300,24 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
         force = near if force is None else force | near
     ran_dense = force
-    by_sdpa = fused_sdpa_applies(q.shape[-2], k.shape[-2], **masks)
+    padded = _padded_rows(masks)
+    walk_launch = (dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch()
+    by_sdpa = routable(q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:
         split = _split(_layer_plan_with_dense(plan, routed))
         if split.all_dense:
-            out = dense_attention(q, k, v, masks["key_mask"], masks["doc_ids"], scale, masks["q_offset"], masks["window"])
+            out = dense_attention(q, k, v, None, None, scale, masks["q_offset"], masks["window"])
+            _padded_rows_again(q, k, v, index, split, out, split.dense_heads, padded, masks, scale, walk_launch)
             return GpuResult(out, weak, ran_dense)
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:
-        # With a padding mask (HF under torch.compile builds one from any attention_mask), documents or a
-        # window, SDPA would read a materialised mask, or the dense walk would run on copies of these heads (a
-        # kernel variant of its own, compiled at the first such call): the plan's dense heads join this call's
-        # dense walk.
+        # With documents or a window SDPA would read a materialised mask, or the dense walk would run on
+        # copies of these heads (a kernel variant of its own, compiled at the first such call): the plan's
+        # dense heads join this call's dense walk.
         kernel_args, sdpa_heads = split.op_args, ()
         pairs = _dense_pairs(split.dense_heads, q)
         force = pairs if force is None else force | pairs
     args = (q, k, v, index, *kernel_args)
-    padded = _padded_rows(masks)
     if force is None and padded is None:
         out = sparse_attention_triton(*args, scale=scale, **tuned.launch(), **masks)
     else:
@@ -318,11 +326,25 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         skip = force if force is not None else torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
         out = _launch_by_rows(args, masks, padded, skip, "skip", scale=scale, **tuned.launch())
         if force is not None:
-            _launch_by_rows(args, masks, padded, force, "only", scale=scale, out=out,
-                            **(dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch())
+            _launch_by_rows(args, masks, padded, force, "only", scale=scale, out=out, **walk_launch)
     if sdpa_heads:
-        _dense_heads_by_sdpa(q, k, v, out, sdpa_heads, _kv_heads(sdpa_heads, q.shape[1] // k.shape[1]), scale, masks)
+        _dense_heads_by_sdpa(q, k, v, out, sdpa_heads, _kv_heads(sdpa_heads, q.shape[1] // k.shape[1]), scale,
+                             {**masks, "key_mask": None})
+        _padded_rows_again(q, k, v, index, split, out, sdpa_heads, padded, masks, scale, walk_launch)
     return GpuResult(out, weak, ran_dense)
+
+
+def _padded_rows_again(q, k, v, index, split: "_PlanSplit", out, heads: tuple, padded, masks: dict, scale: float,
+                       launch: dict) -> None:
+    """SDPA wrote query ``heads`` of every batch row without the padding mask: the rows it hides keys of
+    (``padded``, :func:`_padded_rows`; None: no mask) run those heads again, with it, in the kernel's dense
+    walk. Without padding every program of that launch returns at once (no host check decides it)."""
+    if padded is None:
+        return
+    from .kernels.attend import sparse_attention_triton
+
+    sparse_attention_triton(q, k, v, index, *split.op_args, force_dense=_dense_pairs(heads, q) & padded,
+                            forced="only", out=out, scale=scale, **launch, **masks)
 
 
 def _dense_pairs(heads: tuple, q: torch.Tensor) -> torch.Tensor:

@@ -94,19 +94,72 @@ def test_op_routes_a_head_that_was_near_dense_at_the_previous_call(route):
     assert routing.routed_heads(site, 4, q.device) == ()
 
 
-def test_a_call_with_a_padding_mask_neither_routes_nor_records():
-    """Routing sends heads to the fused SDPA, which cannot take a padding mask beside is_causal: with one
-    (an all-ones mask here, as generate passes) the op runs each head by its own index and keeps no state."""
+def _left_padded(n, pad):
+    """[2, n] key mask: row 0 all valid (as generate passes for one prompt), row 1 left-padded by ``pad``."""
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, :pad] = False
+    return mask
+
+
+def _batch_of_two(n, seed):
+    q, k, v = _qkv(n, seed)
+    q2, k2, v2 = _qkv(n, seed + 100)
+    return torch.cat([q, q2]), torch.cat([k, k2]), torch.cat([v, v2])
+
+
+def test_a_padding_mask_routes_and_the_padded_rows_read_it():
+    """Under a padding mask (generate always passes one) a head near-dense at the site's previous call is
+    routed: its valid rows run SDPA without the mask, the padded row runs it again with the mask; the result
+    is masked dense attention, rows that see no key 0."""
+    from minference_fx.op import dense_attention
+
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
     site = routing.new_site()
-    ones = lambda n: torch.ones(1, n, dtype=torch.bool)  # noqa: E731
-    OP(*_qkv(640), ones(640), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)  # near-dense at 640 tokens
+    OP(*_batch_of_two(640, 5), _left_padded(640, 100), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    assert routing.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)  # near-dense in both rows
+    q, k, v = _batch_of_two(1280, 6)
+    mask = _left_padded(1280, 300)
+    got = OP(q, k, v, mask, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    want = dense_attention(q, k, v, mask, None, 0.25, 0, 0)
+    on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, key_mask=mask,
+                                                    index=reference.build_index(q, k, plan, scale=0.25, key_mask=mask))
+    assert (on_index - want).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert not got[1, :, :300].any()
+
+
+def test_documents_neither_route_nor_record():
+    """Routed heads run SDPA without a mask; packed documents are a mask SDPA would have to read, so with
+    them the op runs each head by its own index and keeps no state."""
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
+    site = routing.new_site()
+    docs = lambda n: (torch.arange(n) >= n // 2).long()[None]  # noqa: E731
+    OP(*_qkv(640), None, docs(640), 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
     assert routing.routed_count() == 0 and site not in routing._STATES
-    q, k, v = _qkv(1280, seed=6)
-    got = OP(q, k, v, ones(1280), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
-    on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25,
-                                                    index=reference.build_index(q, k, plan, scale=0.25))
-    torch.testing.assert_close(got, on_index, atol=2e-5, rtol=2e-5)
+
+
+def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_then_the_padded_rows_masked():
+    """sparse_on_gpu (Triton under the interpreter) with a left-padded batch of two: routed heads 0 and 2
+    equal masked dense attention (SDPA on every row, the padded row again in the masked dense walk), the
+    others the reference on their own index; with every head routed, the whole layer is masked dense."""
+    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.op import dense_attention, sparse_on_gpu
+
+    q, k, v = _batch_of_two(640, 5)
+    mask = _left_padded(640, 150)
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 7),) * 4)
+    masks = dict(key_mask=mask, doc_ids=None, q_offset=0, window=0)
+    dense = dense_attention(q, k, v, mask, None, 0.25, 0, 0)
+    on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, key_mask=mask,
+                                                    index=reference.build_index(q, k, plan, scale=0.25, key_mask=mask))
+    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 2))
+    torch.testing.assert_close(got.out[:, [0, 2]], dense[:, [0, 2]], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.out[:, [1, 3]], on_index[:, [1, 3]], atol=2e-5, rtol=2e-5)
+    unmasked = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert (unmasked[1] - dense[1]).abs().max() > 1e-3  # the padded row's mask changed its result
+    every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
+    torch.testing.assert_close(every.out, dense, atol=2e-5, rtol=2e-5)
+    assert not every.out[1, :, :150].any()
 
 
 class _TwoLayers(torch.nn.Module):
