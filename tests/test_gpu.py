@@ -441,6 +441,7 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_rows_masked_
 
     OP(*diffuse, key_mask, None, *args, site)  # route all 8 again (the structured call may have un-routed some)
     torch.cuda.synchronize()
+    assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # read before the capture, which reads nothing
     static = [t.clone() for t in (q, k, v)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -448,3 +449,4 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_rows_masked_
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, routed)
+    assert _rel(out, want) < 1e-2
