@@ -25,10 +25,11 @@ read when all of these hold:
   32768 for MInference's default head);
 * or unless ``route_site`` names a rewritten site (``routing.new_site``) whose previous call ran the
   head dense in every batch row (near-dense index or guard), and this call needs no mask that SDPA would
-  have to read beyond padding (:func:`routable`: no documents or window, causal aligned at 0): then the
-  head runs dense through the device's SDPA this call, without the mask, and the batch rows a padding mask
-  hides keys of run it again with the mask in the kernel's dense walk (``minference_fx.routing``: lagged,
-  read without a host sync). A head only ever gains keys by it.
+  have to read (:func:`routable`: no documents or window, a prefill aligned at 0 or a decode step; a
+  padding mask only with one batch row): then the head runs dense through the device's SDPA this call,
+  without the mask, and a row the padding mask hides keys of runs it again with the mask in the kernel's
+  dense walk (``minference_fx.routing``: lagged, read without a host sync). A head only ever gains keys
+  by it.
 
 A row with no readable key yields zeros, never NaN.
 """
@@ -114,9 +115,13 @@ def fused_sdpa_applies(sq: int, skv: int, key_mask, doc_ids, q_offset, window) -
     return plain and ((q_offset == 0 and sq == skv) or q_offset >= skv - 1)
 
 
-def routable(sq: int, skv: int, masks: dict) -> bool:
-    """Whether heads may go to the device's fused SDPA run without a mask: :func:`fused_sdpa_applies` once
-    a padding mask is set aside (the padded rows then run again with it: :func:`_padded_rows_again`)."""
+def routable(batch: int, sq: int, skv: int, masks: dict) -> bool:
+    """Whether heads may go to the device's fused SDPA run without a mask: where :func:`fused_sdpa_applies`,
+    and under a padding mask alone for one batch row, as ``generate`` runs a single prompt (its mask all
+    ones; a padded row runs again with it: :func:`_padded_rows_again`). In a padded batch most rows would
+    run twice, SDPA's work on them wasted, so there the heads stay in the kernel's dense walk."""
+    if masks["key_mask"] is not None and batch != 1:
+        return False
     return fused_sdpa_applies(sq, skv, **{**masks, "key_mask": None})
 
 
@@ -207,7 +212,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     n_vs = split.n_vs
     guarded = guard_threshold > 0 and n_vs > 0
     # routing sends heads to the fused SDPA; with documents or a window to read it has none to send them to
-    can_route = routable(q.shape[-2], k.shape[-2], masks)
+    can_route = routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     routed = routing.routed_heads(route_site, q.shape[1], q.device) if can_route else ()
     if q.is_cuda:
         from .autotune.dispatch import launch_config
@@ -280,8 +285,8 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``dense_walk``: index, the
     heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
     ``routed`` ones through the device's fused SDPA without a mask (the whole layer in one call when that is
-    every head) where that applies once padding is set aside (:func:`routable`; the padded rows then run again
-    in the masked dense walk), else in the kernel's dense walk (routing then changes nothing). The index still
+    every head) where :func:`routable` (under a padding mask, one batch row: run again in the masked dense walk
+    when padded), else in the kernel's dense walk (routing then changes nothing). The index still
     covers routed heads, so ``ran_dense`` says whether they would have run dense."""
     from .autotune.cache import DEFAULT_ENTRIES
     from .kernels import guard
@@ -302,7 +307,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     ran_dense = force
     padded = _padded_rows(masks)
     walk_launch = (dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch()
-    by_sdpa = routable(q.shape[-2], k.shape[-2], masks)
+    by_sdpa = routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:
         split = _split(_layer_plan_with_dense(plan, routed))
         if split.all_dense:
@@ -311,9 +316,9 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
             return GpuResult(out, weak, ran_dense)
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:
-        # With documents or a window SDPA would read a materialised mask, or the dense walk would run on
-        # copies of these heads (a kernel variant of its own, compiled at the first such call): the plan's
-        # dense heads join this call's dense walk.
+        # With documents, a window or a padded batch SDPA would read a materialised mask (or run padded rows
+        # twice), or the dense walk would run on copies of these heads (a kernel variant of its own, compiled
+        # at the first such call): the plan's dense heads join this call's dense walk.
         kernel_args, sdpa_heads = split.op_args, ()
         pairs = _dense_pairs(split.dense_heads, q)
         force = pairs if force is None else force | pairs

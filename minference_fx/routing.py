@@ -11,8 +11,9 @@ never costs accuracy. The index is still built for routed heads, so a head that 
 near-dense is routed back at the call after. Measured on random weights (every head near-dense), 8
 layers of the Llama-3-8B shape: 0.98x -> 1.04x HF eager at 128K; at 256K the dense walk keeps up with
 cuDNN and routing changes nothing (``results/bench_prefill_h200_2026-12-01_v15*``, ``_v16_256k*``).
-Under a padding mask (``generate`` always passes one) routed heads run SDPA without it and only the
-rows it hides keys of run again masked (``op.routable``): 0.98x -> 1.04x at 128K there too (``_v19*``).
+Under a padding mask (``generate`` always passes one) a call of one batch row routes too: routed heads
+run SDPA without the mask, and the row again masked if the mask hides keys (``op.routable``); with
+generate's all-ones mask, 0.98x -> 1.04x at 128K (``_v19*``). A padded batch does not route.
 
 No host sync: the host reads a decision only once the copy's event has completed
 (``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read

@@ -94,10 +94,10 @@ def test_op_routes_a_head_that_was_near_dense_at_the_previous_call(route):
     assert routing.routed_heads(site, 4, q.device) == ()
 
 
-def _left_padded(n, pad):
-    """[2, n] key mask: row 0 all valid (as generate passes for one prompt), row 1 left-padded by ``pad``."""
-    mask = torch.ones(2, n, dtype=torch.bool)
-    mask[1, :pad] = False
+def _left_padded(n, pad, batch=1):
+    """[batch, n] key mask, the last row left-padded by ``pad`` (the others all valid, as generate passes)."""
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[-1, :pad] = False
     return mask
 
 
@@ -107,17 +107,18 @@ def _batch_of_two(n, seed):
     return torch.cat([q, q2]), torch.cat([k, k2]), torch.cat([v, v2])
 
 
-def test_a_padding_mask_routes_and_the_padded_rows_read_it():
-    """Under a padding mask (generate always passes one) a head near-dense at the site's previous call is
-    routed: its valid rows run SDPA without the mask, the padded row runs it again with the mask; the result
-    is masked dense attention, rows that see no key 0."""
+def test_one_prompt_under_a_padding_mask_routes_and_a_padded_row_reads_the_mask():
+    """Under a padding mask (generate always passes one) a call of one batch row routes: a head near-dense
+    at the site's previous call runs dense, and a left-padded row still reads its mask (masked dense
+    attention, rows that see no key 0). The CPU op runs the reference; the GPU path's launches are checked
+    below."""
     from minference_fx.op import dense_attention
 
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
     site = routing.new_site()
-    OP(*_batch_of_two(640, 5), _left_padded(640, 100), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
-    assert routing.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)  # near-dense in both rows
-    q, k, v = _batch_of_two(1280, 6)
+    OP(*_qkv(640), _left_padded(640, 0), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    assert routing.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)  # near-dense at 640 tokens
+    q, k, v = _qkv(1280, seed=6)
     mask = _left_padded(1280, 300)
     got = OP(q, k, v, mask, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
     want = dense_attention(q, k, v, mask, None, 0.25, 0, 0)
@@ -125,41 +126,64 @@ def test_a_padding_mask_routes_and_the_padded_rows_read_it():
                                                     index=reference.build_index(q, k, plan, scale=0.25, key_mask=mask))
     assert (on_index - want).abs().max() > 1e-3
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    assert not got[1, :, :300].any()
+    assert not got[0, :, :300].any()
 
 
-def test_documents_neither_route_nor_record():
-    """Routed heads run SDPA without a mask; packed documents are a mask SDPA would have to read, so with
-    them the op runs each head by its own index and keeps no state."""
+@pytest.mark.parametrize("mask", ["padded batch", "documents"])
+def test_a_padded_batch_or_documents_neither_route_nor_record(mask):
+    """Routed heads run SDPA without a mask: in a padded batch most rows would then run twice, and packed
+    documents are a mask SDPA would have to read, so there the op runs each head by its own index and keeps
+    no state."""
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
     site = routing.new_site()
-    docs = lambda n: (torch.arange(n) >= n // 2).long()[None]  # noqa: E731
-    OP(*_qkv(640), None, docs(640), 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    if mask == "padded batch":
+        OP(*_batch_of_two(640, 5), _left_padded(640, 100, batch=2), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    else:
+        docs = (torch.arange(640) >= 320).long()[None]
+        OP(*_qkv(640), None, docs, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
     assert routing.routed_count() == 0 and site not in routing._STATES
 
 
-def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_then_the_padded_rows_masked():
-    """sparse_on_gpu (Triton under the interpreter) with a left-padded batch of two: routed heads 0 and 2
-    equal masked dense attention (SDPA on every row, the padded row again in the masked dense walk), the
-    others the reference on their own index; with every head routed, the whole layer is masked dense."""
+def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_without_it_then_the_padded_row_masked(monkeypatch):
+    """sparse_on_gpu (Triton under the interpreter) on one left-padded row: routed heads 0 and 2 go to SDPA
+    without the mask, then the masked dense walk runs them again; they equal masked dense attention, the others
+    the reference on their own index. Every head routed: the layer is one maskless SDPA call plus that launch,
+    and under an all-ones mask exactly SDPA's causal result. In a padded batch of two nothing is routed."""
+    from minference_fx import op
     from minference_fx.autotune.cache import DEFAULT_ENTRY
     from minference_fx.op import dense_attention, sparse_on_gpu
 
-    q, k, v = _batch_of_two(640, 5)
+    sdpa_masks = []
+    real_heads, real_dense = op._dense_heads_by_sdpa, op.dense_attention
+    monkeypatch.setattr(op, "_dense_heads_by_sdpa", lambda *a: sdpa_masks.append(a[-1]["key_mask"]) or real_heads(*a))
+    monkeypatch.setattr(op, "dense_attention", lambda q, k, v, key_mask, *a: sdpa_masks.append(key_mask) or real_dense(q, k, v, key_mask, *a))
+    q, k, v = _qkv(640, seed=5)
     mask = _left_padded(640, 150)
-    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 7),) * 4)
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 7),) * 4)  # 49 of 55 causal tiles: not near-dense
     masks = dict(key_mask=mask, doc_ids=None, q_offset=0, window=0)
     dense = dense_attention(q, k, v, mask, None, 0.25, 0, 0)
+    sdpa_masks.clear()
     on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, key_mask=mask,
                                                     index=reference.build_index(q, k, plan, scale=0.25, key_mask=mask))
     got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 2))
     torch.testing.assert_close(got.out[:, [0, 2]], dense[:, [0, 2]], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got.out[:, [1, 3]], on_index[:, [1, 3]], atol=2e-5, rtol=2e-5)
     unmasked = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
-    assert (unmasked[1] - dense[1]).abs().max() > 1e-3  # the padded row's mask changed its result
+    assert (unmasked - dense).abs().max() > 1e-3  # the mask changed the result: the launch after SDPA read it
     every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
     torch.testing.assert_close(every.out, dense, atol=2e-5, rtol=2e-5)
-    assert not every.out[1, :, :150].any()
+    assert not every.out[0, :, :150].any()
+    ones = dict(masks, key_mask=_left_padded(640, 0))
+    assert torch.equal(sparse_on_gpu(q, k, v, plan, 0.25, ones, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3)).out, unmasked)
+    assert len(sdpa_masks) == 4 and all(m is None for m in sdpa_masks)  # SDPA (heads 0, 2, then two layers) never read the mask
+
+    two = _batch_of_two(640, 5)
+    batch_masks = dict(masks, key_mask=_left_padded(640, 150, batch=2))
+    unrouted = reference.sparse_attention_reference(*two, plan, scale=0.25, key_mask=batch_masks["key_mask"],
+                                                    index=reference.build_index(*two[:2], plan, scale=0.25,
+                                                                                key_mask=batch_masks["key_mask"]))
+    got = sparse_on_gpu(*two, plan, 0.25, batch_masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
+    torch.testing.assert_close(got.out, unrouted, atol=2e-5, rtol=2e-5)
 
 
 class _TwoLayers(torch.nn.Module):
