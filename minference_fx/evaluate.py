@@ -664,7 +664,8 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
     beyond = [n for n in lengths if not calibrated and beyond_held_out(text, n) and ("ppl" in tasks or "recall" in tasks)]
     if beyond:
         results.notes.append(f"at {', '.join(map(str, beyond))} tokens the window is the text's last characters (the "
-                             "whole text, from its start, when it is that short), longer than its last quarter (the config was not calibrated on the text, so nothing is held out)")
+                             "whole text, from its start, when it is that short), longer than its last quarter "
+                             "(the config was not calibrated on the text, so nothing is held out)")
     return results
 
 

@@ -312,7 +312,8 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         split = _split(_layer_plan_with_dense(plan, routed))
         if split.all_dense:
             out = dense_attention(q, k, v, None, None, scale, masks["q_offset"], masks["window"])
-            _padded_rows_again(q, k, v, index, split, out, split.dense_heads, padded, masks, scale, walk_launch)
+            _padded_rows_again((q, k, v, index, *split.op_args), out, split.dense_heads, padded, masks,
+                               scale=scale, **walk_launch)
             return GpuResult(out, weak, ran_dense)
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:
@@ -335,21 +336,22 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     if sdpa_heads:
         _dense_heads_by_sdpa(q, k, v, out, sdpa_heads, _kv_heads(sdpa_heads, q.shape[1] // k.shape[1]), scale,
                              {**masks, "key_mask": None})
-        _padded_rows_again(q, k, v, index, split, out, sdpa_heads, padded, masks, scale, walk_launch)
+        _padded_rows_again((q, k, v, index, *split.op_args), out, sdpa_heads, padded, masks, scale=scale,
+                           **walk_launch)
     return GpuResult(out, weak, ran_dense)
 
 
-def _padded_rows_again(q, k, v, index, split: "_PlanSplit", out, heads: tuple, padded, masks: dict, scale: float,
-                       launch: dict) -> None:
+def _padded_rows_again(args: tuple, out, heads: tuple, padded, masks: dict, **launch) -> None:
     """SDPA wrote query ``heads`` of every batch row without the padding mask: the rows it hides keys of
     (``padded``, :func:`_padded_rows`; None: no mask) run those heads again, with it, in the kernel's dense
-    walk. Without padding every program of that launch returns at once (no host check decides it)."""
+    walk over ``args`` (q, k, v, index and op arguments that code those heads dense). Without padding every
+    program of that launch returns at once (no host check decides it)."""
     if padded is None:
         return
     from .kernels.attend import sparse_attention_triton
 
-    sparse_attention_triton(q, k, v, index, *split.op_args, force_dense=_dense_pairs(heads, q) & padded,
-                            forced="only", out=out, scale=scale, **launch, **masks)
+    sparse_attention_triton(*args, force_dense=_dense_pairs(heads, args[0]) & padded, forced="only", out=out,
+                            **launch, **masks)
 
 
 def _dense_pairs(heads: tuple, q: torch.Tensor) -> torch.Tensor:
