@@ -97,6 +97,56 @@ def prompt_ids(length: int, vocab: int, seed: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=g).to(device)
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """What one timed forward holds: ``batch`` prompts of the cell's length, and the mask ``generate`` would pass.
+
+    With ``pad_fraction`` F > 0 the rows are left-padded as a serving batch of unequal prompts is: row r of B
+    keeps ``n - round(F * n * r / (B - 1))`` tokens (row 0 the whole length, the last row (1 - F) of it), and
+    gets ``generate``'s position ids (counting from its first real token)."""
+    batch: int = 1
+    attention_mask: bool = False
+    pad_fraction: float = 0.0
+
+    def __post_init__(self):
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if not 0.0 <= self.pad_fraction < 1.0:
+            raise ValueError(f"pad_fraction must be in [0, 1), got {self.pad_fraction}")
+        if self.pad_fraction > 0 and self.batch < 2:
+            raise ValueError("pad_fraction needs batch >= 2: the first row always keeps the whole length")
+
+    @property
+    def masked(self) -> bool:
+        return self.attention_mask or self.pad_fraction > 0
+
+    def kept(self, length: int) -> list[int]:
+        """Real tokens of each row at prompt length ``length``."""
+        if self.batch == 1:
+            return [length]
+        return [max(1, length - round(self.pad_fraction * length * r / (self.batch - 1))) for r in range(self.batch)]
+
+    def describe(self) -> Optional[str]:
+        """The results' ``attention_mask`` entry (None: no mask passed)."""
+        if self.pad_fraction > 0:
+            return f"left padding: row r of {self.batch} keeps n - {self.pad_fraction:g} * n * r / {self.batch - 1} tokens"
+        return "all ones (as generate passes)" if self.attention_mask else None
+
+    def inputs(self, make_row: Callable[[int, int], torch.Tensor], length: int) -> dict:
+        """Forward keyword arguments: ``make_row(length, row)`` gives a ``[1, length]`` prompt."""
+        ids = torch.cat([make_row(length, r) for r in range(self.batch)])
+        if not self.masked:
+            return {"input_ids": ids}
+        mask = torch.ones_like(ids)
+        for r, keep in enumerate(self.kept(length)):
+            mask[r, :length - keep] = 0
+        if self.pad_fraction == 0:
+            return {"input_ids": ids, "attention_mask": mask}
+        # as generate does: a left-padded row's positions count from its first real token
+        position_ids = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+        return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "position_ids": position_ids}
+
+
 # Real weights: the only ones available offline. SmolLM2 was trained to 8K; YaRN stretches RoPE by a
 # power of two so that the longest prompt fits its max_position_embeddings. Quality past 16K is not the
 # point (eval measures that); the attention of a trained model has the structure random weights lack.
@@ -471,9 +521,9 @@ def _attention_kernels(step, device: torch.device, top: int = 12) -> dict:
 def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, seed: int = 0,
                 minference_options: Optional[dict] = None, guard_probe: bool = True, profile: bool = True,
                 on_cell: Optional[Callable[[Cell], None]] = None,
-                make_prompt: Optional[Callable[[int], torch.Tensor]] = None,
+                make_prompt: Optional[Callable[[int, int], torch.Tensor]] = None,
                 budgets: Optional[tuple] = None, config_path: Optional[str] = None,
-                attention_mask: bool = False) -> tuple[list, VariantSummary]:
+                prompts: PromptBatch = PromptBatch()) -> tuple[list, VariantSummary]:
     from .backend import recent_reports
 
     device = next(model.parameters()).device
@@ -500,18 +550,18 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
             if on_cell:
                 on_cell(cell)
             continue
-        ids = make_prompt(n) if make_prompt else prompt_ids(n, vocab, seed, device)
-        mask = {"attention_mask": torch.ones_like(ids)} if attention_mask else {}
+        # every row its own prompt (seed + row), as a batch of users' prompts is
+        inputs = prompts.inputs(lambda n, row: make_prompt(n, seed + row) if make_prompt
+                                else prompt_ids(n, vocab, seed + row, device), n)
         if variant.compiled:
-            for t in (ids, *mask.values()):
+            for t in inputs.values():
                 torch._dynamo.mark_dynamic(t, 1)
 
-        def step(ids=ids, mask=mask):
+        def step(inputs=inputs):
             if variant.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            out = variant.fn(input_ids=ids, use_cache=False, **mask, **last)
-            logits = out.logits[0, -1]
-            return logits.argmax(), torch.isfinite(logits).all()
+            logits = variant.fn(**inputs, use_cache=False, **last).logits[:, -1]  # left padding: every row's last is real
+            return logits[0].argmax(), torch.isfinite(logits).all()
 
         try:
             with torch.inference_mode(), _sdpa_context(name, device):
@@ -610,7 +660,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                   isolate: bool = True, cold_caches: bool = True, guard_probe: bool = True,
                   out=None, append: bool = False, command: Optional[str] = None,
                   model_name: str = "llama3-8b-random", budgets: Optional[tuple] = None,
-                  config_path: Optional[str] = None, attention_mask: bool = False) -> PrefillResult:
+                  config_path: Optional[str] = None, attention_mask: bool = False, batch: int = 1,
+                  pad_fraction: float = 0.0) -> PrefillResult:
     """Time to first token of every variant at every length; a table via ``.table()``, JSON via ``out``.
 
     ``out`` is rewritten after every finished variant (every cell in-process), so a run cut
@@ -622,7 +673,10 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     The minference variants run MInference's default budgets unless ``budgets`` (columns, diagonals: every
     head vertical-slash with those, this GPU's tuned crossover) or ``config_path`` (a semantic config JSON) says.
     ``attention_mask``: every forward also gets an all-ones ``attention_mask``, as ``generate`` passes one.
+    ``batch`` prompts of each length in one forward; ``pad_fraction`` > 0 left-pads them to unequal lengths
+    (:class:`PromptBatch`), with the mask and position ids ``generate`` would pass. TTFT is the whole batch's.
     """
+    prompts = PromptBatch(batch, attention_mask, pad_fraction)
     if budgets is not None and config_path is not None:
         raise ValueError("give budgets or a semantic config, not both")
     if budgets is not None and (len(budgets) != 2 or min(budgets) < 1):
@@ -660,7 +714,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "minference_options": minference_options or {},
         "semantic_config": config_path or (f"every head vertical-slash {list(budgets)}" if budgets else _DEFAULT_SEMANTIC),
         "use_cache": False, "logits": "last position only",
-        "attention_mask": "all ones (as generate passes)" if attention_mask else None,
+        "attention_mask": prompts.describe(), "batch": batch,
         "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
         "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths)),
     }
@@ -684,7 +738,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                 lengths=lengths, layers=layers, device=str(device), dtype=str(dtype).removeprefix("torch."), reps=reps,
                 warmup=warmup, seed=seed, config_overrides=config_overrides, minference_options=minference_options,
                 guard_probe=guard_probe, model_name=model_name, budgets=budgets, config_path=config_path,
-                attention_mask=attention_mask), cold_caches, out)
+                attention_mask=attention_mask, batch=batch, pad_fraction=pad_fraction), cold_caches, out)
             result.cells += part.cells
             result.variants += part.variants
             for key, value in part.meta.items():  # environment, model size: the same in every process
@@ -698,11 +752,11 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     make_prompt = None
     if real:
         model, tokenizer = build_smollm2(max(lengths), device, dtype)
-        make_prompt = lambda n: text_prompt_ids(tokenizer, n, seed, device)  # noqa: E731
+        make_prompt = lambda n, row_seed: text_prompt_ids(tokenizer, n, row_seed, device)  # noqa: E731
     elif local:
         model, tokenizer = build_local(model_name, device, dtype)
         if tokenizer is not None:
-            make_prompt = lambda n: text_prompt_ids(tokenizer, n, seed, device)  # noqa: E731
+            make_prompt = lambda n, row_seed: text_prompt_ids(tokenizer, n, row_seed, device)  # noqa: E731
     else:
         model = build_model(config, device, dtype, seed)
     meta["model_build_s"] = time.perf_counter() - start
@@ -719,7 +773,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
             _, done = run_variant(model, name, lengths, reps=reps, warmup=warmup, seed=seed,
                                   minference_options=minference_options, guard_probe=guard_probe, on_cell=on_cell,
                                   make_prompt=make_prompt, budgets=budgets, config_path=config_path,
-                                  attention_mask=attention_mask)
+                                  prompts=prompts)
             result.variants[result.variants.index(summary)] = done
         except Exception as exc:  # e.g. a compile that fails outright
             summary.error = f"{type(exc).__name__}: {exc}"[:500]
@@ -753,11 +807,12 @@ def _local_meta(path: str, longest: int) -> dict:
 
 def _take_earlier(result: PrefillResult, earlier: PrefillResult, variants) -> None:
     """Keep ``earlier``'s variants that are not run now; refuse results of another model or dtype."""
-    same = ("layers", "config", "dtype", "device", "semantic_config", "attention_mask")
+    same = ("layers", "config", "dtype", "device", "semantic_config", "attention_mask", "batch")
 
     def canon(meta):
-        # files from before semantic_config was recorded ran the default budgets
-        return json.dumps({k: meta.get(k, _DEFAULT_SEMANTIC if k == "semantic_config" else None) for k in same},
+        # files from before semantic_config and batch were recorded ran the default budgets on one prompt
+        defaults = {"semantic_config": _DEFAULT_SEMANTIC, "batch": 1}
+        return json.dumps({k: meta.get(k, defaults.get(k)) for k in same},
                           sort_keys=True, default=str)
 
     if canon(json.loads(json.dumps(result.meta, default=str))) != canon(earlier.meta):
@@ -810,7 +865,8 @@ def _child_main(spec_path: str) -> int:
                   config_overrides=spec["config_overrides"], minference_options=spec["minference_options"],
                   guard_probe=spec["guard_probe"], isolate=False, out=spec["out"],
                   model_name=spec.get("model_name", "llama3-8b-random"), budgets=spec.get("budgets"),
-                  config_path=spec.get("config_path"), attention_mask=spec.get("attention_mask", False))
+                  config_path=spec.get("config_path"), attention_mask=spec.get("attention_mask", False),
+                  batch=spec.get("batch", 1), pad_fraction=spec.get("pad_fraction", 0.0))
     return 0
 
 

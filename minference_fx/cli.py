@@ -79,7 +79,7 @@ def _bench(args) -> int:
             out=args.out, append=args.append, command=command, model_name=args.model,
             budgets=tuple(args.budgets) if args.budgets else None, config_path=args.config,
             minference_options=None if args.guard_threshold is None else {"guard_threshold": args.guard_threshold},
-            attention_mask=args.attention_mask)
+            attention_mask=args.attention_mask, batch=args.batch, pad_fraction=args.pad_fraction)
         print(result.table())
         if args.out:
             print(f"wrote {args.out}")
@@ -276,6 +276,10 @@ def main(argv=None) -> int:
     b.add_argument("--attention-mask", action="store_true",
                    help="prefill: pass an all-ones attention_mask, as generate() does (HF then builds a padding mask "
                         "in the traced graph)")
+    b.add_argument("--batch", type=int, default=1, help="prefill: prompts per forward (each its own text); TTFT is the batch's")
+    b.add_argument("--pad-fraction", type=float, default=0.0, metavar="F",
+                   help="prefill, with --batch >= 2: left-pad the rows to unequal lengths, the last keeping (1 - F) of "
+                        "the length, with the mask and position ids generate() passes")
     b.set_defaults(run=_bench)
     sp = sub.add_parser("search", help="offline pattern search: per (layer, head) pattern into a semantic config")
     sp.add_argument("--model", default="smollm2", help="smollm2, a built-in tiny family, an HF config.json, or a model directory")

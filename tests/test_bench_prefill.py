@@ -73,6 +73,49 @@ def test_an_all_ones_attention_mask_reaches_the_op_as_padding(tmp_path):
     assert _variant(data, "minference")["recompiles"] == 0
 
 
+def test_a_left_padded_batch_keeps_unequal_prompts_with_generates_positions():
+    """PromptBatch: row r keeps n - F*n*r/(B-1) tokens at the right, padding at the left is masked and its ids
+    zeroed, and positions count from each row's first real token (as generate passes them)."""
+    prompts = bp.PromptBatch(batch=3, pad_fraction=0.5)
+    assert prompts.kept(100) == [100, 75, 50] and prompts.masked
+    rows = [torch.arange(1, 11).unsqueeze(0) + 100 * r for r in range(3)]
+    got = prompts.inputs(lambda n, row: rows[row][:, :n], 10)
+    mask = got["attention_mask"]
+    assert mask.tolist() == [[1] * 10, [0] * 2 + [1] * 8, [0] * 5 + [1] * 5]
+    assert got["position_ids"][2].tolist() == [1] * 5 + list(range(5))
+    assert got["position_ids"][0].tolist() == list(range(10))
+    assert (got["input_ids"][mask == 0] == 0).all() and torch.equal(got["input_ids"][mask == 1],
+                                                                     torch.cat(rows)[mask == 1])
+    same = bp.PromptBatch(batch=2, attention_mask=True).inputs(lambda n, row: rows[row][:, :n], 10)
+    assert set(same) == {"input_ids", "attention_mask"} and bool(same["attention_mask"].all())
+    assert set(bp.PromptBatch(batch=2).inputs(lambda n, row: rows[row][:, :n], 10)) == {"input_ids"}
+    for bad, match in ((dict(batch=0), "batch"), (dict(batch=2, pad_fraction=1.0), "pad_fraction"),
+                       (dict(batch=1, pad_fraction=0.5), "batch >= 2")):
+        with pytest.raises(ValueError, match=match):
+            bp.PromptBatch(**bad)
+
+
+def test_a_padded_batch_reaches_the_op_as_padding_and_gives_eagers_tokens(tmp_path):
+    """--batch 3 --pad-fraction 0.5: one forward holds three prompts of unequal lengths; every site sees a padding
+    mask and is rewritten; the first row's token equals eager's, every row's logits are finite; no recompiles."""
+    from minference_fx.backend import recent_reports
+
+    before = len(recent_reports())
+    out = tmp_path / "prefill.json"
+    bp.bench_prefill(LENGTHS[:2], layers=2, variants=("eager", "minference"), isolate=False, reps=1,
+                     config_overrides=TINY, minference_options=OPTIONS, out=out, command="test", batch=3,
+                     pad_fraction=0.5)
+    data = json.loads(out.read_text())
+    assert data["batch"] == 3 and data["attention_mask"].startswith("left padding")
+    rows = [r for rep in recent_reports()[before:] for r in rep.rows]
+    assert rows and all(r.decision == "sparse" and r.mask == "causal+padding" and r.shapes.startswith("q 3x") for r in rows), rows
+    cells = _cells(data)
+    for n in LENGTHS[:2]:
+        assert cells[(n, "minference")]["finite"] and cells[(n, "eager")]["finite"]
+        assert cells[(n, "minference")]["next_token"] == cells[(n, "eager")]["next_token"]
+    assert _variant(data, "minference")["recompiles"] == 0
+
+
 def test_append_refuses_results_with_another_attention_mask():
     meta = {"layers": 1, "config": {}, "dtype": "float32", "device": "cpu"}
     earlier = bp.PrefillResult(dict(meta), [], [])  # a file from before --attention-mask was recorded
@@ -209,7 +252,9 @@ def test_cli_wiring(monkeypatch, capsys):
     assert seen["attention_mask"] is False
     assert cli.main(["bench", "prefill", "--budgets", "500", "2000", "--guard-threshold", "0.5", "--attention-mask"]) == 0
     assert seen["budgets"] == (500, 2000) and seen["minference_options"] == {"guard_threshold": 0.5}
-    assert seen["attention_mask"] is True
+    assert seen["attention_mask"] is True and seen["batch"] == 1 and seen["pad_fraction"] == 0.0
+    assert cli.main(["bench", "prefill", "--batch", "4", "--pad-fraction", "0.25"]) == 0
+    assert seen["batch"] == 4 and seen["pad_fraction"] == 0.25
 
 
 @pytest.mark.gpu
