@@ -84,6 +84,8 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     run; padding, packed documents, windows or an unaligned offset build a
     boolean mask of shape [B, 1, Sq, Skv], or on the GPU past
     :data:`MASKED_SDPA_MAX_PAIRS` run :func:`dense_walk`, which builds none.
+    On the GPU a prefill of one prompt under a padding mask alone (``generate``'s) runs the fused SDPA without
+    the mask, then the row again in the masked dense walk if the mask hides a key of it.
     """
     sq, skv = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
@@ -91,8 +93,23 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
         # a prefill aligned at 0 is causal; otherwise (a decode step) every cached key is visible
         causal = q_offset == 0 and sq == skv
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
+    masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
+    if q.is_cuda and q_offset == 0 and sq == skv and routable(q.shape[0], sq, skv, masks):
+        # One prompt: cuDNN without the mask beats both masked paths (below the pair limit SDPA reading a built
+        # [1, 1, Sq, Skv] mask, past it the dense walk); generate's mask is all ones, and then the re-run's
+        # programs all return at once. Decode steps (one query row) keep the small masked SDPA: a second
+        # launch per layer and token would cost more than it saves.
+        out = dense_attention(q, k, v, None, None, scale, q_offset, window)
+        return dense_walk(q, k, v, key_mask, None, scale, q_offset, window, out=out)
     if q.is_cuda and sq * skv > MASKED_SDPA_MAX_PAIRS:
         return dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window)
+    return masked_sdpa(q, k, v, key_mask, doc_ids, scale, q_offset, window)
+
+
+def masked_sdpa(q, k, v, key_mask, doc_ids, scale, q_offset, window):
+    """Dense attention with the op's mask semantics through SDPA given a boolean [B, 1, Sq, Skv] mask."""
+    sq, skv = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
     pos = torch.arange(sq, device=q.device) + q_offset
     keys = torch.arange(skv, device=q.device)
     allowed = (keys[None, :] <= pos[:, None])[None, None]
@@ -125,10 +142,12 @@ def routable(batch: int, sq: int, skv: int, masks: dict) -> bool:
     return fused_sdpa_applies(sq, skv, **{**masks, "key_mask": None})
 
 
-def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None):
+def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None, out=None):
     """Dense attention with the op's mask semantics through the sparse kernel's dense walk (every (batch, head)
     forced dense, nothing listed): it reads the key mask, document ids and window tile by tile, so nothing of
-    size Sq x Skv is built. ``launch``: a launch config (default: this device's tuned dense walk)."""
+    size Sq x Skv is built. ``launch``: a launch config (default: this device's tuned dense walk). ``out``:
+    SDPA wrote every row of it without ``key_mask`` (the only mask); only the rows the mask hides keys of run,
+    into it."""
     from .kernels.attend import empty_index
     from .kernels.reference import BLOCK
     from .plan import PATTERN_CODES
@@ -141,6 +160,9 @@ def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None)
     zeros = (0,) * hq
     args = (q, k, v, empty_index(B, hq, -(-sq // BLOCK), q.device), (PATTERN_CODES[Pattern.DENSE],) * hq, zeros, zeros)
     masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
+    if out is not None:
+        _padded_rows_again(args, out, tuple(range(hq)), _padded_rows(masks), masks, scale=scale, **launch.launch())
+        return out
     every_pair = torch.ones(B, hq, dtype=torch.bool, device=q.device)
     return _launch_by_rows(args, masks, _padded_rows(masks), every_pair, "only", scale=scale, **launch.launch())
 

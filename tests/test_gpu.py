@@ -294,17 +294,20 @@ def test_eval_recall_on_the_gpu_index_equals_the_reference_index():
     assert bool(on_gpu.near_dense[3])  # (1000, 6096) keeps every tile at 3000 tokens: the rule is exercised
 
 
-def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(monkeypatch):
-    """A padded dense call past MASKED_SDPA_MAX_PAIRS (what a prefill with generate's all-ones mask runs below
-    the crossover and for routed heads) goes through the dense walk: no [Sq, Skv] mask (256 MiB at 16K), and
-    the result of the mask-building SDPA path, rows that see no key included."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(batch):
+    """A padded dense call past MASKED_SDPA_MAX_PAIRS (what a prefill with generate's mask runs below the
+    crossover and for routed heads) builds no [Sq, Skv] mask (256 MiB at 16K): a padded batch runs the dense
+    walk, one prompt cuDNN then its row again in the walk. Either gives the result of the mask-building SDPA
+    path, rows that see no key included."""
     from minference_fx import op
     from minference_fx.bench import structured_qkv
 
     n = 16384
-    q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=4)
-    key_mask = torch.ones(1, n, dtype=torch.bool, device="cuda")
-    key_mask[:, :1000] = False  # left padding: rows 0-999 read nothing
+    q, k, v = (t.expand(batch, -1, -1, -1).contiguous()
+               for t in structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=4))
+    key_mask = torch.ones(batch, n, dtype=torch.bool, device="cuda")
+    key_mask[-1, :1000] = False  # left padding: rows 0-999 of the last prompt read nothing
     assert n * n > op.MASKED_SDPA_MAX_PAIRS
     op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)  # compile outside the measured call
     torch.cuda.synchronize()
@@ -312,11 +315,42 @@ def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(monkeyp
     base = torch.cuda.memory_allocated()
     got = op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base < n * n // 8  # the output is 16 MiB, a mask 256 MiB
-    monkeypatch.setattr(op, "MASKED_SDPA_MAX_PAIRS", n * n)
-    want = op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)
-    assert torch.isfinite(got).all() and not got[:, :, :1000].any()
+    assert torch.cuda.max_memory_allocated() - base < batch * n * n // 8  # the output is 16 MiB a row, a mask 256
+    want = op.masked_sdpa(q, k, v, key_mask, None, 0.125, 0, 0)
+    assert torch.isfinite(got).all() and not got[-1, :, :1000].any()
     assert _rel(got, want) < 1e-2
+
+
+def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_keep_the_mask(monkeypatch):
+    """generate's prefill of one prompt below the crossover (under the pair limit too): SDPA never reads a mask,
+    all-ones or left-padded, and the result is the mask-building path's; a decode step still passes its small
+    mask to SDPA (a second launch per token would cost more)."""
+    from minference_fx import op
+    from minference_fx.bench import structured_qkv
+
+    n = 2048
+    q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=5)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        seen.append(attn_mask is not None)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    for pad in (0, 300):
+        key_mask = torch.ones(1, n, dtype=torch.bool, device="cuda")
+        key_mask[:, :pad] = False
+        want = op.masked_sdpa(q, k, v, key_mask, None, 0.125, 0, 0)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        got = op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+        assert seen == [False], (pad, seen)
+        seen.clear()
+        assert torch.isfinite(got).all() and not got[:, :, :pad].any()
+        assert _rel(got, want) < 1e-2
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    op.dense_attention(q[:, :, -1:], k, v, key_mask, None, 0.125, n - 1, 0)
+    assert seen == [True]
 
 
 def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():

@@ -66,6 +66,27 @@ def test_dense_walk_equals_the_masked_dense_path(case):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("padded_rows", [(), (0,), (1,)])
+def test_dense_walk_over_an_unmasked_sdpa_output_runs_only_the_padded_rows_again(padded_rows):
+    """dense_walk(out=...), the GPU's masked prefill of one prompt: SDPA wrote every row without the padding
+    mask; the rows the mask hides keys of run again with it, the others keep what SDPA wrote (a sentinel here)."""
+    from minference_fx.op import dense_walk
+
+    q, k, v = _qkv(sq=150, skv=150, b=2)
+    key_mask = torch.ones(2, 150, dtype=torch.bool)
+    for r in padded_rows:
+        key_mask[r, :70] = False
+    sdpa = dense_attention(q, k, v, None, None, 0.25, 0, 0)
+    sdpa[1] += 100.0  # what a re-run would overwrite
+    got = dense_walk(q, k, v, key_mask, None, 0.25, 0, 0, out=sdpa.clone())
+    want = dense_attention(q, k, v, key_mask, None, 0.25, 0, 0)
+    for r in range(2):
+        if r in padded_rows:
+            torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got[r], sdpa[r])
+
+
 def test_fake_gives_contiguous_shape_of_q():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
