@@ -84,8 +84,8 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
     run; padding, packed documents, windows or an unaligned offset build a
     boolean mask of shape [B, 1, Sq, Skv], or on the GPU past
     :data:`MASKED_SDPA_MAX_PAIRS` run :func:`dense_walk`, which builds none.
-    On the GPU a prefill of one prompt under a padding mask alone (``generate``'s) runs the fused SDPA without
-    the mask, then the row again in the masked dense walk if the mask hides a key of it.
+    There a prefill of one prompt under a padding mask alone (``generate``'s) runs the fused SDPA without the
+    mask, then the row again in the masked dense walk if the mask hides a key of it.
     """
     sq, skv = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
@@ -93,15 +93,14 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
         # a prefill aligned at 0 is causal; otherwise (a decode step) every cached key is visible
         causal = q_offset == 0 and sq == skv
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
-    masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
-    if q.is_cuda and q_offset == 0 and sq == skv and routable(q.shape[0], sq, skv, masks):
-        # One prompt: cuDNN without the mask beats both masked paths (below the pair limit SDPA reading a built
-        # [1, 1, Sq, Skv] mask, past it the dense walk); generate's mask is all ones, and then the re-run's
-        # programs all return at once. Decode steps (one query row) keep the small masked SDPA: a second
-        # launch per layer and token would cost more than it saves.
-        out = dense_attention(q, k, v, None, None, scale, q_offset, window)
-        return dense_walk(q, k, v, key_mask, None, scale, q_offset, window, out=out)
     if q.is_cuda and sq * skv > MASKED_SDPA_MAX_PAIRS:
+        masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
+        if q_offset == 0 and sq == skv and routable(q.shape[0], sq, skv, masks):
+            # One prompt under generate's all-ones mask: this path at 0.79-1.00x maskless cuDNN, the walk at
+            # 0.66-0.97x (16K-64K, explore_padding_mask_h200_2026-12-01_v2); a padded prompt pays both (1.6-1.7x
+            # the walk). Below the limit the re-run's host cost (0.5-0.9 ms a call) outweighs what cuDNN saves.
+            out = dense_attention(q, k, v, None, None, scale, q_offset, window)
+            return dense_walk(q, k, v, key_mask, None, scale, q_offset, window, out=out)
         return dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window)
     return masked_sdpa(q, k, v, key_mask, doc_ids, scale, q_offset, window)
 

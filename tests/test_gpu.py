@@ -322,13 +322,14 @@ def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(batch):
 
 
 def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_keep_the_mask(monkeypatch):
-    """generate's prefill of one prompt below the crossover (under the pair limit too): SDPA never reads a mask,
+    """generate's prefill of one prompt below the crossover, past the pair limit: SDPA never reads a mask,
     all-ones or left-padded, and the result is the mask-building path's; a decode step still passes its small
     mask to SDPA (a second launch per token would cost more)."""
     from minference_fx import op
     from minference_fx.bench import structured_qkv
 
-    n = 2048
+    n = 8192
+    assert n * n > op.MASKED_SDPA_MAX_PAIRS
     q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=5)
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
