@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -46,7 +47,7 @@ from .kernels.guard import GuardStats
 from .plan import LISTED_PATTERNS, HeadPlan, LayerPlan, Pattern
 
 
-def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
+def _check_inputs(q, k, v, key_mask, doc_ids, scale, patterns, budget_a, budget_b):
     problems = []
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problems.append(f"q, k, v must be 4-D [B, H, S, D]; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
@@ -59,14 +60,33 @@ def _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b):
             problems.append(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
         if len(patterns) != q.shape[1]:
             problems.append(f"head plan has {len(patterns)} entries, q has {q.shape[1]} heads")
-        if key_mask is not None and (key_mask.dim() != 2 or key_mask.dtype != torch.bool):
-            problems.append(f"key_mask must be a bool [B, Skv] tensor, got {key_mask.dtype} of shape {tuple(key_mask.shape)}")
-        if doc_ids is not None and doc_ids.dim() != 2:
-            problems.append(f"doc_ids must be [B, S], got shape {tuple(doc_ids.shape)}")
+        batches = (1, q.shape[0])
+        if key_mask is not None and (key_mask.dim() != 2 or key_mask.dtype != torch.bool
+                                     or key_mask.shape[0] not in batches or key_mask.shape[1] != k.shape[2]):
+            problems.append(f"key_mask must be a bool [B or 1, Skv={k.shape[2]}] tensor (B={q.shape[0]}), got "
+                            f"{key_mask.dtype} of shape {tuple(key_mask.shape)}")
+        if doc_ids is not None and (doc_ids.dim() != 2 or doc_ids.shape[0] not in batches
+                                    or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool):
+            problems.append(f"doc_ids must be an integer [B or 1, S] tensor (B={q.shape[0]}), got {doc_ids.dtype} "
+                            f"of shape {tuple(doc_ids.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        problems.append(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (math.isfinite(scale) and scale > 0):
+        problems.append(f"scale must be a finite number > 0, got {scale!r}")
     if not (len(patterns) == len(budget_a) == len(budget_b)):
         problems.append(f"plan lists differ in length: {len(patterns)}, {len(budget_a)}, {len(budget_b)}")
     if problems:
         raise ValueError("minference::sparse_attention: " + "; ".join(problems))
+
+
+def _row_major_per_batch(t: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+    """A [1 or B, S] mask or document table as the kernels read it: row b at ``b * stride(0)``, its entries
+    adjacent. A one-row table is broadcast (stride 0, no copy); a strided one is copied (only odd layouts)."""
+    if t is None:
+        return None
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.expand(batch, -1) if t.shape[0] == 1 and batch > 1 else t
 
 
 MASKED_SDPA_MAX_PAIRS = 1 << 24
@@ -206,7 +226,8 @@ def sparse_attention(
     guard_threshold: float = 0.0,
     route_site: int = -1,
 ) -> torch.Tensor:
-    _check_inputs(q, k, v, key_mask, doc_ids, patterns, budget_a, budget_b)
+    _check_inputs(q, k, v, key_mask, doc_ids, scale, patterns, budget_a, budget_b)
+    key_mask, doc_ids = _row_major_per_batch(key_mask, q.shape[0]), _row_major_per_batch(doc_ids, q.shape[0])
     if q.is_cuda:
         from . import precompile
 

@@ -43,6 +43,10 @@ class HeadPlan:
         object.__setattr__(self, "pattern", Pattern(self.pattern))
         if self.budget_a < 0 or self.budget_b < 0:
             raise ValueError(f"budgets must be >= 0, got {self.budget_a}, {self.budget_b} for {self.pattern.value}")
+        if self.pattern is Pattern.A_SHAPE and self.budget_b < 1:
+            # with none a query would not read itself; the kernels and the reference then disagree on which
+            # tiles a one-row query tile reads (its own or none), so the plan says it instead of either
+            raise ValueError(f"an A-shape head's local window (budget_b) must be >= 1, got {self.budget_b}")
 
 
 @dataclasses.dataclass(frozen=True)

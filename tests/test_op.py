@@ -105,6 +105,51 @@ def test_bad_inputs_are_named():
         OP(q, torch.randn(1, 3, 80, 16), torch.randn(1, 3, 80, 16), None, None, 0.25, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match="key_mask must be a bool"):
         OP(q, k, v, torch.ones(1, 80), None, 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"key_mask must be a bool \[B or 1, Skv=80\]"):
+        OP(q, k, v, torch.ones(1, 79, dtype=torch.bool), None, 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"got torch.bool of shape \(3, 80\)"):
+        OP(q, k, v, torch.ones(3, 80, dtype=torch.bool), None, 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match="doc_ids must be an integer"):
+        OP(q, k, v, None, torch.zeros(1, 80), 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match="q, k, v must share a dtype"):
+        OP(q.half(), k, v, None, None, 0.25, 0, 0, *VS, 0)
+    for scale in (0.0, -0.25, float("nan"), float("inf")):  # the kernels' -inf scores times a scale <= 0: NaN
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            OP(q, k, v, None, None, scale, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"A-shape head's local window \(budget_b\) must be >= 1"):
+        OP(q, k, v, None, None, 0.25, 0, 0, [1] * 4, [4] * 4, [0] * 4, 0)
+
+
+def test_the_kernels_get_one_mask_row_per_batch_row_with_adjacent_entries(monkeypatch):
+    """The kernels read row b of a key mask or document table at b * stride(0), its entries adjacent: the op
+    broadcasts a [1, S] table over the batch and copies a strided one, so both read what the reference reads
+    (a probe found batch row 1 read out of bounds and a strided mask misread: errors of 2-4)."""
+    from minference_fx import op
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES
+    from minference_fx.plan import LayerPlan
+
+    q, k, v = _qkv(sq=130, skv=130, b=2)
+    seen = []
+    monkeypatch.setattr(op, "_sparse_impl", lambda q, k, v, key_mask, doc_ids, *rest: seen.append((key_mask, doc_ids)))
+    one_row = torch.ones(1, 130, dtype=torch.bool)
+    one_row[0, :40] = False
+    strided = torch.ones(2, 260, dtype=torch.bool)[:, ::2]
+    docs = torch.zeros(1, 130, dtype=torch.long)
+    docs[0, 64:] = 1
+    for key_mask, doc_ids in ((one_row, None), (strided, None), (None, docs)):
+        OP(q, k, v, key_mask, doc_ids, 0.25, 0, 0, *VS, 0)
+    for key_mask, doc_ids in seen:
+        for t in (key_mask, doc_ids):
+            assert t is None or (t.shape == (2, 130) and t.stride(-1) == 1), t.stride()
+    monkeypatch.undo()
+    # what the kernels then read (the GPU path under the interpreter) is what the CPU op's reference reads
+    plan = LayerPlan.from_op_arguments(*VS)
+    for key_mask, doc_ids in ((one_row, None), (None, docs)):
+        masks = dict(key_mask=op._row_major_per_batch(key_mask, 2), doc_ids=op._row_major_per_batch(doc_ids, 2),
+                     q_offset=0, window=0)
+        got = op.sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRIES["sparse_attention"]).out
+        want = OP(q, k, v, key_mask, doc_ids, 0.25, 0, 0, *VS, 0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_opcheck():

@@ -252,7 +252,7 @@ def test_covering_budgets_equal_dense(s):
     q, k, v = rand_qkv(1, 6, 2, s, s, seed=s)
     n = -(-s // BLOCK)
     plan = plan_of(
-        (Pattern.DENSE,), (Pattern.A_SHAPE, 0, s), (Pattern.A_SHAPE, s, 0),
+        (Pattern.DENSE,), (Pattern.A_SHAPE, 0, s), (Pattern.A_SHAPE, s, 1),
         (Pattern.VERTICAL_SLASH, s, s), (Pattern.BLOCK_SPARSE, n), (Pattern.BLOCK_SPARSE, n + 5),
     )
     out = ref.sparse_attention_reference(q, k, v, plan, scale=0.25)
@@ -341,7 +341,7 @@ def test_odd_lengths(s):
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
     covering = plan_of((Pattern.VERTICAL_SLASH, s, s), (Pattern.BLOCK_SPARSE, 9), (Pattern.A_SHAPE, 0, s), (Pattern.DENSE,))
     torch.testing.assert_close(ref.sparse_attention_reference(q, k, v, covering, scale=0.25), want, atol=1e-5, rtol=0)
-    small = plan_of((Pattern.VERTICAL_SLASH, 0, 0), (Pattern.BLOCK_SPARSE, 0), (Pattern.A_SHAPE, 1, 1), (Pattern.A_SHAPE, 0, 0))
+    small = plan_of((Pattern.VERTICAL_SLASH, 0, 0), (Pattern.BLOCK_SPARSE, 0), (Pattern.A_SHAPE, 1, 1), (Pattern.A_SHAPE, 0, 1))
     out = ref.sparse_attention_reference(q, k, v, small, scale=0.25)
     assert out.shape == q.shape and bool(out.isfinite().all())
 
