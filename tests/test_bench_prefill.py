@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minference_fx import bench_prefill as bp
+from tiny_models import reports_since
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 LENGTHS = [96, 160, 224]
@@ -59,13 +60,13 @@ def test_an_all_ones_attention_mask_reaches_the_op_as_padding(tmp_path):
     rewritten, and give eager's tokens."""
     from minference_fx.backend import recent_reports
 
-    before = len(recent_reports())
+    before = recent_reports()
     out = tmp_path / "prefill.json"
     bp.bench_prefill(LENGTHS[:2], layers=2, variants=("eager", "minference"), isolate=False, reps=1,
                      config_overrides=TINY, minference_options=OPTIONS, out=out, command="test", attention_mask=True)
     data = json.loads(out.read_text())
     assert data["attention_mask"].startswith("all ones")
-    rows = [r for rep in recent_reports()[before:] for r in rep.rows]
+    rows = [r for rep in reports_since(before) for r in rep.rows]
     assert rows and all(r.decision == "sparse" and r.mask == "causal+padding" for r in rows), rows
     cells = _cells(data)
     for n in LENGTHS[:2]:
@@ -100,14 +101,14 @@ def test_a_padded_batch_reaches_the_op_as_padding_and_gives_eagers_tokens(tmp_pa
     mask and is rewritten; the first row's token equals eager's, every row's logits are finite; no recompiles."""
     from minference_fx.backend import recent_reports
 
-    before = len(recent_reports())
+    before = recent_reports()
     out = tmp_path / "prefill.json"
     bp.bench_prefill(LENGTHS[:2], layers=2, variants=("eager", "minference"), isolate=False, reps=1,
                      config_overrides=TINY, minference_options=OPTIONS, out=out, command="test", batch=3,
                      pad_fraction=0.5)
     data = json.loads(out.read_text())
     assert data["batch"] == 3 and data["attention_mask"].startswith("left padding")
-    rows = [r for rep in recent_reports()[before:] for r in rep.rows]
+    rows = [r for rep in reports_since(before) for r in rep.rows]
     assert rows and all(r.decision == "sparse" and r.mask == "causal+padding" and r.shapes.startswith("q 3x") for r in rows), rows
     cells = _cells(data)
     for n in LENGTHS[:2]:

@@ -5,7 +5,7 @@ import torch
 from minference_fx import ConfigMismatchError, inspect
 from minference_fx.backend import recent_reports
 from minference_fx.plan import Pattern
-from tiny_models import covering_config, small_budget_config, tiny_model, wrong_config
+from tiny_models import covering_config, reports_since, small_budget_config, tiny_model, wrong_config
 
 CASES = [(f, a) for f in ("llama", "qwen2", "mistral") for a in ("sdpa", "eager")]
 
@@ -147,7 +147,7 @@ def test_generate_matches_eager_and_lengths_do_not_recompile():
     model.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager"})
     counts = torch._dynamo.utils.counters
     counts.clear()
-    reports_before = len(recent_reports())
+    reports_before = recent_reports()
     with torch.no_grad():
         for ids, want in zip(prompts, eager_tokens):
             assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
@@ -155,7 +155,7 @@ def test_generate_matches_eager_and_lengths_do_not_recompile():
                 graphs = counts["stats"]["unique_graphs"]
     # static then dynamic graphs for prefill and decode; the fourth prompt length compiles nothing
     assert counts["stats"]["unique_graphs"] == graphs <= 4, dict(counts["stats"])
-    rows = [r for rep in recent_reports()[reports_before:] for r in rep.rows]
+    rows = [r for rep in reports_since(reports_before) for r in rep.rows]
     prefill = [r for r in rows if "q_offset" not in r.mask]
     assert prefill and all(r.decision == "sparse" for r in rows), rows
 
@@ -198,12 +198,12 @@ def test_a_graph_break_in_the_decoder_stack_is_no_config_mismatch():
     model = tiny_model("llama")
     model.model.layers[0].register_forward_hook(lambda module, args, out: torch._dynamo.graph_break())
     ids = torch.randint(0, 128, (1, 100))
-    before = len(recent_reports())
+    before = recent_reports()
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         with pytest.warns(UserWarning, match=r"holds layers 0\.\.0 of the semantic config's 2"):
             sparse = _compile(model, covering_config(model))(ids, use_cache=False).logits
-    rows = [r for rep in recent_reports()[before:] for r in rep.rows]
+    rows = [r for rep in reports_since(before) for r in rep.rows]
     assert rows and all(r.decision == "sparse" or "mask" in r.reason for r in rows), rows
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 

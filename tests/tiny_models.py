@@ -4,6 +4,14 @@ from minference_fx.plan import Pattern
 from minference_fx.tiny import tiny_model  # noqa: F401  (the tests import it from here)
 
 
+def reports_since(before: list) -> list:
+    """Backend reports published after ``before`` (a ``recent_reports()`` list). The history is bounded (64), so
+    a slice by its old length comes back empty once it is full; ``before`` keeps its reports alive to compare."""
+    from minference_fx.backend import recent_reports
+
+    return [rep for rep in recent_reports() if not any(rep is old for old in before)]
+
+
 def covering_config(model, pattern=Pattern.VERTICAL_SLASH) -> SemanticConfig:
     """Budgets that cover every key (and sparse from length 0): must equal dense attention."""
     budgets = {Pattern.VERTICAL_SLASH: (1 << 20, 1 << 20), Pattern.A_SHAPE: (0, 1 << 20), Pattern.BLOCK_SPARSE: (1 << 20, 0), Pattern.DENSE: (0, 0)}[pattern]
