@@ -57,16 +57,19 @@ def _model_layer_count(gm: fx.GraphModule, sites) -> int:
 
 
 def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_offset: int) -> None:
-    """Raise ConfigMismatchError naming every way the config does not fit this graph; warn when the graph
-    holds fewer layers than the config and nothing else is wrong (a graph break splits the model)."""
+    """Raise ConfigMismatchError naming every way the config does not fit this graph's sites that can be
+    rewritten. A graph whose sites all stay dense uses no plan, so its layer count is not held against it: a
+    graph break in the decoder stack (HF's sdpa with output_attentions=True, a hook) hands the backend graphs
+    of a few layers that read the mask as an input. Layers numbered by call order (each layer compiled on its
+    own) are still refused: they would all run layer 0's plan."""
     model = config.model
     problems = []
+    live = [s for s in sites if not s.blocker]
     layers = _model_layer_count(gm, sites)
-    layer_count = f"config is for {model.num_layers} layers, the model has {layers}"
-    if layers > model.num_layers:
-        problems.append(layer_count)
-    for site in sites:
-        if site.blocker or site.layer is None:
+    if live and layers and layers != model.num_layers:
+        problems.append(f"config is for {model.num_layers} layers, the model has {layers}")
+    for site in live:
+        if site.layer is None:
             continue
         hq, hkv, dim = _head_count(site)
         where = f"layer {site.layer} ({site.source or site.node.name})"
@@ -77,16 +80,7 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
         if dim != model.head_dim:
             problems.append(f"{where}: head dim {dim}, config has {model.head_dim}")
     if problems:
-        if 0 < layers < model.num_layers:
-            problems.insert(0, layer_count)
         raise ConfigMismatchError(sorted(set(problems), key=problems.index))
-    if 0 < layers < model.num_layers:
-        # A graph break in the decoder stack (HF's sdpa with output_attentions=True, a hook, user code) hands
-        # the backend the layers before it in a graph of their own: their indices are the model's, so the
-        # config's plans for them apply. A config for a deeper model with the same heads looks the same.
-        warnings.warn(f"minference: this graph holds layers 0..{layers - 1} of the semantic config's "
-                      f"{model.num_layers}: a graph break splits the model, or the config is for a deeper one",
-                      stacklevel=2)
 
 
 def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config):

@@ -272,6 +272,8 @@ class Cell:
     first_call_s: Optional[float] = None
     """wall time of the first call at this length (compile included at the first length)"""
     next_token: Optional[int] = None
+    row_tokens: Optional[list] = None
+    """with --batch N: every row's greedy next token (next_token is row 0's)"""
     finite: Optional[bool] = None
     peak_gib: Optional[float] = None
     path: Optional[str] = None
@@ -561,7 +563,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
             if variant.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             logits = variant.fn(**inputs, use_cache=False, **last).logits[:, -1]  # left padding: every row's last is real
-            return logits[0].argmax(), torch.isfinite(logits).all()
+            return logits.argmax(-1), torch.isfinite(logits).all()
 
         try:
             with torch.inference_mode(), _sdpa_context(name, device):
@@ -569,10 +571,12 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
                     torch.cuda.reset_peak_memory_stats(device)
                 _sync(device)
                 start = time.perf_counter()
-                token, finite = step()
+                tokens, finite = step()
                 _sync(device)
                 cell.first_call_s = time.perf_counter() - start
-                cell.next_token, cell.finite = int(token), bool(finite)
+                cell.next_token, cell.finite = int(tokens[0]), bool(finite)
+                if prompts.batch > 1:
+                    cell.row_tokens = tokens.tolist()
                 if graphs_after_first is None:
                     graphs_after_first = _counter("stats", "unique_graphs")
                 for _ in range(max(0, warmup - 1) + variant.cuda_graphs):  # CUDA graphs: warm-up, then record

@@ -381,6 +381,8 @@ def _head_problems(where: str, pattern, budgets) -> list[str]:
         problems.append(f"{where}: budgets must be two integers, got {budgets!r}")
     elif budgets[0] < 0 or budgets[1] < 0:
         problems.append(f"{where}: negative budget {tuple(budgets)}")
+    elif pattern is Pattern.A_SHAPE and budgets[1] < 1:
+        problems.append(f"{where}: an A-shape head's local window must be >= 1, got {tuple(budgets)}")
     return problems
 
 

@@ -66,9 +66,10 @@ def _check_inputs(q, k, v, key_mask, doc_ids, scale, patterns, budget_a, budget_
             problems.append(f"key_mask must be a bool [B or 1, Skv={k.shape[2]}] tensor (B={q.shape[0]}), got "
                             f"{key_mask.dtype} of shape {tuple(key_mask.shape)}")
         if doc_ids is not None and (doc_ids.dim() != 2 or doc_ids.shape[0] not in batches
+                                    or doc_ids.shape[1] < k.shape[2]
                                     or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool):
-            problems.append(f"doc_ids must be an integer [B or 1, S] tensor (B={q.shape[0]}), got {doc_ids.dtype} "
-                            f"of shape {tuple(doc_ids.shape)}")
+            problems.append(f"doc_ids must be an integer [B or 1, S >= Skv={k.shape[2]}] tensor (B={q.shape[0]}), "
+                            f"got {doc_ids.dtype} of shape {tuple(doc_ids.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         problems.append(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (math.isfinite(scale) and scale > 0):
@@ -172,6 +173,10 @@ def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None,
     from .plan import PATTERN_CODES
 
     B, hq, sq, _ = q.shape
+    if out is not None and (doc_ids is not None or window > 0):
+        raise ValueError("dense_walk(out=...) runs again only the rows a padding mask hides keys of: with documents "
+                         "or a window SDPA's unmasked rows would stand")
+    key_mask, doc_ids = _row_major_per_batch(key_mask, B), _row_major_per_batch(doc_ids, B)  # as the kernel reads them
     if launch is None:
         from .autotune.dispatch import launch_config
 

@@ -92,6 +92,8 @@ def test_save_overwrites_and_refuses_invalid(tmp_path):
         (lambda c: c.layers.pop(), "config has 2 layers, model.num_layers is 3"),
         (lambda c: c.layers[1].pop(), "layer 1 has 3 heads"),
         (lambda c: c.layers[2].__setitem__(3, HeadEntry(Pattern.A_SHAPE, (-1, 10))), "layer 2 head 3: negative budget"),
+        (lambda c: c.layers[1].__setitem__(0, HeadEntry(Pattern.A_SHAPE, (64, 0))),
+         "layer 1 head 0: an A-shape head's local window must be >= 1"),
         (lambda c: c.layers[0].__setitem__(2, HeadEntry("diagonal_only", (1, 1))), "layer 0 head 2: unknown pattern 'diagonal_only'"),
         (lambda c: c.layers[0].__setitem__(0, HeadEntry(Pattern.VERTICAL_SLASH, (1, 2, 3))), "budgets must be two integers"),
         (lambda c: setattr(c, "model", dataclasses.replace(c.model, num_kv_heads=3)), "not a multiple of model.num_kv_heads"),

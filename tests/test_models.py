@@ -192,20 +192,29 @@ def test_prompt_lengths_compile_once_after_dynamic():
 
 def test_a_graph_break_in_the_decoder_stack_is_no_config_mismatch():
     """A graph break after layer 0 (here a hook; HF's sdpa with output_attentions=True makes one too) hands the
-    backend a graph holding layer 0 alone. The config fits it (a warning says the graph holds fewer layers than
-    the config) instead of failing the compile; the split graphs read the mask as an input, so their sites stay
-    dense with that reason, and the logits are the model's."""
+    backend graphs of a few layers that read the mask as an input: their sites stay dense with that reason, so
+    no plan applies and the config's layer count is not held against them (it failed the compile); the logits
+    are the model's."""
     model = tiny_model("llama")
     model.model.layers[0].register_forward_hook(lambda module, args, out: torch._dynamo.graph_break())
     ids = torch.randint(0, 128, (1, 100))
     before = recent_reports()
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
-        with pytest.warns(UserWarning, match=r"holds layers 0\.\.0 of the semantic config's 2"):
-            sparse = _compile(model, covering_config(model))(ids, use_cache=False).logits
+        sparse = _compile(model, covering_config(model))(ids, use_cache=False).logits
     rows = [r for rep in reports_since(before) for r in rep.rows]
-    assert rows and all(r.decision == "sparse" or "mask" in r.reason for r in rows), rows
+    assert rows and all(r.decision == "dense" and "mask" in r.reason for r in rows), rows
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_compiled_one_by_one_refuse_a_config_of_several():
+    """Each decoder layer compiled on its own numbers its site 0 (by call order) in one graph reused for every
+    layer, so each would run layer 0's plan: the config is refused, as a whole model of one layer would be."""
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager"})
+    with torch.no_grad(), pytest.raises(Exception, match="config is for 2 layers, the model has 1"):
+        model(torch.randint(0, 128, (1, 100)), use_cache=False)
 
 
 def test_wrong_config_names_the_mismatch():

@@ -85,6 +85,23 @@ def test_dense_walk_over_an_unmasked_sdpa_output_runs_only_the_padded_rows_again
             torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(got[r], sdpa[r])
+    with pytest.raises(ValueError, match="with documents or a window"):  # rows SDPA wrote unmasked would stand
+        dense_walk(q, k, v, key_mask, None, 0.25, 0, 7, out=sdpa.clone())
+
+
+def test_dense_walk_reads_a_one_row_or_strided_mask_as_the_masked_sdpa_does():
+    """Callers past the op's entry (observe's dense path) hand dense_walk the mask as they got it: a [1, S] mask
+    over a batch of 2 and a strided one read as the mask-building path reads them (errors of 3 before)."""
+    from minference_fx.op import dense_walk, masked_sdpa
+
+    q, k, v = _qkv(sq=150, skv=150, b=2)
+    one_row = torch.ones(1, 150, dtype=torch.bool)
+    one_row[0, :70] = False
+    strided = torch.ones(2, 300, dtype=torch.bool)
+    strided[1, :140] = False
+    for key_mask in (one_row, strided[:, ::2]):
+        torch.testing.assert_close(dense_walk(q, k, v, key_mask, None, 0.25, 0, 0),
+                                   masked_sdpa(q, k, v, key_mask, None, 0.25, 0, 0), rtol=1e-5, atol=1e-5)
 
 
 def test_fake_gives_contiguous_shape_of_q():
@@ -111,6 +128,8 @@ def test_bad_inputs_are_named():
         OP(q, k, v, torch.ones(3, 80, dtype=torch.bool), None, 0.25, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match="doc_ids must be an integer"):
         OP(q, k, v, None, torch.zeros(1, 80), 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"S >= Skv=80\] tensor \(B=1\), got torch.int64 of shape \(1, 79\)"):
+        OP(q, k, v, None, torch.zeros(1, 79, dtype=torch.long), 0.25, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match="q, k, v must share a dtype"):
         OP(q.half(), k, v, None, None, 0.25, 0, 0, *VS, 0)
     for scale in (0.0, -0.25, float("nan"), float("inf")):  # the kernels' -inf scores times a scale <= 0: NaN
