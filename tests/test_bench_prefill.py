@@ -231,6 +231,9 @@ def test_llama3_8b_shape_and_last_token_logits():
     assert bp._last_logits_kwarg(model) == {"logits_to_keep": 1}
     est = bp.memory_estimate_gib(32, 131072)
     assert 14 < est["weights"] < 16 and est["hf_compiled_mask_bool"] == 16.0
+    four = bp.memory_estimate_gib(32, 131072, batch=4)  # activations and HF's mask grow with the batch
+    assert four["weights"] == est["weights"] and four["hf_compiled_mask_bool"] == 64.0
+    assert four["hidden"] == 4 * est["hidden"]
 
 
 def test_cli_wiring(monkeypatch, capsys):
