@@ -122,8 +122,8 @@ class PromptBatch:
 
     def kept(self, length: int) -> list[int]:
         """Real tokens of each row at prompt length ``length``."""
-        if self.batch == 1:
-            return [length]
+        if self.pad_fraction == 0:
+            return [length] * self.batch
         return [max(1, length - round(self.pad_fraction * length * r / (self.batch - 1))) for r in range(self.batch)]
 
     def describe(self) -> Optional[str]:

@@ -116,7 +116,7 @@ def dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
     if q.is_cuda and sq * skv > MASKED_SDPA_MAX_PAIRS:
         masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset, window=window)
-        if q_offset == 0 and sq == skv and routable(q.shape[0], sq, skv, masks):
+        if routable(q.shape[0], sq, skv, masks):
             # One prompt under generate's all-ones mask: this path at 0.79-1.00x maskless cuDNN, the walk at
             # 0.66-0.97x (16K-64K, explore_padding_mask_h200_2026-12-01_v2); a padded prompt pays both (1.6-1.7x
             # the walk). Below the limit the re-run's host cost (0.5-0.9 ms a call) outweighs what cuDNN saves.
@@ -203,7 +203,8 @@ def _launch_by_rows(args: tuple, masks: dict, padded, force: torch.Tensor, force
     """One kernel launch of ``forced`` mode over the [B, Hq] table ``force`` ("skip" runs the other pairs, "only"
     these); with ``padded`` rows (:func:`_padded_rows`), two: the rows whose keys are all valid without the
     mask, which would cost the walk its unmasked fast path on every tile (SmolLM2 at 128K: 1.81x HF eager with
-    generate's all-ones mask, 2.26x without), then the padded rows with it. Each leaves the other's rows
+    generate's all-ones mask before this split, 2.26x without a mask:
+    ``results/bench_prefill_smollm2_h200_2026-12-01_v12*``, ``_v10*``), then the padded rows with it. Each leaves the other's rows
     alone, so every pair runs once, as the mask says. Returns the output."""
     from .kernels.attend import sparse_attention_triton
 
