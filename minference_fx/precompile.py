@@ -63,6 +63,14 @@ def _hint(x) -> int:
     return int(x)
 
 
+def _scale_hint(scale, head_dim: int) -> float:
+    """The scale to warm the kernels with: a graph input's (a SymFloat node) is a runtime argument, not
+    compiled in, so any positive value compiles the same kernels."""
+    if isinstance(scale, (int, float)):
+        return float(scale)
+    return head_dim ** -0.5
+
+
 def _order(val: torch.Tensor) -> tuple:
     strides = [_hint(s) for s in val.stride()]
     # outermost first; among equal strides (size-1 dims) keep the logical order
@@ -82,7 +90,7 @@ def spec_of(node) -> Optional[KernelSpec]:
     qv, kv, vv = vals
     return KernelSpec(qv.device, qv.dtype, _hint(qv.shape[1]), _hint(kv.shape[1]), _hint(qv.shape[-1]),
                       _order(qv), _order(kv), _order(vv), key_mask is not None, doc_ids is not None, int(window),
-                      float(scale), tuple(patterns), tuple(budget_a), tuple(budget_b), float(guard), int(min_len))
+                      _scale_hint(scale, _hint(qv.shape[-1])), tuple(patterns), tuple(budget_a), tuple(budget_b), float(guard), int(min_len))
 
 
 def _dummy(shape: tuple, order: tuple, spec: KernelSpec) -> torch.Tensor:

@@ -88,6 +88,7 @@ class _Unknown:
 
 
 _TRUE = _Const(True)
+_ZERO = (None, 0)
 _COMPARE = {
     operator.le: "le", operator.lt: "lt", operator.ge: "ge", operator.gt: "gt",
     operator.eq: "eq", operator.ne: "ne", torch.le: "le", torch.lt: "lt", torch.ge: "ge",
@@ -188,11 +189,11 @@ class _Evaluator:
         if not isinstance(src, _Const) or not isinstance(d, int) or isinstance(d, bool):
             return _Unknown(f"{kind} of something other than a constant at {n.name}")
         # kept entries as one predicate: tril -> kv <= q + d; triu -> kv >= q + d, i.e. kv > q + d - 1
-        kept = ("le", (None, d)) if kind == "tril" else ("gt", (None, d - 1))
+        kept = ("le", (None, d), _ZERO) if kind == "tril" else ("gt", (None, d - 1), _ZERO)
         if src.value is True or src.value == 1:
             return _Mask(frozenset({kept}))
         if isinstance(src.value, (int, float)) and src.value <= _HUGE_NEGATIVE:
-            return _Additive(_Mask(frozenset({(_COMPLEMENT[kept[0]], kept[1])})))
+            return _Additive(_Mask(frozenset({(_COMPLEMENT[kept[0]], *kept[1:])})))
         return _Unknown(f"{kind} of {src.value!r} at {n.name}")
 
     def _passthrough(self, n):
@@ -284,19 +285,18 @@ class _Evaluator:
         if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 2 and b.dim == 3:
             a, b, op = b, a, _FLIP[op]
         if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 3 and b.dim == 2:
-            if a.offset != (None, 0):
-                return _Unknown("key positions do not start at 0")
+            # key j at position j + a.offset: a sliding cache's keys start at max(past - window + 1, 0)
             if op == "lt":
                 op, b = "le", _Axis(2, _shift(b.offset, -1))
             if op == "ge":
                 op, b = "gt", _Axis(2, _shift(b.offset, -1))
             if op in ("le", "gt"):
-                return _Mask(frozenset({(op, b.offset)}))
+                return _Mask(frozenset({(op, b.offset, a.offset)}))
         if op == "eq" and isinstance(a, _Gather) and isinstance(b, _Gather) and a.source is b.source:
             if a.dim == 3 and b.dim == 2:
                 a, b = b, a
-            if a.dim == 2 and b.dim == 3 and b.offset == (None, 0):
-                return _Mask(frozenset({("doc", a.source, a.offset)}))
+            if a.dim == 2 and b.dim == 3:
+                return _Mask(frozenset({("doc", a.source, a.offset, b.offset)}))
         return _Unknown(f"comparison {op} of {type(a).__name__.strip('_')} and {type(b).__name__.strip('_')}")
 
     def _as_mask(self, v):
@@ -304,8 +304,8 @@ class _Evaluator:
             return _Mask(frozenset())
         if isinstance(v, _Mask):
             return v
-        if isinstance(v, _Gather) and v.dim == 3 and v.offset == (None, 0):
-            return _Mask(frozenset({("key", v.source)}))
+        if isinstance(v, _Gather) and v.dim == 3:
+            return _Mask(frozenset({("key", v.source, v.offset)}))
         return None
 
     def _and(self, a, b):
@@ -342,34 +342,50 @@ def _complement(value, n):
     if isinstance(value, _Mask) and len(value.preds) == 1:
         (pred,) = value.preds
         if pred[0] in _COMPLEMENT:
-            return _Mask(frozenset({(_COMPLEMENT[pred[0]], pred[1])}))
+            return _Mask(frozenset({(_COMPLEMENT[pred[0]], *pred[1:])}))
     if isinstance(value, (_Unknown, _Tensor)):
         return value
     return _Unknown(f"negation of {type(value).__name__.strip('_')} at {getattr(n, 'name', n)}")
 
 
+def _as_offset(off: _Off):
+    base, const = off
+    return const if base is None else (base, const)
+
+
 def _mask_info(preds: frozenset) -> MaskInfo:
+    """Predicates read in key indices: a term ``kv_pos <= q_pos + o`` with keys at ``j + k`` is ``j <= i + (o - k)``."""
     causal = [p for p in preds if p[0] == "le"]
     if len(causal) != 1:
         return MaskInfo(MaskKind.UNKNOWN, reason="mask has no single causal (kv <= q) term")
-    q_off = causal[0][1]
+    _, q_off, k_off = causal[0]
+    if k_off[0] is q_off[0]:  # both constant, or both from one past length: the difference is a number
+        q_off, k_off = (None, q_off[1] - k_off[1]), _ZERO
     window = 0
     key_mask = doc = None
+    key_start = doc_start = _ZERO
     for pred in preds:
         if pred[0] == "gt":
-            if pred[1][0] is not q_off[0]:
+            (wq_base, wq), (wk_base, wk) = pred[1], pred[2]
+            if wk_base is wq_base:
+                wq_base, wq, wk_base, wk = None, wq - wk, None, 0
+            if wq_base is not q_off[0] or wk_base is not k_off[0]:
                 return MaskInfo(MaskKind.UNKNOWN, reason="window offset differs from the causal offset")
-            window = q_off[1] - pred[1][1]
+            window = (q_off[1] - k_off[1]) - (wq - wk)
             if window <= 0:
                 return MaskInfo(MaskKind.UNKNOWN, reason="empty sliding window")
         elif pred[0] == "key":
             if key_mask is not None:
                 return MaskInfo(MaskKind.UNKNOWN, reason="two padding masks")
-            key_mask = pred[1]
+            key_mask, key_start = pred[1], pred[2]
         elif pred[0] == "doc":
-            if doc is not None or pred[2] != q_off:
+            # ids read at [q_pos] and [kv_pos]; sliced from where key 0 reads them, the query side must then
+            # land at the op's query offset: the same gap as the causal term's
+            (_, (cq_base, cq), (ck_base, ck)), (dq_base, dq), (dk_base, dk) = causal[0], pred[2], pred[3]
+            same_gap = dq_base is cq_base and dk_base is ck_base and dq - dk == cq - ck
+            if doc is not None or not same_gap:
                 return MaskInfo(MaskKind.UNKNOWN, reason="packed-sequence ids at other positions than the queries")
-            doc = pred[1]
+            doc, doc_start = pred[1], pred[3]
     if key_mask is not None:
         dtype = getattr(key_mask.meta.get("example_value"), "dtype", None)
         if dtype is not torch.bool:
@@ -377,8 +393,8 @@ def _mask_info(preds: frozenset) -> MaskInfo:
     kind = MaskKind.PACKED if doc is not None else MaskKind.SLIDING_WINDOW if window else (
         MaskKind.CAUSAL_PADDING if key_mask is not None else MaskKind.CAUSAL
     )
-    base, const = q_off
-    return MaskInfo(kind, q_offset=const if base is None else (base, const), window=window, key_mask=key_mask, doc_ids=doc)
+    return MaskInfo(kind, q_offset=_as_offset(q_off), k_offset=_as_offset(k_off), window=window, key_mask=key_mask,
+                    key_mask_start=_as_offset(key_start), doc_ids=doc, doc_ids_start=_as_offset(doc_start))
 
 
 def analyse(site: AttentionSite) -> MaskInfo:

@@ -25,11 +25,41 @@ _OP = torch.ops.minference.sparse_attention.default
 _OBSERVE_OP = torch.ops.minference.observed_attention.default
 
 
-def _q_offset_arg(graph: fx.Graph, offset):
+def _offset_arg(graph: fx.Graph, offset):
     if isinstance(offset, int):
         return offset
     base, const = offset
     return graph.call_function(operator.add, (base, const)) if const else base
+
+
+def _is_zero(offset) -> bool:
+    return isinstance(offset, int) and offset == 0
+
+
+def _q_offset_arg(graph: fx.Graph, info) -> object:
+    """The op's query offset: query row 0's position less key 0's (a SymInt expression when either is symbolic)."""
+    q_pos = _offset_arg(graph, info.q_offset)
+    if _is_zero(info.k_offset):
+        return q_pos
+    return graph.call_function(operator.sub, (q_pos, _offset_arg(graph, info.k_offset)))
+
+
+def _is_symbolic_float(x) -> bool:
+    """A scale Dynamo lifted to a graph input (``dynamic=True`` with a cache reads ``self.scaling`` through
+    ``.item()``): the op takes it as a SymFloat, so one graph serves any value."""
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("example_value"), (float, torch.SymFloat))
+
+
+def _from_key_start(graph: fx.Graph, table, start, keys: fx.Node, to_end: bool):
+    """``table[:, start : start + Skv]`` (or ``[:, start:]`` with ``to_end``): the op reads key j's entry at j."""
+    if table is None or _is_zero(start):
+        return table
+    first = _offset_arg(graph, start)
+    if to_end:
+        stop = None
+    else:
+        stop = graph.call_function(operator.add, (first, graph.call_method("size", (keys, 2))))
+    return graph.call_function(operator.getitem, (table, (slice(None), slice(first, stop))))
 
 
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand, operator.ior}
@@ -77,17 +107,21 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
             out.append(site.blocked(f"attention output dtype {old_val.dtype} differs from the query's {q_val.dtype}"))
             continue
         scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q_val.shape[-1])
-        if not isinstance(scale, (int, float)):
+        if not isinstance(scale, (int, float)) and not _is_symbolic_float(scale):
             out.append(site.blocked(f"scale is not a constant ({scale})"))
             continue
         plan = plan_for(site)
         patterns, budget_a, budget_b = plan.op_arguments()
         info = site.mask_info
         with graph.inserting_before(site.node):
-            q_offset = _q_offset_arg(graph, info.q_offset)
+            q_offset = _q_offset_arg(graph, info)
             # an input may be an attention output rewritten above (attention fed straight into attention)
             q, k, v = (replaced.get(x, x) for x in (site.query, site.key, site.value))
-            common = (q, k, v, info.key_mask, info.doc_ids, float(scale), q_offset, int(info.window))
+            key_mask = _from_key_start(graph, info.key_mask, info.key_mask_start, k, to_end=False)
+            # the op reads query rows' ids at q_offset + i too, past the keys when the queries are not all keys
+            doc_ids = _from_key_start(graph, info.doc_ids, info.doc_ids_start, k, to_end=True)
+            common = (q, k, v, key_mask, doc_ids, scale if isinstance(scale, fx.Node) else float(scale), q_offset,
+                      int(info.window))
             if observer is None:
                 route_site = routing.new_site() if route_dense else routing.NO_SITE
                 new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold),

@@ -43,13 +43,17 @@ class MaskInfo:
 
     kind: MaskKind
     q_offset: Offset = 0
-    """position of query row 0 among the keys"""
+    """position of query row 0 (key 0 at ``k_offset``); the op's query offset is ``q_offset - k_offset``"""
+    k_offset: Offset = 0
+    """position of key 0: a sliding cache holds keys from ``max(past - window + 1, 0)`` on"""
     window: int = 0
     """sliding-window size (0: none)"""
     key_mask: Optional[fx.Node] = None
-    """bool [B, Skv] node: which keys are real (padding)"""
+    """bool [B, L] node: which keys are real (padding); key j's entry is at ``key_mask_start + j``"""
+    key_mask_start: Offset = 0
     doc_ids: Optional[fx.Node] = None
-    """int [B, S] node: packed-sequence id per position"""
+    """int [B, L] node: packed-sequence id per position; key j's at ``doc_ids_start + j``"""
+    doc_ids_start: Offset = 0
     reason: str = ""
     """why the mask is unknown"""
 
@@ -59,8 +63,10 @@ class MaskInfo:
             parts.append("padding")
         if self.doc_ids is not None and self.kind != MaskKind.PACKED:
             parts.append("packed")
-        if not (isinstance(self.q_offset, int) and self.q_offset == 0):
-            parts.append(f"q_offset={self.q_offset}")
+        for name in ("q_offset", "k_offset"):
+            offset = getattr(self, name)
+            if not (isinstance(offset, int) and offset == 0):
+                parts.append(f"{name}={offset}")
         return "+".join(parts)
 
 

@@ -115,6 +115,55 @@ def test_chunked_prefill_through_the_cache_equals_one_pass():
     torch.testing.assert_close(torch.cat(chunks, dim=1), whole, rtol=1e-5, atol=1e-5)
 
 
+def test_sliding_cache_chunks_read_keys_from_the_window_start_with_padding():
+    """A sliding-window cache holds keys from ``max(past - window + 1, 0)`` on: the chunks after the first are
+    rewritten with that key offset (once it is symbolic, the mask pass reads it rather than leaving them dense),
+    and with a left-padded batch the padding mask is read from the window's start. Logits equal eager's chunk
+    by chunk at covering budgets."""
+    from transformers import DynamicCache
+
+    model = tiny_model("mistral")  # window 24: the later chunks' keys start past 0
+    ids = torch.randint(0, 128, (2, 100))
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[1, :13] = 0
+    bounds = ((0, 40), (40, 70), (70, 100))
+    compiled = torch.compile(model, backend="minference", dynamic=True,
+                             options={"config": covering_config(model), "inner": "aot_eager"})
+    before = recent_reports()
+
+    def chunks(fn):
+        cache = DynamicCache(config=model.config)
+        return [fn(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
+                for a, b in bounds]
+
+    with torch.no_grad():
+        want, got = chunks(model), chunks(compiled)
+    rows = [r for rep in reports_since(before) for r in rep.rows]
+    assert rows and all(r.decision == "sparse" for r in rows), rows
+    assert any("k_offset" in r.mask for r in rows), rows
+    for (a, b), w, g in zip(bounds, want, got):
+        valid = mask[:, a:b].bool()
+        torch.testing.assert_close(g[valid], w[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_generate_keeps_later_prompts_sparse():
+    """After a ``generate`` with decode steps, Dynamo makes the sliding cache's length dynamic and the window's
+    first key ``max(len - window + 1, 0)`` symbolic: later prompts' prefills still run sparse (they ran dense
+    before the mask pass read key offsets), and the tokens equal eager's."""
+    model = tiny_model("mistral")
+    prompts = [torch.randint(0, 128, (1, n)) for n in (40, 57, 91)]
+    with torch.no_grad():
+        eager_tokens = [model.generate(ids, max_new_tokens=4, do_sample=False) for ids in prompts]
+    model.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager"})
+    before = recent_reports()
+    with torch.no_grad():
+        for ids, want in zip(prompts, eager_tokens):
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
+    rows = [r for rep in reports_since(before) for r in rep.rows]
+    assert any("k_offset" in r.mask for r in rows), rows
+    assert rows and all(r.decision == "sparse" for r in rows), rows
+
+
 def test_autograd_on_leaves_attention_dense_says_why_and_backward_matches_eager():
     """A forward with grad enabled (a training step, or a prefill without no_grad) would make AOTAutograd
     trace a backward through the op, which has none: the sites stay dense with the reason, a warning says
