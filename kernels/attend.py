@@ -238,7 +238,7 @@ def _sparse_attn_fwd(
     TileCount, TileIndex, ColCount, ColIndex,
     stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
     Patterns, BudgetA, BudgetB, ForceDense,
-    KeyMask, stride_km, DocIds, stride_doc, Lse, stride_lb, stride_lh,
+    KeyMask, stride_km, FirstKey, DocIds, stride_doc, Lse, stride_lb, stride_lh,
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -285,6 +285,12 @@ def _sparse_attn_fwd(
         else:
             pattern = tl.where(forced & (pattern != SKIP), DENSE, SKIP)
     runs = pattern != SKIP
+    # keys before the row's first one the key mask keeps are hidden from every query: a left-padded row's
+    # padding query tiles read nothing (they end as 0, as the mask says), and the dense walk starts past them
+    first_key = 0
+    if HAS_KEY_MASK:
+        first_key = tl.load(FirstKey + b)
+    sees_keys = pos_hi >= first_key
     # load q: it stays in SRAM throughout (a skipped program reads and writes nothing)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + d[None, :] * stride_qd,
                 mask=(row_ok & runs)[:, None] & d_ok[None, :], other=0.0)
@@ -299,11 +305,11 @@ def _sparse_attn_fwd(
     if FORCE_MODE == FORCE_ONLY:
         # -- the dense walk: keys 0 .. the diagonal (from the window's start with one), no list; steps wholly
         # before the first row and inside the keys need no causal mask
-        key_end = tl.where(runs, tl.minimum(pos_hi + 1, seq_k), 0)
+        key_end = tl.where(runs & sees_keys, tl.minimum(pos_hi + 1, seq_k), 0)
         clear_end = tl.minimum(pos_lo + 1, key_end) // BLOCK_N * BLOCK_N
-        key_lo = 0
+        key_lo = first_key // BLOCK_N * BLOCK_N
         if HAS_WINDOW:  # keys at or before pos_lo - window are out of every row's window
-            key_lo = tl.maximum(pos_lo - window + 1, 0) // BLOCK_N * BLOCK_N
+            key_lo = tl.maximum(tl.maximum(pos_lo - window + 1, 0) // BLOCK_N * BLOCK_N, key_lo)
         m_i, l_i, acc = _walk_keys(key_lo, clear_end, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
                                    stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask,
                                    stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
@@ -325,7 +331,7 @@ def _sparse_attn_fwd(
             n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
         if listed:
             n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + m_list)
-        n_tiles = tl.where(runs, n_tiles, 0)
+        n_tiles = tl.where(runs & sees_keys, n_tiles, 0)
         tile_list = TileIndex + pid_bh * stride_ti_bh + m_list * stride_ti_m
         # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
         # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
@@ -348,7 +354,7 @@ def _sparse_attn_fwd(
 
         # -- stage 2: leftover columns (vertical-slash only), BLOCK_N at a time
         n_cols = tl.load(ColCount + pid_bh * stride_cc_bh + m_list)
-        n_cols = tl.where((pattern == DENSE) | (pattern == SKIP), 0, n_cols)  # dense already covers every column
+        n_cols = tl.where((pattern == DENSE) | (pattern == SKIP) | ~sees_keys, 0, n_cols)  # dense covers every column
         col_list = ColIndex + pid_bh * stride_ci_bh + m_list * stride_ci_m
         for c0 in range(0, n_cols, BLOCK_N):
             slot_ok = c0 + offs_n < n_cols
@@ -436,6 +442,10 @@ def sparse_attention_triton(
     tc = index.tile_count.reshape(B * Hq, -1)
     cc = index.col_count.reshape(B * Hq, -1)
     km = key_mask if key_mask is not None else q  # any pointer; unused when HAS_KEY_MASK is False
+    # per row, the first key the mask keeps (0 when it keeps none: the mask alone then hides every key)
+    first_key = pat_t
+    if key_mask is not None:
+        first_key = key_mask.to(torch.int8).argmax(1).to(torch.int32).expand(B).contiguous()
     doc = doc_ids if doc_ids is not None else q
     if block_n not in (32, 64, 128):
         raise ValueError(f"block_n must be 32, 64 or 128, got {block_n}")
@@ -461,7 +471,7 @@ def sparse_attention_triton(
         tc, ti, cc, ci,
         tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
         pat_t, a_t, b_t, force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
-        km, km.stride(0) if key_mask is not None else 0, doc, doc.stride(0) if doc_ids is not None else 0,
+        km, km.stride(0) if key_mask is not None else 0, first_key, doc, doc.stride(0) if doc_ids is not None else 0,
         lse_t, Hq * sq if return_lse else 0, sq if return_lse else 0,
         Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK,

@@ -234,6 +234,30 @@ def test_batch_two_padding_and_documents():
     _check(q, k, v, _plan(4), atol=1e-5, key_mask=key_mask, doc_ids=doc_ids)
 
 
+@pytest.mark.parametrize("launch", [{}, dict(block_m=32, block_n=128), dict(block_n=32)], ids=["default", "bm32-bn128", "bn32"])
+def test_left_padded_rows_skip_their_padding_and_keep_the_reference(launch):
+    """Rows whose first kept key comes tiles in (left padding, then a hole) skip the query tiles that see no key
+    and, in the dense walk, the keys before it: the same output as the reference, padding rows exactly 0; a
+    row the mask keeps nothing of, and one it keeps everything of, too."""
+    q, k, v = _inputs(4, 4, 2, 330, 330, 16, torch.float32, seed=3)
+    key_mask = torch.ones(4, 330, dtype=torch.bool)
+    key_mask[1, :200] = False
+    key_mask[1, 250:260] = False
+    key_mask[2, :] = False
+    key_mask[3, :64] = False
+    _check(q, k, v, _plan(4), atol=1e-5, launch=launch, key_mask=key_mask)
+    scale = q.shape[-1] ** -0.5
+    plan = _plan(4)
+    index = reference.build_index(q, k, plan, scale=scale, key_mask=key_mask)
+    walked = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, key_mask=key_mask,
+                                     force_dense=torch.ones(4, 4, dtype=torch.bool), forced="only", **launch)
+    dense_plan = LayerPlan((HeadPlan(Pattern.DENSE),) * 4)
+    dense = reference.sparse_attention_reference(q, k, v, dense_plan, scale=scale, key_mask=key_mask,
+                                                 index=reference.build_index(q, k, dense_plan, scale=scale, key_mask=key_mask))
+    torch.testing.assert_close(walked, dense, atol=1e-5, rtol=0)
+    assert walked[1, :, :200].abs().max() == 0 and walked[2].abs().max() == 0
+
+
 def test_query_offset_and_window():
     q, k, v = _inputs(1, 4, 2, 100, 300, 16, torch.float32)
     _check(q, k, v, _plan(4), atol=1e-5, q_offset=200, window=90)
