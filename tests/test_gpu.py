@@ -258,30 +258,16 @@ def test_sliding_cache_chunks_with_a_lifted_scale_through_inductor_match_eager()
     import sys, os
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from transformers import DynamicCache
-    from minference_fx.backend import recent_reports
-    from tiny_models import covering_config, reports_since, tiny_model
+    from tiny_models import covering_config, sliding_cache_chunks, tiny_model
 
     model = tiny_model("mistral").cuda().to(torch.float16)
-    ids = torch.randint(0, 128, (2, 300), device="cuda")
-    mask = torch.ones(2, 300, dtype=torch.long, device="cuda")
-    mask[1, :37] = 0
-    bounds = ((0, 130), (130, 200), (200, 300))
     compiled = torch.compile(model, backend="minference", dynamic=True, options={"config": covering_config(model)})
-    before = recent_reports()
-
-    def chunks(fn):
-        cache = DynamicCache(config=model.config)
-        return [fn(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
-                for a, b in bounds]
-
-    with torch.no_grad():
-        want, got = chunks(model), chunks(compiled)
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    want, got, reports, valid = sliding_cache_chunks(model, compiled, 300, 37, ((0, 130), (130, 200), (200, 300)),
+                                                     device="cuda")
+    rows = [r for rep in reports for r in rep.rows]
     assert rows and all(r.decision == "sparse" for r in rows) and any("k_offset" in r.mask for r in rows), rows
-    for (a, b), w, g in zip(bounds, want, got):
-        valid = mask[:, a:b].bool()
-        assert _rel(g[valid], w[valid]) < 1e-2
+    for w, g, real in zip(want, got, valid):
+        assert _rel(g[real], w[real]) < 1e-2
 
 
 def test_training_step_through_inductor_stays_dense_and_matches_eager_grads():

@@ -5,7 +5,8 @@ import torch
 from minference_fx import ConfigMismatchError, inspect
 from minference_fx.backend import recent_reports
 from minference_fx.plan import Pattern
-from tiny_models import covering_config, reports_since, small_budget_config, tiny_model, wrong_config
+from tiny_models import (covering_config, reports_since, sliding_cache_chunks, small_budget_config, tiny_model,
+                         wrong_config)
 
 CASES = [(f, a) for f in ("llama", "qwen2", "mistral") for a in ("sdpa", "eager")]
 
@@ -120,30 +121,15 @@ def test_sliding_cache_chunks_read_keys_from_the_window_start_with_padding():
     rewritten with that key offset (once it is symbolic, the mask pass reads it rather than leaving them dense),
     and with a left-padded batch the padding mask is read from the window's start. Logits equal eager's chunk
     by chunk at covering budgets."""
-    from transformers import DynamicCache
-
     model = tiny_model("mistral")  # window 24: the later chunks' keys start past 0
-    ids = torch.randint(0, 128, (2, 100))
-    mask = torch.ones(2, 100, dtype=torch.long)
-    mask[1, :13] = 0
-    bounds = ((0, 40), (40, 70), (70, 100))
     compiled = torch.compile(model, backend="minference", dynamic=True,
                              options={"config": covering_config(model), "inner": "aot_eager"})
-    before = recent_reports()
-
-    def chunks(fn):
-        cache = DynamicCache(config=model.config)
-        return [fn(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
-                for a, b in bounds]
-
-    with torch.no_grad():
-        want, got = chunks(model), chunks(compiled)
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    want, got, reports, valid = sliding_cache_chunks(model, compiled, 100, 13, ((0, 40), (40, 70), (70, 100)))
+    rows = [r for rep in reports for r in rep.rows]
     assert rows and all(r.decision == "sparse" for r in rows), rows
     assert any("k_offset" in r.mask for r in rows), rows
-    for (a, b), w, g in zip(bounds, want, got):
-        valid = mask[:, a:b].bool()
-        torch.testing.assert_close(g[valid], w[valid], rtol=1e-5, atol=1e-5)
+    for w, g, real in zip(want, got, valid):
+        torch.testing.assert_close(g[real], w[real], rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_window_generate_keeps_later_prompts_sparse():

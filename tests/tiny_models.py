@@ -25,3 +25,27 @@ def small_budget_config(model) -> SemanticConfig:
 
 def wrong_config() -> SemanticConfig:
     return default_config(ModelIdentity(num_layers=32, num_q_heads=8, num_kv_heads=2, head_dim=16), min_sparse_len=0)
+
+
+def sliding_cache_chunks(model, compiled, length: int, pad: int, bounds: tuple, device="cpu"):
+    """A left-padded batch of two (row 1 padded by ``pad``) prefilled chunk by chunk (``bounds``: (start, end)
+    pairs) through a fresh cache, by ``model`` and by ``compiled``: ``(eager logits, compiled logits, the reports
+    compiled published, per chunk the [2, end - start] bool of real tokens)``."""
+    import torch
+    from transformers import DynamicCache
+    from minference_fx.backend import recent_reports
+
+    ids = torch.randint(0, 128, (2, length), device=device)
+    mask = torch.ones(2, length, dtype=torch.long, device=device)
+    mask[1, :pad] = 0
+
+    def chunks(fn):
+        cache = DynamicCache(config=model.config)
+        return [fn(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
+                for a, b in bounds]
+
+    before = recent_reports()
+    with torch.no_grad():
+        want, got = chunks(model), chunks(compiled)
+    return want, got, reports_since(before), [mask[:, a:b].bool() for a, b in bounds]
+
