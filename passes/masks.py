@@ -371,9 +371,10 @@ def _mask_info(preds: frozenset) -> MaskInfo:
                 wq_base, wq, wk_base, wk = None, wq - wk, None, 0
             if wq_base is not q_off[0] or wk_base is not k_off[0]:
                 return MaskInfo(MaskKind.UNKNOWN, reason="window offset differs from the causal offset")
-            window = (q_off[1] - k_off[1]) - (wq - wk)
-            if window <= 0:
+            term = (q_off[1] - k_off[1]) - (wq - wk)
+            if term <= 0:
                 return MaskInfo(MaskKind.UNKNOWN, reason="empty sliding window")
+            window = min(window, term) if window else term  # two window terms keep the narrower
         elif pred[0] == "key":
             if key_mask is not None:
                 return MaskInfo(MaskKind.UNKNOWN, reason="two padding masks")

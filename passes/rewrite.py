@@ -50,15 +50,13 @@ def _is_symbolic_float(x) -> bool:
     return isinstance(x, fx.Node) and isinstance(x.meta.get("example_value"), (float, torch.SymFloat))
 
 
-def _from_key_start(graph: fx.Graph, table, start, keys: fx.Node, to_end: bool):
-    """``table[:, start : start + Skv]`` (or ``[:, start:]`` with ``to_end``): the op reads key j's entry at j."""
-    if table is None or _is_zero(start):
+def _from_key_start(graph: fx.Graph, table, start, keys: fx.Node):
+    """``table[:, start : start + Skv]``: the op reads key j's entry at j, from a [B, Skv] table. A view, so the
+    table HF pads past the keys, or reads from a sliding cache's window start, costs nothing to cut."""
+    if table is None:
         return table
     first = _offset_arg(graph, start)
-    if to_end:
-        stop = None
-    else:
-        stop = graph.call_function(operator.add, (first, graph.call_method("size", (keys, 2))))
+    stop = graph.call_function(operator.add, (first, graph.call_method("size", (keys, 2))))
     return graph.call_function(operator.getitem, (table, (slice(None), slice(first, stop))))
 
 
@@ -117,9 +115,8 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
             q_offset = _q_offset_arg(graph, info)
             # an input may be an attention output rewritten above (attention fed straight into attention)
             q, k, v = (replaced.get(x, x) for x in (site.query, site.key, site.value))
-            key_mask = _from_key_start(graph, info.key_mask, info.key_mask_start, k, to_end=False)
-            # the op reads query rows' ids at q_offset + i too, past the keys when the queries are not all keys
-            doc_ids = _from_key_start(graph, info.doc_ids, info.doc_ids_start, k, to_end=True)
+            key_mask = _from_key_start(graph, info.key_mask, info.key_mask_start, k)
+            doc_ids = _from_key_start(graph, info.doc_ids, info.doc_ids_start, k)
             common = (q, k, v, key_mask, doc_ids, scale if isinstance(scale, fx.Node) else float(scale), q_offset,
                       int(info.window))
             if observer is None:

@@ -262,7 +262,7 @@ def test_sliding_cache_chunks_with_a_lifted_scale_through_inductor_match_eager()
 
     model = tiny_model("mistral").cuda().to(torch.float16)
     compiled = torch.compile(model, backend="minference", dynamic=True, options={"config": covering_config(model)})
-    want, got, reports, valid = sliding_cache_chunks(model, compiled, 300, 37, ((0, 130), (130, 200), (200, 300)),
+    want, got, reports, valid = sliding_cache_chunks(model, compiled, 300, 150, ((0, 130), (130, 200), (200, 300)),
                                                      device="cuda")
     rows = [r for rep in reports for r in rep.rows]
     assert rows and all(r.decision == "sparse" for r in rows) and any("k_offset" in r.mask for r in rows), rows

@@ -121,10 +121,11 @@ def test_sliding_cache_chunks_read_keys_from_the_window_start_with_padding():
     rewritten with that key offset (once it is symbolic, the mask pass reads it rather than leaving them dense),
     and with a left-padded batch the padding mask is read from the window's start. Logits equal eager's chunk
     by chunk at covering budgets."""
-    model = tiny_model("mistral")  # window 24: the later chunks' keys start past 0
+    # window 24: the later chunks' keys start at 17 and 47, and row 1's padding (60) runs into both
+    model = tiny_model("mistral")
     compiled = torch.compile(model, backend="minference", dynamic=True,
                              options={"config": covering_config(model), "inner": "aot_eager"})
-    want, got, reports, valid = sliding_cache_chunks(model, compiled, 100, 13, ((0, 40), (40, 70), (70, 100)))
+    want, got, reports, valid = sliding_cache_chunks(model, compiled, 100, 60, ((0, 40), (40, 70), (70, 100)))
     rows = [r for rep in reports for r in rep.rows]
     assert rows and all(r.decision == "sparse" for r in rows), rows
     assert any("k_offset" in r.mask for r in rows), rows

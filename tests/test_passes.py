@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minference_fx import inspect
+from minference_fx.backend import recent_reports
 from minference_fx.passes.layers import layer_from_module_stack
 
 
@@ -175,6 +176,62 @@ def test_triangular_masks_built_in_forward_are_causal_and_exact(module):
     torch.testing.assert_close(out, module()(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+def _positions(q, k, past, key_start):
+    """Query and key positions as a cache builds them: queries from ``past``, keys from ``key_start``."""
+    return (torch.arange(q.shape[2]) + past)[None, None, :, None], (torch.arange(k.shape[2]) + key_start)[None, None, None, :]
+
+
+class PaddingAtKeyIndex(torch.nn.Module):
+    """Causal at positions, a padding table longer than the keys read at key index j (not position)."""
+
+    def forward(self, q, k, v, table, past, key_start):
+        qi, kv = _positions(q, k, past, key_start)
+        b, j = torch.arange(q.shape[0])[:, None, None, None], torch.arange(k.shape[2])[None, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv <= qi) & table[b, j], enable_gqa=True)
+
+
+class DocumentsAtPositions(torch.nn.Module):
+    """Packed-sequence ids read at query and key positions, keys starting past 0."""
+
+    def forward(self, q, k, v, table, past, key_start):
+        qi, kv = _positions(q, k, past, key_start)
+        b = torch.arange(q.shape[0])[:, None, None, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv <= qi) & (table[b, qi] == table[b, kv]),
+                                              enable_gqa=True)
+
+
+class TwoWindows(torch.nn.Module):
+    """Two window terms: only the narrower (10) binds."""
+
+    def forward(self, q, k, v, table, past, key_start):
+        qi, kv = _positions(q, k, past, key_start)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv <= qi) & (kv > qi - 24) & (kv > qi - 10),
+                                              enable_gqa=True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("module", [PaddingAtKeyIndex, DocumentsAtPositions, TwoWindows])
+def test_keys_past_position_0_tables_read_from_their_start_and_windows_are_exact(module, dynamic):
+    """Keys at positions ``key_start + j`` (a sliding cache's; symbolic with ``dynamic``): the op's query offset is
+    the difference, the padding / document table is cut to the keys from where key 0 reads it, and of two window
+    terms the narrower holds. Rows that keep a key equal eager's (they came out wrong, or failed, before)."""
+    compiled = torch.compile(module(), backend="minference", dynamic=dynamic,
+                             options={"inner": "aot_eager", "min_sparse_len": 0})
+    for past, key_start, sq, skv in ((70, 47, 30, 53), (90, 67, 40, 63)):
+        g = torch.Generator().manual_seed(sq)
+        q, k, v = torch.randn(2, 4, sq, 16, generator=g), torch.randn(2, 2, skv, 16, generator=g), torch.randn(2, 2, skv, 16, generator=g)
+        if module is DocumentsAtPositions:
+            table = torch.cumsum(torch.rand(2, past + sq + 5, generator=g) < 0.08, 1)
+        else:
+            table = torch.ones(2, past + sq + 5, dtype=torch.bool)
+            table[1, :20] = False
+        want, got = module()(q, k, v, table, past, key_start), compiled(q, k, v, table, past, key_start)
+        kept = ~torch.isnan(want) & (want != 0)
+        torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-5)
+    report = recent_reports()[-1]
+    assert report.rows and all(r.decision == "sparse" for r in report.rows), report.table()
+
+
 def test_a_triangle_that_keeps_the_future_is_not_taken_for_causal():
     q, k, _ = _qkv(hkv=4)
     row = _only_row(inspect(SdpaBoolTril(), q, k, torch.randn_like(q), True))
@@ -298,3 +355,13 @@ def test_hf_flex_attention_is_reported_not_missed():
     assert [r.layer for r in report.rows] == [0, 1], report
     assert all(r.form == "flex" and r.decision == "dense" and "attn_implementation='sdpa'" in r.reason
                for r in report.rows), report
+
+
+@pytest.mark.parametrize("windows", [(24, 10), (3, 100), (7, 5), (64, 63)])
+def test_of_two_window_terms_the_narrower_holds(windows):
+    """The terms of a mask are a set, read in no fixed order: whichever comes last, the narrower window holds."""
+    from minference_fx.passes.masks import _mask_info
+
+    causal = ("le", (None, 0), (None, 0))
+    terms = frozenset({causal, *(("gt", (None, -w), (None, 0)) for w in windows)})
+    assert _mask_info(terms).window == min(windows)
