@@ -233,6 +233,10 @@ def sparse_attention(
     route_site: int = -1,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, scale, patterns, budget_a, budget_b)
+    if doc_ids is not None and q_offset + q.shape[-2] > doc_ids.shape[-1]:
+        # the queries' ids are read at their positions: past the table would be out of bounds on the GPU
+        raise ValueError(f"minference::sparse_attention: doc_ids holds {doc_ids.shape[-1]} positions, the queries sit at "
+                         f"{q_offset}..{q_offset + q.shape[-2] - 1}")
     key_mask, doc_ids = _row_major_per_batch(key_mask, q.shape[0]), _row_major_per_batch(doc_ids, q.shape[0])
     if q.is_cuda:
         from . import precompile

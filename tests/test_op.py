@@ -130,6 +130,8 @@ def test_bad_inputs_are_named():
         OP(q, k, v, None, torch.zeros(1, 80), 0.25, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match=r"S >= Skv=80\] tensor \(B=1\), got torch.int64 of shape \(1, 79\)"):
         OP(q, k, v, None, torch.zeros(1, 79, dtype=torch.long), 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"doc_ids holds 80 positions, the queries sit at 10..89"):
+        OP(q, k, v, None, torch.zeros(1, 80, dtype=torch.long), 0.25, 10, 0, *VS, 0)
     with pytest.raises(ValueError, match="q, k, v must share a dtype"):
         OP(q.half(), k, v, None, None, 0.25, 0, 0, *VS, 0)
     for scale in (0.0, -0.25, float("nan"), float("inf")):  # the kernels' -inf scores times a scale <= 0: NaN
