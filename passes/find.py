@@ -98,6 +98,7 @@ def _walk_scores(softmax: fx.Node):
     a q·kᵀ product."""
     scores = softmax.args[0]
     chain, mask, fills, scale, unknown = [], None, False, 1.0, []
+    lifted = None  # a scale Dynamo lifted to a graph input (dynamic=True reads self.scaling through .item())
     if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores):
         chain.append(scores)
         scores, mask = scores.args[0], scores.args[1]
@@ -108,12 +109,20 @@ def _walk_scores(softmax: fx.Node):
         if not isinstance(scores, fx.Node) or not _single_user(scores):
             return None
         if _is_call(scores, _MATMUL_FUNCS, ("matmul",)):
+            if lifted is not None:
+                if scale != 1.0:  # the op takes one scale value; a product with constants would need new nodes
+                    unknown.append("a lifted scale beside constant factors")
+                else:
+                    scale = lifted
             return scores, mask, fills, scale, chain, unknown
         if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
             return None
         factor = scores.args[1] if len(scores.args) > 1 else None
         if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
+        elif _is_call(scores, _SCALE_FUNCS, ("mul",)) and scores.target not in _DIVIDE and lifted is None and (
+                isinstance(factor, fx.Node) and isinstance(factor.meta.get("example_value"), torch.SymFloat)):
+            lifted = factor
         else:
             unknown.append(_op_name(scores))
         chain.append(scores)

@@ -116,13 +116,15 @@ def test_chunked_prefill_through_the_cache_equals_one_pass():
     torch.testing.assert_close(torch.cat(chunks, dim=1), whole, rtol=1e-5, atol=1e-5)
 
 
-def test_sliding_cache_chunks_read_keys_from_the_window_start_with_padding():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sliding_cache_chunks_read_keys_from_the_window_start_with_padding(attn):
     """A sliding-window cache holds keys from ``max(past - window + 1, 0)`` on: the chunks after the first are
     rewritten with that key offset (once it is symbolic, the mask pass reads it rather than leaving them dense),
     and with a left-padded batch the padding mask is read from the window's start. Logits equal eager's chunk
     by chunk at covering budgets."""
     # window 24: the later chunks' keys start at 17 and 47, and row 1's padding (60) runs into both
-    model = tiny_model("mistral")
+    # dynamic=True lifts self.scaling to a graph input: SDPA takes it as scale=, eager attention multiplies by it
+    model = tiny_model("mistral", attn)
     compiled = torch.compile(model, backend="minference", dynamic=True,
                              options={"config": covering_config(model), "inner": "aot_eager"})
     want, got, reports, valid = sliding_cache_chunks(model, compiled, 100, 60, ((0, 40), (40, 70), (70, 100)))
