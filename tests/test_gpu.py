@@ -251,7 +251,8 @@ def test_compiled_model_reduce_overhead_matches_eager():
     assert _rel(sparse, dense) < 2e-2
 
 
-def test_sliding_cache_chunks_with_a_lifted_scale_through_inductor_match_eager():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sliding_cache_chunks_with_a_lifted_scale_through_inductor_match_eager(attn):
     """On the GPU through Inductor: a left-padded Mistral batch prefilled in chunks through its sliding cache with
     ``dynamic=True`` (key offsets past 0, a SymFloat scale, the padding mask sliced from key 0's position in
     the graph) is rewritten and equals eager chunk by chunk."""
@@ -260,7 +261,7 @@ def test_sliding_cache_chunks_with_a_lifted_scale_through_inductor_match_eager()
     sys.path.insert(0, os.path.dirname(__file__))
     from tiny_models import covering_config, sliding_cache_chunks, tiny_model
 
-    model = tiny_model("mistral").cuda().to(torch.float16)
+    model = tiny_model("mistral", attn).cuda().to(torch.float16)
     compiled = torch.compile(model, backend="minference", dynamic=True, options={"config": covering_config(model)})
     want, got, reports, valid = sliding_cache_chunks(model, compiled, 300, 150, ((0, 130), (130, 200), (200, 300)),
                                                      device="cuda")
