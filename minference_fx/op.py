@@ -47,7 +47,7 @@ from .kernels.guard import GuardStats
 from .plan import LISTED_PATTERNS, HeadPlan, LayerPlan, Pattern
 
 
-def _check_inputs(q, k, v, key_mask, doc_ids, scale, patterns, budget_a, budget_b):
+def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, patterns, budget_a, budget_b):
     problems = []
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problems.append(f"q, k, v must be 4-D [B, H, S, D]; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
@@ -70,6 +70,10 @@ def _check_inputs(q, k, v, key_mask, doc_ids, scale, patterns, budget_a, budget_
                                     or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool):
             problems.append(f"doc_ids must be an integer [B or 1, S >= Skv={k.shape[2]}] tensor (B={q.shape[0]}), "
                             f"got {doc_ids.dtype} of shape {tuple(doc_ids.shape)}")
+        elif doc_ids is not None and q_offset + q.shape[2] > doc_ids.shape[-1]:
+            # the queries' ids are read at their positions: past the table would be out of bounds on the GPU
+            problems.append(f"doc_ids holds {doc_ids.shape[-1]} positions, the queries sit at "
+                            f"{q_offset}..{q_offset + q.shape[2] - 1}")
     if not (q.dtype == k.dtype == v.dtype):
         problems.append(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (math.isfinite(scale) and scale > 0):
@@ -232,11 +236,7 @@ def sparse_attention(
     guard_threshold: float = 0.0,
     route_site: int = -1,
 ) -> torch.Tensor:
-    _check_inputs(q, k, v, key_mask, doc_ids, scale, patterns, budget_a, budget_b)
-    if doc_ids is not None and q_offset + q.shape[-2] > doc_ids.shape[-1]:
-        # the queries' ids are read at their positions: past the table would be out of bounds on the GPU
-        raise ValueError(f"minference::sparse_attention: doc_ids holds {doc_ids.shape[-1]} positions, the queries sit at "
-                         f"{q_offset}..{q_offset + q.shape[-2] - 1}")
+    _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, patterns, budget_a, budget_b)
     key_mask, doc_ids = _row_major_per_batch(key_mask, q.shape[0]), _row_major_per_batch(doc_ids, q.shape[0])
     if q.is_cuda:
         from . import precompile

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite, call_arg
+from .site import AttentionSite, call_arg, is_lifted_scalar
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -121,7 +121,7 @@ def _walk_scores(softmax: fx.Node):
         if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
         elif _is_call(scores, _SCALE_FUNCS, ("mul",)) and scores.target not in _DIVIDE and lifted is None and (
-                isinstance(factor, fx.Node) and isinstance(factor.meta.get("example_value"), torch.SymFloat)):
+                is_lifted_scalar(factor)):
             lifted = factor
         else:
             unknown.append(_op_name(scores))

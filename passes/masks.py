@@ -348,6 +348,13 @@ def _complement(value, n):
     return _Unknown(f"negation of {type(value).__name__.strip('_')} at {getattr(n, 'name', n)}")
 
 
+def _relative(q_off: _Off, k_off: _Off) -> tuple:
+    """(query, key) offsets with one base folded into a number: both constant, or both from one past length."""
+    if k_off[0] is q_off[0]:
+        return (None, q_off[1] - k_off[1]), _ZERO
+    return q_off, k_off
+
+
 def _as_offset(off: _Off):
     base, const = off
     return const if base is None else (base, const)
@@ -358,17 +365,13 @@ def _mask_info(preds: frozenset) -> MaskInfo:
     causal = [p for p in preds if p[0] == "le"]
     if len(causal) != 1:
         return MaskInfo(MaskKind.UNKNOWN, reason="mask has no single causal (kv <= q) term")
-    _, q_off, k_off = causal[0]
-    if k_off[0] is q_off[0]:  # both constant, or both from one past length: the difference is a number
-        q_off, k_off = (None, q_off[1] - k_off[1]), _ZERO
+    q_off, k_off = _relative(*causal[0][1:])
     window = 0
     key_mask = doc = None
     key_start = doc_start = _ZERO
     for pred in preds:
         if pred[0] == "gt":
-            (wq_base, wq), (wk_base, wk) = pred[1], pred[2]
-            if wk_base is wq_base:
-                wq_base, wq, wk_base, wk = None, wq - wk, None, 0
+            (wq_base, wq), (wk_base, wk) = _relative(pred[1], pred[2])
             if wq_base is not q_off[0] or wk_base is not k_off[0]:
                 return MaskInfo(MaskKind.UNKNOWN, reason="window offset differs from the causal offset")
             term = (q_off[1] - k_off[1]) - (wq - wk)

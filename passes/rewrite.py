@@ -19,7 +19,7 @@ from ..observe import observed_attention  # noqa: F401  (registers the search-mo
 from .. import routing
 from ..op import sparse_attention  # noqa: F401  (registers the op)
 from ..plan import LayerPlan
-from .site import AttentionSite
+from .site import AttentionSite, is_lifted_scalar
 
 _OP = torch.ops.minference.sparse_attention.default
 _OBSERVE_OP = torch.ops.minference.observed_attention.default
@@ -44,15 +44,9 @@ def _q_offset_arg(graph: fx.Graph, info) -> object:
     return graph.call_function(operator.sub, (q_pos, _offset_arg(graph, info.k_offset)))
 
 
-def _is_symbolic_float(x) -> bool:
-    """A scale Dynamo lifted to a graph input (``dynamic=True`` with a cache reads ``self.scaling`` through
-    ``.item()``): the op takes it as a SymFloat, so one graph serves any value."""
-    return isinstance(x, fx.Node) and isinstance(x.meta.get("example_value"), (float, torch.SymFloat))
-
-
 def _from_key_start(graph: fx.Graph, table, start, keys: fx.Node):
-    """``table[:, start : start + Skv]``: the op reads key j's entry at j, from a [B, Skv] table. A view, so the
-    table HF pads past the keys, or reads from a sliding cache's window start, costs nothing to cut."""
+    """``table[:, start : start + Skv]``: the op reads key j's entry at j, from a [B, Skv] table (HF's may run past
+    the keys, or be read from a sliding cache's window start). A slice: a view, at most a [B, Skv] copy."""
     if table is None:
         return table
     first = _offset_arg(graph, start)
@@ -105,7 +99,7 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
             out.append(site.blocked(f"attention output dtype {old_val.dtype} differs from the query's {q_val.dtype}"))
             continue
         scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q_val.shape[-1])
-        if not isinstance(scale, (int, float)) and not _is_symbolic_float(scale):
+        if not isinstance(scale, (int, float)) and not is_lifted_scalar(scale):
             out.append(site.blocked(f"scale is not a constant ({scale})"))
             continue
         plan = plan_for(site)

@@ -9,6 +9,7 @@ import dataclasses
 from enum import Enum
 from typing import Optional, Union
 
+import torch
 import torch.fx as fx
 
 # An offset into positions: an int, or an fx node holding a SymInt (past length)
@@ -19,6 +20,12 @@ def shape_of(node) -> Optional[tuple]:
     """The traced shape of ``node`` (from Dynamo's example value), or None when it is not a tensor node."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     return tuple(value.shape) if value is not None and hasattr(value, "shape") else None
+
+
+def is_lifted_scalar(x) -> bool:
+    """A float Dynamo lifted to a graph input (``dynamic=True`` with a cache reads ``self.scaling`` through
+    ``.item()``): a node holding a SymFloat, which the op takes as its scale, so one graph serves any value."""
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("example_value"), (float, torch.SymFloat))
 
 
 def call_arg(node: fx.Node, index: int, name: str, default=None):
