@@ -50,9 +50,11 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocRow, doc_q, window,
              HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr = True):
     """[BLOCK_M, BLOCK_N] mask of the base rule: causal, padding, same document, window.
+
+    ``DocRow``: the batch row's document ids; ``doc_q``: the query rows' own, loaded once per program.
 
     ``CAUSAL=False`` for tiles wholly before the query tile and inside the keys: only the optional masks apply."""
     if CAUSAL:
@@ -63,8 +65,7 @@ def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, windo
         km = tl.load(KeyMask + b * stride_km + cols, mask=col_ok, other=0)
         ok = ok & (km != 0)[None, :]
     if HAS_DOC:
-        doc_k = tl.load(DocIds + b * stride_doc + cols, mask=col_ok, other=-1)
-        doc_q = tl.load(DocIds + b * stride_doc + pos)
+        doc_k = tl.load(DocRow + cols, mask=col_ok, other=-1)
         ok = ok & (doc_q[:, None] == doc_k[None, :])
     if HAS_WINDOW:
         ok = ok & (pos[:, None] - cols[None, :] < window)
@@ -117,12 +118,12 @@ def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
 
 @triton.jit
 def _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, d,
-          d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window,
+          d_ok, pos, b, KeyMask, stride_km, DocRow, doc_q, window,
           HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
           CAUSAL: tl.constexpr = True, APPLY_MASK: tl.constexpr = True, FULL_TILE: tl.constexpr = False,
           k_desc=None, v_desc=None, hk=0, row0=0, USE_DESC: tl.constexpr = False):
     """Keys ``cols`` of one step (every walk's): the base rule's mask, then the online-softmax update."""
-    ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocIds, stride_doc, window,
+    ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocRow, doc_q, window,
                   HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CAUSAL)
     return _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
                    v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
@@ -132,7 +133,7 @@ def _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, s
 
 @triton.jit
 def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                     KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                     KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocRow, doc_q, window,
                      HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, KV_DESC: tl.constexpr, CROSSING: tl.constexpr,
                      APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
@@ -144,7 +145,7 @@ def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_k
     else:
         col_ok = cols >= 0  # all true
     return _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                 d, d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
+                 d, d_ok, pos, b, KeyMask, stride_km, DocRow, doc_q, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
                  DOT_PRECISION, CAUSAL=CROSSING, APPLY_MASK=APPLY_MASK, FULL_TILE=FULL_TILE, k_desc=KDesc,
                  v_desc=VDesc, hk=hk, row0=start, USE_DESC=KV_DESC)
 
@@ -161,7 +162,7 @@ def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first, slot_ok=T
 @triton.jit
 def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles, win_first,
                 k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocRow, doc_q, window,
                 HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, TILE: tl.constexpr, KV_DESC: tl.constexpr,
                 CROSSING: tl.constexpr, APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
@@ -177,7 +178,7 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
             n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
             m_i, l_i, acc = _contiguous_step(n * TILE, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
                                              stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k,
-                                             KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC,
+                                             KeyMask, stride_km, DocRow, doc_q, window, HAS_KEY_MASK, HAS_DOC,
                                              HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING, APPLY_MASK, FULL_TILE)
     else:
         lo = first * TILE // BLOCK_N
@@ -197,7 +198,7 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
                 cols = n * TILE + at % TILE
                 col_ok = cols >= 0
             m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
-                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, DocRow, doc_q, window,
                                   HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, CAUSAL=CROSSING,
                                   APPLY_MASK=APPLY_MASK, FULL_TILE=FULL_TILE)
     return m_i, l_i, acc
@@ -205,7 +206,7 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
 
 @triton.jit
 def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+               KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocRow, doc_q, window,
                HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                DOT_PRECISION: tl.constexpr, KV_DESC: tl.constexpr, CROSSING: tl.constexpr, APPLY_MASK: tl.constexpr,
                FULL_TILE: tl.constexpr):
@@ -216,7 +217,7 @@ def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, st
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
                                          stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k,
-                                         KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC,
+                                         KeyMask, stride_km, DocRow, doc_q, window, HAS_KEY_MASK, HAS_DOC,
                                          HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING, APPLY_MASK, FULL_TILE)
     return m_i, l_i, acc
 
@@ -295,6 +296,11 @@ def _sparse_attn_fwd(
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + d[None, :] * stride_qd,
                 mask=(row_ok & runs)[:, None] & d_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
+    # the query rows' documents hold for the whole program; rows past the queries read no id
+    doc_row = DocIds + b * stride_doc
+    doc_q = pos
+    if HAS_DOC:
+        doc_q = tl.load(doc_row + pos, mask=row_ok, other=-2)
     v_base = V + b * stride_vb + hk * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -312,12 +318,12 @@ def _sparse_attn_fwd(
             key_lo = tl.maximum(tl.maximum(pos_lo - window + 1, 0) // BLOCK_N * BLOCK_N, key_lo)
         m_i, l_i, acc = _walk_keys(key_lo, clear_end, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
                                    stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask,
-                                   stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
+                                   stride_km, doc_row, doc_q, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
                                    DOT_PRECISION, KV_DESC, CROSSING=False, APPLY_MASK=EXTRA_MASKS,
                                    FULL_TILE=HEAD_DIM == BLOCK_D)
         m_i, l_i, acc = _walk_keys(tl.maximum(clear_end, key_lo), key_end, q, m_i, l_i, acc, qk_scale, k_base, v_base,
                                    stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b,
-                                   hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window, HAS_KEY_MASK, HAS_DOC,
+                                   hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window, HAS_KEY_MASK, HAS_DOC,
                                    HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
     else:
         # -- stage 1: key tiles (TILE keys each), listed or enumerated from the pattern
@@ -343,12 +349,12 @@ def _sparse_attn_fwd(
         n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
         m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
                                     win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window,
                                     HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
                                     CROSSING=False, APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
         m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
                                     win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocIds, stride_doc, window,
+                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window,
                                     HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
                                     CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
 
@@ -361,7 +367,7 @@ def _sparse_attn_fwd(
             cols = tl.load(col_list + c0 + offs_n, mask=slot_ok, other=0)
             col_ok = slot_ok & (cols >= 0) & (cols < seq_k)
             m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
-                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, DocIds, stride_doc, window,
+                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, doc_row, doc_q, window,
                                   HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION)
 
     # epilogue: rows that saw no key are 0, not 0/0
@@ -442,10 +448,11 @@ def sparse_attention_triton(
     tc = index.tile_count.reshape(B * Hq, -1)
     cc = index.col_count.reshape(B * Hq, -1)
     km = key_mask if key_mask is not None else q  # any pointer; unused when HAS_KEY_MASK is False
-    # per row, the first key the mask keeps (0 when it keeps none: the mask alone then hides every key)
+    # per row, the first key the mask keeps (0 when it keeps none: the mask alone then hides every key);
+    # a byte view of the bool mask, so no copy of it
     first_key = pat_t
     if key_mask is not None:
-        first_key = key_mask.to(torch.int8).argmax(1).to(torch.int32).expand(B).contiguous()
+        first_key = key_mask.view(torch.uint8).argmax(1).to(torch.int32).expand(B).contiguous()
     doc = doc_ids if doc_ids is not None else q
     if block_n not in (32, 64, 128):
         raise ValueError(f"block_n must be 32, 64 or 128, got {block_n}")
