@@ -128,6 +128,13 @@ def test_fuzz_op_against_reference_on_1000_shapes():
         if b == 2 and rng.random() < 0.3:
             key_mask = torch.ones(b, skv, dtype=torch.bool, device="cuda")
             key_mask[1, : rng.randint(0, skv)] = False
+        doc_ids = None
+        if rng.random() < 0.25:  # packed documents; a table exactly as long as the keys, read at query positions too
+            starts = torch.zeros(b, skv, dtype=torch.int32)
+            for row in range(b):
+                starts[row, rng.sample(range(1, skv), min(rng.randint(1, 4), skv - 1))] = 1
+            doc_ids = starts.cumsum(1).to(torch.int32).cuda()
+        masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=offset, window=window)
         hq = hkv * group
         g = torch.Generator(device="cuda").manual_seed(case)
         q = torch.randn(b, hq, sq, d, device="cuda", generator=g).to(dtype)
@@ -137,27 +144,26 @@ def test_fuzz_op_against_reference_on_1000_shapes():
         scale = d ** -0.5
         from minference_fx.kernels.index import build_index_gpu
 
-        index = build_index_gpu(q, k, plan, scale=scale, key_mask=key_mask, q_offset=offset, window=window)
+        index = build_index_gpu(q, k, plan, scale=scale, **masks)
         # every launch config the tuner may pick: TMA copies (the default) for bf16; pointer loads or
         # two key tiles a step for fp16 (tied to the dtype: each pairing is one more set of compiles)
         launch = {} if dtype == torch.bfloat16 else rng.choice([dict(kv_desc=False), dict(block_n=128, num_stages=3),
                                                                dict(block_m=32)])
-        out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, key_mask=key_mask,
-                                      q_offset=offset, window=window, **launch)
-        want = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, key_mask=key_mask,
-                                                    q_offset=offset, window=window, index=_full_index(index, q, k, plan, key_mask, offset, window, scale))
+        out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **masks, **launch)
+        want = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, **masks,
+                                                    index=_full_index(index, q, k, plan, masks, scale))
         assert torch.isfinite(out).all(), case
         err = (out.float() - want).abs().max().item()
         worst = max(worst, err)
-        assert err < 3e-2, (case, b, hq, hkv, sq, skv, d, dtype, window, launch, plan, err)
+        assert err < 3e-2, (case, b, hq, hkv, sq, skv, d, dtype, window, doc_ids is not None, launch, plan, err)
         if case % 100 == 99:
             print(f"fuzz: {case + 1} shapes, worst max-abs error so far {worst:.2e}", flush=True)
     print(f"fuzz: worst max-abs error {worst:.2e}")
 
 
-def _full_index(gpu_index, q, k, plan, key_mask, offset, window, scale):
+def _full_index(gpu_index, q, k, plan, masks, scale):
     """The GPU index lists only VS/BS heads; take dense/A-shape heads' tiles from the reference."""
-    ref = reference.build_index(q, k, plan, scale=scale, key_mask=key_mask, q_offset=offset, window=window)
+    ref = reference.build_index(q, k, plan, scale=scale, **masks)
     implicit = torch.tensor([h.pattern in (Pattern.DENSE, Pattern.A_SHAPE) for h in plan.heads], device=q.device)
     t = max(ref.tile_index.shape[-1], gpu_index.tile_index.shape[-1])
     c = max(ref.col_index.shape[-1], gpu_index.col_index.shape[-1])
