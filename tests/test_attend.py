@@ -234,6 +234,28 @@ def test_batch_two_padding_and_documents():
     _check(q, k, v, _plan(4), atol=1e-5, key_mask=key_mask, doc_ids=doc_ids)
 
 
+def test_masks_as_views_into_longer_tables_keep_the_reference():
+    """The rewrite hands a sliding cache's padding and document tables as views ``table[:, start:start + Skv]``
+    (rows a stride wider than the keys): the first kept key and every mask load read them in place. The
+    queries (150, not a multiple of the 64-row tile) end where the document table ends."""
+    q, k, v = _inputs(2, 4, 2, 150, 200, 16, torch.float32, seed=5)
+    padding = torch.ones(2, 260, dtype=torch.bool)
+    padding[1, :110] = False  # the view starts at 37: batch 1's first kept key is 73
+    docs = torch.zeros(2, 260, dtype=torch.int32)
+    docs[:, 137:] = 1
+    docs[0, 200:] = 2
+    masks = dict(key_mask=padding[:, 37:237], doc_ids=docs[:, 37:237], q_offset=50)
+    assert not masks["key_mask"].is_contiguous() and not masks["doc_ids"].is_contiguous()
+    _check(q, k, v, _plan(4), atol=1e-5, **masks)
+    scale = q.shape[-1] ** -0.5
+    plan = _plan(4)
+    index = reference.build_index(q, k, plan, scale=scale, **masks)
+    copies = {**masks, "key_mask": masks["key_mask"].contiguous(), "doc_ids": masks["doc_ids"].contiguous()}
+    args = (q, k, v, index, *plan.op_arguments())
+    torch.testing.assert_close(sparse_attention_triton(*args, scale=scale, **masks),
+                               sparse_attention_triton(*args, scale=scale, **copies), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("launch", [{}, dict(block_m=32, block_n=128), dict(block_n=32)], ids=["default", "bm32-bn128", "bn32"])
 def test_left_padded_rows_skip_their_padding_and_keep_the_reference(launch):
     """Rows whose first kept key comes tiles in (left padding, then a hole) skip the query tiles that see no key
