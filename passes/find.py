@@ -120,9 +120,11 @@ def _walk_scores(softmax: fx.Node):
         factor = scores.args[1] if len(scores.args) > 1 else None
         if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
-        elif _is_call(scores, _SCALE_FUNCS, ("mul",)) and scores.target not in _DIVIDE and lifted is None and (
-                is_lifted_scalar(factor)):
-            lifted = factor
+        elif _is_call(scores, _SCALE_FUNCS, ("mul",)) and scores.target not in _DIVIDE and is_lifted_scalar(factor):
+            if lifted is None:
+                lifted = factor
+            else:  # the op takes one scale value; a product of two would need new nodes
+                unknown.append("a second lifted scale")
         else:
             unknown.append(_op_name(scores))
         chain.append(scores)

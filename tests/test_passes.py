@@ -77,6 +77,41 @@ def test_bidirectional_stays_dense_with_reason():
     assert row.decision == "dense" and "bidirectional" in row.reason
 
 
+class LiftedScale(torch.nn.Module):
+    """Eager-style attention scaled by a float attribute, which ``dynamic=True`` lifts to a graph input; with
+    ``extra``, times a constant or a second such attribute too."""
+
+    def __init__(self, extra: str | None = None):
+        super().__init__()
+        self.scaling, self.softening, self.extra = 0.25, 0.5, extra
+
+    def forward(self, q, k, v):
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+        if self.extra == "constant":
+            scores = scores * 0.5
+        elif self.extra == "attribute":
+            scores = scores * self.softening
+        n = q.shape[-2]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("extra, reason", [(None, None), ("constant", "a lifted scale beside constant factors"),
+                                           ("attribute", "a second lifted scale")])
+def test_a_lifted_scale_alone_is_rewritten_and_beside_other_factors_stays_dense_with_reason(extra, reason):
+    """The op takes one scale: a lifted one alone goes to it; times a constant or another lifted one, the site
+    is left dense and says so (rather than dropping a factor). All equal eager."""
+    q, k, v = _qkv(hkv=4)
+    model = LiftedScale(extra)
+    compiled = torch.compile(model, backend="minference", dynamic=True, options={"inner": "eager", "min_sparse_len": 0})
+    torch.testing.assert_close(compiled(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-5)
+    (row,) = recent_reports()[-1].rows
+    if extra is None:
+        assert row.decision == "sparse", row.reason
+    else:
+        assert row.decision == "dense" and reason in row.reason
+
+
 def test_sequence_major_layout_is_rewritten_and_exact():
     q, k, v = (t.transpose(1, 2).contiguous() for t in _qkv())
     assert _only_row(inspect(SeqMajor(), q, k, v)).decision == "sparse"
