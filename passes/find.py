@@ -92,6 +92,11 @@ def _op_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
+def _plain_binary(node: fx.Node) -> bool:
+    """``a op b`` and nothing else: no ``alpha``, ``rounding_mode`` or ``out``, which change what the op computes."""
+    return len(node.args) == 2 and not node.kwargs
+
+
 def _walk_scores(softmax: fx.Node):
     """From the softmax's input up to ``matmul(q, kᵀ)``: (that matmul, mask, whether the mask is a
     ``masked_fill`` condition, scale, nodes passed, ops not understood), or None when the softmax is not fed by
@@ -99,7 +104,10 @@ def _walk_scores(softmax: fx.Node):
     scores = softmax.args[0]
     chain, mask, fills, scale, unknown = [], None, False, 1.0, []
     lifted = None  # a scale Dynamo lifted to a graph input (dynamic=True reads self.scaling through .item())
-    if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores):
+    # an add with alpha (or a div with a rounding mode, below) is not the plain op read here: left for the walk
+    # to report
+    if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores) and (
+            _plain_binary(scores)):
         chain.append(scores)
         scores, mask = scores.args[0], scores.args[1]
     elif _is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(call_arg(scores, 2, "value")):
@@ -117,7 +125,7 @@ def _walk_scores(softmax: fx.Node):
             return scores, mask, fills, scale, chain, unknown
         if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
             return None
-        factor = scores.args[1] if len(scores.args) > 1 else None
+        factor = scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
         if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
         elif _is_call(scores, _SCALE_FUNCS, ("mul",)) and scores.target not in _DIVIDE and is_lifted_scalar(factor):

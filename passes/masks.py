@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .site import AttentionSite, MaskInfo, MaskKind, call_arg, shape_of
 
@@ -57,6 +58,12 @@ class _Tensor:
     """a tensor the pass does not interpret (a model input, a cumsum of one, ...)"""
 
     node: fx.Node
+    root: Optional[fx.Node] = None
+    """the input or buffer it was computed from (for the report), when not ``node`` itself"""
+
+    def derived(self, n: fx.Node) -> "_Tensor":
+        """``n``, computed from this tensor: still not interpreted, and the op reads ``n``, not this."""
+        return _Tensor(n, self.root or self.node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +107,16 @@ _FLIP = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt", "eq": "eq", "ne": "ne"}
 _AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical_and", "bitwise_and", "__rand__"}
 _ADD = {operator.add, torch.add, "add", "__add__", "__radd__"}
 _SUB = {operator.sub, torch.sub, "sub", "__sub__"}
-_IDENTITY_METHODS = {"to", "bool", "contiguous", "clone"}
+_IDENTITY_METHODS = {"contiguous", "clone"}
+_CONVERSIONS = {"to", "bool"}
+_POSITION_DTYPES = (torch.int32, torch.int64)  # narrower integers wrap within a long prompt's positions
+# ops whose output may share the mask's storage, so an in-place write through them edits the mask too
+_ALIASING = {"view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute", "t",
+             "narrow", "select", "as_strided", "contiguous", "to", "bool", "flatten", "unflatten", "detach",
+             operator.getitem}
+_IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+             operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+_AXIS_NAMES = {-1: "key", -2: "query", -4: "batch"}
 _NOT = {torch.logical_not, torch.bitwise_not, operator.invert, "logical_not", "bitwise_not", "__invert__"}
 _TRIANGLE = {torch.triu: "triu", torch.tril: "tril", "triu": "triu", "tril": "tril"}
 _COMPLEMENT = {"le": "gt", "gt": "le"}  # not (kv <= q + o)  is  kv > q + o
@@ -127,7 +143,8 @@ class _Evaluator:
     def value(self, x):
         if isinstance(x, fx.Node):
             if x not in self.memo:
-                self.memo[x] = self._eval(x)
+                v = self._eval(x)
+                self.memo[x] = v if isinstance(v, _Unknown) else self._checked(x, v)
             return self.memo[x]
         if isinstance(x, (bool, int, float)):
             return _Const(x)
@@ -143,7 +160,7 @@ class _Evaluator:
         if target is torch.arange:
             return self._arange(n)
         if target in ("new_ones", torch.ones) or target is torch.ones_like:
-            return _TRUE if n.kwargs.get("dtype") in (torch.bool, None) else _Const(1)
+            return _TRUE if _dtype(n) is torch.bool else _Const(1)
         if target is torch.tensor and args and isinstance(args[0], (int, float)):
             return _Const(args[0])
         if target is torch.full and len(args) > 1 and isinstance(args[1], (bool, int, float)):
@@ -152,12 +169,14 @@ class _Evaluator:
             return self._triangle(n, _TRIANGLE[target])
         if target in _NOT:
             return _complement(self.value(args[0]), n)
+        if target in _CONVERSIONS:
+            return self._convert(n)
         if target in _IDENTITY_METHODS or target in ("expand", "expand_as", "unsqueeze", "view", "reshape"):
             return self._passthrough(n)
         if target in _ADD or target in _SUB:
             return self._add(n, negate=target in _SUB)
         if target in _COMPARE:
-            return self._compare(_COMPARE[target], self.value(args[0]), self.value(args[1]), args)
+            return self._compare(_COMPARE[target], self.value(args[0]), self.value(args[1]), args, n)
         if target in _AND:
             return self._and(self.value(args[0]), self.value(args[1]))
         if target is operator.getitem:
@@ -172,6 +191,50 @@ class _Evaluator:
         if target is torch.where:
             return self._where(n)
         return _Unknown(f"{getattr(target, '__name__', target)} at {n.name}")
+
+    def _checked(self, n: fx.Node, v):
+        """``v`` unless the tensor it describes is written in place later (the rewrite would miss the write), or
+        ``n`` broadcasts an operand along an axis the operand's value varies on (``causal[..., :1, :] & m`` would
+        repeat one query row's mask): the abstract values record what an entry depends on, not extents."""
+        if _mutated(n):
+            return _Unknown(f"{n.name} is modified in place")
+        if n.target is operator.getitem:
+            operands = _index_nodes(n.args[1])  # a gather broadcasts its indices; a slice keeps positions
+        elif _broadcasts(n.target):
+            operands = _tensor_nodes((n.args, n.kwargs))
+        else:
+            operands = []
+        for a in operands:
+            for axis in _depends_on(self.memo.get(a)):
+                if not _same_extent(shape_of(a), shape_of(n), axis):
+                    return _Unknown(f"{a.name} varies along the {_AXIS_NAMES[axis]} axis, which {n.name} broadcasts")
+        return v
+
+    def _convert(self, n):
+        """A dtype conversion keeps what a value means only where the new dtype holds its entries: bool masks
+        and additive masks within their kind (a 0/1 mask as float is a bias to SDPA: the consumer checks), and
+        positions as 32/64-bit integers."""
+        src = self.value(n.args[0])
+        before, after = _dtype(n.args[0]), _dtype(n)
+        if isinstance(src, _Tensor):
+            return src.derived(n)
+        if isinstance(src, _Unknown) or (before is not None and before == after):
+            return src
+        if after is None:
+            return _Unknown(f"conversion to an unknown dtype at {n.name}")
+        if isinstance(src, _Const):
+            if after is torch.bool:
+                return _Const(bool(src.value))
+            if not after.is_floating_point and isinstance(src.value, float) and not src.value.is_integer():
+                return _Unknown(f"conversion of {src.value!r} to {after} at {n.name}")
+            return _Const(float(src.value) if after.is_floating_point else int(src.value))
+        if isinstance(src, _Mask):
+            return src  # 0/1 in any dtype; where it meets SDPA or a fill its dtype is checked
+        if isinstance(src, _Additive) and after.is_floating_point:
+            return src
+        if isinstance(src, (_Range, _Axis)) and after in _POSITION_DTYPES:
+            return src
+        return _Unknown(f"conversion of {type(src).__name__.strip('_')} from {before} to {after} at {n.name}")
 
     def _arange(self, n):
         args = [a for a in n.args]
@@ -201,13 +264,13 @@ class _Evaluator:
         if n.target == "unsqueeze" and isinstance(src, _Range):
             return src if n.args[1] == 0 else _Unknown(f"unsqueeze of a range at {n.name}")
         if n.target in ("view", "reshape") and isinstance(src, _Tensor) and _same_shape(n, n.args[0]):
-            return _Tensor(n)  # GPT-2's attention_mask.view(batch, -1): the same [B, S] tensor
+            return src.derived(n)  # GPT-2's attention_mask.view(batch, -1): the same [B, S] tensor
         if n.target in ("view", "reshape") and isinstance(src, _Additive) and _same_last_two(n, n.args[0]):
             return src  # [Q, KV] viewed as [1, 1, Q, KV] (nn.TransformerEncoderLayer)
         if n.target in ("view", "reshape") and not isinstance(src, (_Const, _Mask)):
             return _Unknown(f"{n.target} at {n.name}")
         if isinstance(src, _Tensor):
-            return _Tensor(n)  # same data, converted: pass the converted node on
+            return src.derived(n)  # same data, converted: pass the converted node on
         return src
 
     def _add(self, n, negate):
@@ -232,24 +295,38 @@ class _Evaluator:
         src, index = self.value(n.args[0]), n.args[1]
         if not isinstance(index, tuple):
             index = (index,)
+        if isinstance(src, _Unknown):
+            return src
         if isinstance(src, _Const):
             return src
         if isinstance(src, _Range):
             if len(index) == 4 and all(i is None or i == slice(None) for i in index) and index.count(slice(None)) == 1:
                 return _Axis(index.index(slice(None)), src.offset)
             if all(isinstance(i, slice) for i in index):
-                # position_ids[:, :1] and friends: still "arange + offset" at their start
-                return src
+                return self._range_slice(n, src, index)
             return _Unknown(f"index {index} of a range at {n.name}")
-        if isinstance(src, _Tensor) and len(index) == 2:
+        if isinstance(src, _Tensor) and len(index) == 2 and len(shape_of(n.args[0]) or ()) == 2:  # a [B, S] table
             batch, pos = (self.value(i) for i in index)
             if isinstance(batch, _Axis) and batch.dim == 0 and batch.offset == (None, 0) and isinstance(pos, _Axis):
                 return _Gather(src.node, pos.dim, pos.offset)
         if isinstance(src, (_Mask, _Additive)) and _keeps_positions(index):
             return src
         if isinstance(src, _Tensor):
-            return src
+            return src.derived(n)  # another tensor the pass does not read (a slice, a row): the op gets this node
         return _Unknown(f"indexing at {n.name}")
+
+    def _range_slice(self, n, src: _Range, index: tuple):
+        """``positions[..., a:]``: still "arange + offset", from ``a`` on; other dims' slices keep the values
+        (a range is the same along them), a step does not."""
+        ndim = len(shape_of(n.args[0]) or ())
+        last = index[-1] if len(index) == ndim else slice(None)
+        if last.step not in (None, 1) or not (last.start is None or _is_symbolic_scalar(last.start) or (
+                isinstance(last.start, int) and last.start >= 0)):
+            return _Unknown(f"slice {last} of a range at {n.name}")
+        if last.start is None:
+            return src
+        off = _shift(src.offset, last.start)
+        return _Range(off) if off is not None else _Unknown(f"slice start {last.start} of a range at {n.name}")
 
     def _diff(self, n):
         src = self.value(n.args[0])
@@ -270,15 +347,18 @@ class _Evaluator:
             return _Additive(cond)
         return _Unknown(f"where at {n.name}")
 
-    def _compare(self, op, a, b, raw):
+    def _compare(self, op, a, b, raw, n):
+        for side in (a, b):
+            if isinstance(side, _Unknown):
+                return side
         if isinstance(b, _Mask) and isinstance(a, _Const):
             a, b = b, a
         if isinstance(a, _Mask) and isinstance(b, _Const) and op in ("eq", "ne") and b.value in (0, 1):
             # a 0/1 mask compared with 0 or 1: itself or its complement (tril == 0 marks what causal blocks)
             return a if (op == "eq") == bool(b.value) else _complement(a, raw[0])
         for side in (a, b):
-            if isinstance(side, _Tensor):
-                return side  # a comparison of a tensor the pass cannot read: report that tensor
+            if isinstance(side, _Tensor):  # a comparison of a tensor the pass cannot read: itself one
+                return side.derived(n)
         if isinstance(a, _Const) and isinstance(b, _Const):
             fn = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne}[op]
             return _Const(fn(a.value, b.value))
@@ -316,6 +396,75 @@ class _Evaluator:
         return _Mask(ma.preds | mb.preds)
 
 
+def _dtype(node) -> Optional[torch.dtype]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return getattr(value, "dtype", None)
+
+
+def _name(target) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def _mutated(n: fx.Node, depth: int = 0) -> bool:
+    """Whether a later node writes into ``n``'s storage: an in-place op on it or on a view of it."""
+    for user in n.users:
+        name = _name(user.target)
+        # tensor methods and torch functions ending in one "_" write in place (operator.and_ does not)
+        trailing = name.endswith("_") and not name.endswith("__") and getattr(user.target, "__module__", None) != "_operator"
+        if user.target in _IN_PLACE or trailing:
+            return True
+        if depth < 4 and (user.target in _ALIASING or name in _ALIASING) and user.args and user.args[0] is n and (
+                _mutated(user, depth + 1)):
+            return True
+    return False
+
+
+def _broadcasts(target) -> bool:
+    """Ops whose output may be larger than an operand along an axis: elementwise ones, expand, and views
+    (which may also move an axis)."""
+    return (target in _COMPARE or target in _AND or target in _ADD or target in _SUB or target is torch.where
+            or target in ("expand", "expand_as", "view", "reshape", "unsqueeze"))
+
+
+def _tensor_nodes(args) -> list:
+    """The tensor-valued nodes in (nested) arguments; scalars (SymInts) broadcast trivially."""
+    found = []
+    fx.node.map_arg(args, lambda a: found.append(a) if shape_of(a) is not None else None)
+    return found
+
+
+def _index_nodes(index) -> list:
+    return _tensor_nodes(index if isinstance(index, tuple) else (index,))
+
+
+def _depends_on(v) -> set:
+    """Axes (counted from the right: -1 key, -2 query, -4 batch) along which the entries of ``v`` vary."""
+    if isinstance(v, _Range):
+        return {-1}
+    if isinstance(v, _Axis):
+        return {v.dim - 4}
+    if isinstance(v, _Gather):
+        return {-4, v.dim - 4}
+    if isinstance(v, _Additive):
+        return _depends_on(v.mask)
+    if isinstance(v, _Mask):
+        axes = set()
+        for pred in v.preds:
+            axes |= {"le": {-2, -1}, "gt": {-2, -1}, "key": {-4, -1}, "doc": {-4, -2, -1}}[pred[0]]
+        return axes
+    return set()
+
+
+def _same_extent(shape_a, shape_b, axis: int) -> bool:
+    """Whether two shapes (right-aligned; a missing axis has size 1) have the same size along ``axis``, as
+    far as the traced sizes prove it (symbolic sizes must be the same expression)."""
+    if shape_a is None or shape_b is None:
+        return False
+    size_a = shape_a[axis] if len(shape_a) >= -axis else 1
+    size_b = shape_b[axis] if len(shape_b) >= -axis else 1
+    return statically_known_true(size_a == size_b)
+
+
 def _same_shape(a: fx.Node, b) -> bool:
     shape_a, shape_b = shape_of(a), shape_of(b)
     return shape_a is not None and shape_a == shape_b
@@ -343,8 +492,10 @@ def _complement(value, n):
         (pred,) = value.preds
         if pred[0] in _COMPLEMENT:
             return _Mask(frozenset({(_COMPLEMENT[pred[0]], *pred[1:])}))
-    if isinstance(value, (_Unknown, _Tensor)):
+    if isinstance(value, _Unknown):
         return value
+    if isinstance(value, _Tensor):
+        return value.derived(n) if isinstance(n, fx.Node) and n is not value.node else value
     return _Unknown(f"negation of {type(value).__name__.strip('_')} at {getattr(n, 'name', n)}")
 
 
@@ -415,6 +566,9 @@ def analyse(site: AttentionSite) -> MaskInfo:
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1 or H, Q, KV] or [Q, KV]")
     value = _Evaluator().value(site.mask)
     additive = isinstance(value, _Additive)
+    wrong_dtype = _dtype_mismatch(site, value)
+    if wrong_dtype:
+        return MaskInfo(MaskKind.UNKNOWN, reason=wrong_dtype)
     if additive:
         value = value.mask
     if site.mask_fills:
@@ -426,11 +580,29 @@ def analyse(site: AttentionSite) -> MaskInfo:
     if isinstance(value, _Unknown):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask construction not understood ({value.reason})")
     if isinstance(value, _Tensor):
-        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask read from a tensor the graph does not compute ({value.node.name}: an input "
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask read from a tensor the graph does not compute ({(value.root or value.node).name}: an input "
                                                  "or a buffer); build it in forward from shapes (triu/tril, arange) or use is_causal")
     if not isinstance(value, _Mask):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask evaluates to {type(value).__name__.strip('_')}")
+    attention = (shape_of(site.query)[0], 1, shape_of(site.query)[-2], shape_of(site.key)[-2])  # [B, ., Q, KV]
+    for axis in sorted(_depends_on(value)):
+        if not _same_extent(shape_of(site.mask), attention, axis):
+            return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {shape_of(site.mask)} varies along the "
+                                                     f"{_AXIS_NAMES[axis]} axis but does not span the attention's")
     return _mask_info(value.preds)
+
+
+def _dtype_mismatch(site: AttentionSite, value) -> Optional[str]:
+    """Why the mask's dtype contradicts how it was read (SDPA adds a float mask and selects by a bool one):
+    a 0/1 mask of floats masks nothing, a 0/-inf mask turned bool keeps the blocked keys."""
+    dtype = _dtype(site.mask)
+    if dtype is None or site.mask_fills:  # masked_fill itself insists on a bool condition
+        return None
+    if isinstance(value, _Additive) and not dtype.is_floating_point:
+        return f"a 0/-inf mask converted to {dtype}"
+    if isinstance(value, (_Mask, _Const)) and dtype is not torch.bool and site.form != "manual":
+        return f"a 0/1 mask of dtype {dtype}: SDPA adds a non-bool mask to the scores, so it masks nothing"
+    return None
 
 
 def run(sites: list[AttentionSite]) -> list[AttentionSite]:

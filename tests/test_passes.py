@@ -400,3 +400,135 @@ def test_of_two_window_terms_the_narrower_holds(windows):
     causal = ("le", (None, 0), (None, 0))
     terms = frozenset({causal, *(("gt", (None, -w), (None, 0)) for w in windows)})
     assert _mask_info(terms).window == min(windows)
+
+
+# Masks whose meaning lies in a dtype, an extent, a slice start or a later in-place write: each was once
+# rewritten as plain causal (or padding) attention and came out wrong. Now each is read right or left dense.
+def _keep(q, k):
+    """[1, 1, Q, KV] bool causal mask from positions."""
+    return torch.arange(k.shape[2])[None, None, None, :] <= torch.arange(q.shape[2])[None, None, :, None]
+
+
+def _sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _manual(q, k, v, mask=None, fill=None):
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(fill, float("-inf")) if fill is not None else scores + mask
+    return torch.softmax(scores, -1) @ v
+
+
+def _prefix_visible(q, k, v, pad):
+    mask = _keep(q, k).expand(q.shape[0], 1, -1, -1).clone()
+    mask[..., :16] = True  # a prefix every query sees (prefix-LM), written after the mask was built
+    return _sdpa(q, k, v, mask)
+
+
+def _triu_in_place(q, k, v, pad):
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    mask.triu_(-7)  # a window of 8, written in place
+    return _sdpa(q, k, v, mask)
+
+
+def _add_with_alpha(q, k, v, pad):
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    scores = torch.add(scores, torch.where(_keep(q, k), 0.0, -1e4), alpha=1e-6)  # the mask scaled to nothing
+    return torch.softmax(scores, -1) @ v
+
+
+def _floor_divided(q, k, v, pad):
+    scores = torch.div(q @ k.transpose(-2, -1), 4.0, rounding_mode="floor")
+    return torch.softmax(scores.masked_fill(~_keep(q, k), float("-inf")), -1) @ v
+
+
+READ_DENSE = {
+    "float-ones-tril": (lambda q, k, v, pad: _sdpa(q, k, v, torch.ones(q.shape[2], k.shape[2]).tril()), "dtype torch.float32"),
+    "bool-to-float": (lambda q, k, v, pad: _sdpa(q, k, v, _keep(q, k).to(q.dtype)), "dtype torch.float32"),
+    "additive-to-bool": (lambda q, k, v, pad: _sdpa(q, k, v, torch.where(_keep(q, k), 0.0, float("-inf")).to(torch.bool)),
+                         "conversion of Additive from torch.float32 to torch.bool"),
+    "int8-positions": (lambda q, k, v, pad: _sdpa(q, k, v, torch.arange(k.shape[2]).to(torch.int8)[None, None, None, :]
+                                                  <= torch.arange(q.shape[2]).to(torch.int8)[None, None, :, None]),
+                       "torch.int8"),
+    "every-other-position": (lambda q, k, v, pad: _sdpa(q, k, v, torch.arange(2 * k.shape[2])[::2][None, None, None, :]
+                                                        <= torch.arange(2 * q.shape[2])[::2][None, None, :, None]), "slice"),
+    "one-query-row": (lambda q, k, v, pad: _sdpa(q, k, v, _keep(q, k)[..., :1, :]), "query axis"),
+    "one-row-expanded": (lambda q, k, v, pad: _sdpa(q, k, v, _keep(q, k)[..., :1, :].expand(-1, -1, q.shape[2], -1)),
+                         "broadcasts"),
+    "one-batch-row-of-padding": (lambda q, k, v, pad: _sdpa(q, k, v, _causal_padding(q, k, pad)[:1]), "batch axis"),
+    "prefix-set-in-place": (_prefix_visible, "modified in place"),
+    "triu-in-place": (_triu_in_place, "modified in place"),
+    "add-with-alpha": (_add_with_alpha, "pass through add"),
+    "floor-division": (_floor_divided, "pass through div"),
+}
+
+
+def _mask_case_inputs(s=200):
+    """Two rows, 200 positions (past int8's range); a padding table 8 longer than the keys (read from its end),
+    the second row left-padded by 40."""
+    q, k, v = _qkv(b=2, hq=2, hkv=2, s=s)
+    pad = torch.ones(2, s + 8, dtype=torch.bool)
+    pad[1, :48] = False
+    return q, k, v, pad
+
+
+def _causal_padding(q, k, pad, table_of=lambda pad, n: pad[:, -n:]):
+    """Causal, and padding read through ``table_of(pad, keys)`` at [b, kv]."""
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    kv = torch.arange(k.shape[2])[None, None, None, :]
+    return _keep(q, k) & table_of(pad, k.shape[2])[b, kv]
+
+
+class _MaskCase(torch.nn.Module):
+    def __init__(self, attend):
+        super().__init__()
+        self.attend = attend
+
+    def forward(self, q, k, v, pad):
+        return self.attend(q, k, v, pad)
+
+
+def _compile_case(attend):
+    torch._dynamo.reset()
+    model = _MaskCase(attend)
+    return model, torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})
+
+
+@pytest.mark.parametrize("case", list(READ_DENSE))
+def test_masks_whose_meaning_the_pass_cannot_keep_stay_dense_and_say_why(case):
+    attend, reason = READ_DENSE[case]
+    inputs = _mask_case_inputs()
+    model, compiled = _compile_case(attend)
+    torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    (row,) = recent_reports()[-1].rows
+    assert row.decision == "dense" and reason in row.reason, row.reason
+
+
+def _padding_from(table_of):
+    return lambda q, k, v, pad: _sdpa(q, k, v, _causal_padding(q, k, pad, table_of))
+
+
+READ_SPARSE = {
+    "queries-from-position-1": (lambda q, k, v, pad: _sdpa(q, k, v, torch.arange(k.shape[2])[None, None, None, :]
+                                                           <= torch.arange(q.shape[2] + 1)[1:][None, None, :, None]),
+                                "causal+q_offset=1"),
+    "padding-table-longer-than-keys": (_padding_from(lambda pad, n: pad[:, -n:]), "causal+padding"),
+    "padding-from-index-8": (_padding_from(lambda pad, n: pad[:, 8:]), "causal+padding"),
+    "padding-as-its-complement": (_padding_from(lambda pad, n: ~(~pad[:, -n:])), "causal+padding"),
+    "padding-compared-with-false": (_padding_from(lambda pad, n: (~pad[:, -n:]) == False), "causal+padding"),  # noqa: E712
+    "padding-rows-swapped": (_padding_from(lambda pad, n: pad[[1, 0], -n:]), "causal+padding"),
+}
+
+
+@pytest.mark.parametrize("case", list(READ_SPARSE))
+def test_tables_and_positions_computed_before_the_mask_are_read_as_computed(case):
+    """A padding table sliced, negated, compared or reordered before it is read is passed to the op as
+    computed (it once went as the raw input), and positions sliced from 1 keep their start."""
+    attend, mask = READ_SPARSE[case]
+    inputs = _mask_case_inputs()
+    model, compiled = _compile_case(attend)
+    want = model(*inputs)
+    kept = want.abs().sum(-1) > 0  # rows that see a key (a padded row's first ones see none)
+    torch.testing.assert_close(compiled(*inputs)[kept], want[kept], rtol=1e-5, atol=1e-5)
+    (row,) = recent_reports()[-1].rows
+    assert (row.decision, row.mask) == ("sparse", mask), row.reason
