@@ -97,6 +97,17 @@ def _plain_binary(node: fx.Node) -> bool:
     return len(node.args) == 2 and not node.kwargs
 
 
+def _reaches_matmul(node) -> bool:
+    """Whether following first arguments from ``node`` meets a matmul within the walk's bound."""
+    for _ in range(_MAX_SCORE_STEPS + 1):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
+            return False
+        if _is_call(node, _MATMUL_FUNCS, ("matmul",)):
+            return True
+        node = node.args[0]
+    return False
+
+
 def _walk_scores(softmax: fx.Node):
     """From the softmax's input up to ``matmul(q, kᵀ)``: (that matmul, mask, whether the mask is a
     ``masked_fill`` condition, scale, nodes passed, ops not understood), or None when the softmax is not fed by
@@ -109,7 +120,9 @@ def _walk_scores(softmax: fx.Node):
     if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores) and (
             _plain_binary(scores)):
         chain.append(scores)
-        scores, mask = scores.args[0], scores.args[1]
+        scores, mask = scores.args
+        if _reaches_matmul(mask) and not _reaches_matmul(scores):  # mask + scores
+            scores, mask = mask, scores
     elif _is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(call_arg(scores, 2, "value")):
         chain.append(scores)
         scores, mask, fills = scores.args[0], call_arg(scores, 1, "mask"), True

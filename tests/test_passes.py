@@ -532,3 +532,19 @@ def test_tables_and_positions_computed_before_the_mask_are_read_as_computed(case
     torch.testing.assert_close(compiled(*inputs)[kept], want[kept], rtol=1e-5, atol=1e-5)
     (row,) = recent_reports()[-1].rows
     assert (row.decision, row.mask) == ("sparse", mask), row.reason
+
+
+class MaskFirst(torch.nn.Module):
+    """Eager attention written ``mask + scores``: the mask on the left of the add."""
+
+    def forward(self, q, k, v):
+        mask = torch.where(_keep(q, k), 0.0, float("-inf"))
+        return torch.softmax(mask + q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, -1) @ v
+
+
+def test_a_mask_added_on_the_left_of_the_scores_is_found_and_exact():
+    q, k, v = _qkv(hkv=4)
+    row = _only_row(inspect(MaskFirst(), q, k, v))
+    assert (row.decision, row.mask) == ("sparse", "causal"), row.reason
+    out = torch.compile(MaskFirst(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, MaskFirst()(q, k, v), rtol=1e-5, atol=1e-5)
