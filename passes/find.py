@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite, call_arg, is_lifted_scalar
+from .site import AttentionSite, call_arg, is_alias, is_lifted_scalar, writes_in_place
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -40,7 +40,18 @@ def source_of(node: fx.Node) -> str:
     return f"{short}:{line}"
 
 
+def _dropout_p(p, default: float) -> tuple:
+    """(probability, blocker): a probability Dynamo lifted to a graph input (``dynamic=True``, or a changed
+    ``self.p``) is not known here, so the site stays dense."""
+    if p is None:
+        return default, ""
+    if isinstance(p, (int, float)):
+        return float(p), ""
+    return default, "the dropout probability is a graph value, not a constant"
+
+
 def _sdpa_site(node: fx.Node) -> AttentionSite:
+    dropout_p, blocker = _dropout_p(call_arg(node, 4, "dropout_p", 0.0), 1.0)
     return AttentionSite(
         node=node,
         form="sdpa",
@@ -48,11 +59,12 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
         key=call_arg(node, 1, "key"),
         value=call_arg(node, 2, "value"),
         mask=call_arg(node, 3, "attn_mask"),
-        dropout_p=float(call_arg(node, 4, "dropout_p", 0.0)),
+        dropout_p=dropout_p,
         is_causal=bool(call_arg(node, 5, "is_causal", False)),
         scale=call_arg(node, 6, "scale", None),
         enable_gqa=bool(node.kwargs.get("enable_gqa", False)),
         source=source_of(node),
+        blocker=blocker,
     )
 
 
@@ -95,6 +107,36 @@ def _op_name(node: fx.Node) -> str:
 def _plain_binary(node: fx.Node) -> bool:
     """``a op b`` and nothing else: no ``alpha``, ``rounding_mode`` or ``out``, which change what the op computes."""
     return len(node.args) == 2 and not node.kwargs
+
+
+def _narrowing_cast(cast: fx.Node, query: fx.Node):
+    """Why a cast of the attention weights changes what the op would compute (None when it does not): the op
+    keeps them in fp32 and reads v in its own dtype, which matches a cast to the query's dtype or to a wider float."""
+    before = getattr(cast.args[0].meta.get("example_value"), "dtype", None)
+    after = getattr(cast.meta.get("example_value"), "dtype", None)
+    wanted = getattr(query.meta.get("example_value"), "dtype", None)
+    if after is not None and after.is_floating_point and (after == wanted or after == before or (
+            torch.finfo(after).bits >= 32)):
+        return None
+    return f"the attention weights are cast to {after} before the value product"
+
+
+def _storage_root(node):
+    while isinstance(node, fx.Node) and is_alias(node) and node.args:
+        node = node.args[0]
+    return node
+
+
+def _written_between(tensors, start: fx.Node, end: fx.Node) -> bool:
+    """Whether a node after ``start`` and before ``end`` writes in place into any of ``tensors`` (or a view of
+    one, or what one is a view of)."""
+    roots = {_storage_root(t) for t in tensors}
+    node = start.next
+    while node is not end and node.op != "root":
+        if writes_in_place(node) and node.args and _storage_root(node.args[0]) in roots:
+            return True
+        node = node.next
+    return False
 
 
 def _reaches_matmul(node) -> bool:
@@ -190,14 +232,19 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
         else:
             (user,) = probs.users
         if _is_call(user, (), ("to", "type", "type_as", "float", "half", "bfloat16")):
+            blocker = blocker or _narrowing_cast(user, query) or ""
             chain.append(user)
             probs = user
         elif _is_call(user, _DROPOUT_FUNCS, ("dropout",)):
-            training = call_arg(user, 2, "training", True)
-            dropout_p = float(call_arg(user, 1, "p", 0.5)) if training else 0.0
+            training = user.kwargs.get("train", call_arg(user, 2, "training", True))  # torch.dropout says train
+            p, dropout_blocker = _dropout_p(call_arg(user, 1, "p", 0.5), 1.0)
+            dropout_p = p if training else 0.0
+            blocker = blocker or (dropout_blocker if training else "") or ""
             chain.append(user)
             probs = user
         elif _is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
+            if _written_between((query, key), scores, user):
+                blocker = blocker or "q or k is written in place between q·kᵀ and the value product (the op reads both there)"
             return AttentionSite(
                 node=user,
                 form="manual",

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .site import AttentionSite, MaskInfo, MaskKind, call_arg, shape_of
+from .site import AttentionSite, MaskInfo, MaskKind, call_arg, is_alias, shape_of, writes_in_place
 
 # An offset is (fx node holding a SymInt or None, int constant)
 _Off = tuple
@@ -110,12 +110,6 @@ _SUB = {operator.sub, torch.sub, "sub", "__sub__"}
 _IDENTITY_METHODS = {"contiguous", "clone"}
 _CONVERSIONS = {"to", "bool"}
 _POSITION_DTYPES = (torch.int32, torch.int64)  # narrower integers wrap within a long prompt's positions
-# ops whose output may share the mask's storage, so an in-place write through them edits the mask too
-_ALIASING = {"view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute", "t",
-             "narrow", "select", "as_strided", "contiguous", "to", "bool", "flatten", "unflatten", "detach",
-             operator.getitem}
-_IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-             operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 _AXIS_NAMES = {-1: "key", -2: "query", -4: "batch"}
 _NOT = {torch.logical_not, torch.bitwise_not, operator.invert, "logical_not", "bitwise_not", "__invert__"}
 _TRIANGLE = {torch.triu: "triu", torch.tril: "tril", "triu": "triu", "tril": "tril"}
@@ -401,20 +395,11 @@ def _dtype(node) -> Optional[torch.dtype]:
     return getattr(value, "dtype", None)
 
 
-def _name(target) -> str:
-    return target if isinstance(target, str) else getattr(target, "__name__", "")
-
-
 def _mutated(n: fx.Node, depth: int = 0) -> bool:
     """Whether a later node writes into ``n``'s storage: an in-place op on it or on a view of it."""
     for user in n.users:
-        name = _name(user.target)
-        # tensor methods and torch functions ending in one "_" write in place (operator.and_ does not)
-        trailing = name.endswith("_") and not name.endswith("__") and getattr(user.target, "__module__", None) != "_operator"
-        if user.target in _IN_PLACE or trailing:
-            return True
-        if depth < 4 and (user.target in _ALIASING or name in _ALIASING) and user.args and user.args[0] is n and (
-                _mutated(user, depth + 1)):
+        if user.args and user.args[0] is n and (writes_in_place(user) or (
+                depth < 4 and is_alias(user) and _mutated(user, depth + 1))):
             return True
     return False
 

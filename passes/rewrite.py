@@ -14,12 +14,13 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..observe import observed_attention  # noqa: F401  (registers the search-mode op)
 from .. import routing
 from ..op import sparse_attention  # noqa: F401  (registers the op)
 from ..plan import LayerPlan
-from .site import AttentionSite, is_lifted_scalar
+from .site import AttentionSite, is_lifted_scalar, writes_in_place
 
 _OP = torch.ops.minference.sparse_attention.default
 _OBSERVE_OP = torch.ops.minference.observed_attention.default
@@ -54,18 +55,6 @@ def _from_key_start(graph: fx.Graph, table, start, keys: fx.Node):
     return graph.call_function(operator.getitem, (table, (slice(None), slice(first, stop))))
 
 
-_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand, operator.ior}
-
-
-def _mutates(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.target in _INPLACE_OPERATORS:
-        return True
-    name = getattr(node.target, "__name__", "")
-    return name.endswith("_") and getattr(node.target, "__module__", "") not in ("_operator", "operator")
-
-
 def _remove_dead(graph: fx.Graph, roots):
     """Erase nodes that only fed the replaced attention (mask construction, repeat_kv)."""
     work = [n for n in roots if isinstance(n, fx.Node)]
@@ -74,7 +63,7 @@ def _remove_dead(graph: fx.Graph, roots):
         node = work.pop()
         if node in erased or node.users or node.op not in ("call_function", "call_method"):
             continue
-        if _mutates(node):
+        if writes_in_place(node):
             continue  # has effects beyond its users
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
@@ -98,9 +87,20 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
         if old_val is not None and old_val.dtype != q_val.dtype:
             out.append(site.blocked(f"attention output dtype {old_val.dtype} differs from the query's {q_val.dtype}"))
             continue
+        if old_val is not None and not all(statically_known_true(a == b) for a, b in zip(old_val.shape, q_val.shape)):
+            # a mask that broadcasts the scores past q's batch or heads makes the output larger than q
+            out.append(site.blocked(f"attention output of shape {tuple(old_val.shape)} differs from the query's "
+                                    f"{tuple(q_val.shape)}"))
+            continue
+        if q_val.dtype == torch.float64:
+            out.append(site.blocked("float64 attention: the sparse op computes in fp32"))
+            continue
         scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q_val.shape[-1])
         if not isinstance(scale, (int, float)) and not is_lifted_scalar(scale):
             out.append(site.blocked(f"scale is not a constant ({scale})"))
+            continue
+        if isinstance(scale, (int, float)) and not (math.isfinite(scale) and scale > 0):
+            out.append(site.blocked(f"scale {scale} is not a finite number > 0, which the op's softmax needs"))
             continue
         plan = plan_for(site)
         patterns, budget_a, budget_b = plan.op_arguments()

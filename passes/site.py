@@ -6,6 +6,7 @@ Each pass adds to a site with ``dataclasses.replace``; nothing is stashed in
 from __future__ import annotations
 
 import dataclasses
+import operator
 from enum import Enum
 from typing import Optional, Union
 
@@ -26,6 +27,31 @@ def is_lifted_scalar(x) -> bool:
     """A float Dynamo lifted to a graph input (``dynamic=True`` with a cache reads ``self.scaling`` through
     ``.item()``): a node holding a SymFloat, which the op takes as its scale, so one graph serves any value."""
     return isinstance(x, fx.Node) and isinstance(x.meta.get("example_value"), (float, torch.SymFloat))
+
+
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+# ops whose output may share their input's storage, so a write through them edits the input too
+ALIASING_OPS = {"view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute",
+                "t", "narrow", "select", "as_strided", "contiguous", "to", "bool", "flatten", "unflatten", "detach",
+                operator.getitem, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.reshape}
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument: ``x[i] = y``, ``x += y``, a method or torch function
+    ending in one ``_`` (``operator.and_`` does not)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.target in _IN_PLACE_OPERATORS:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", "") not in (
+        "_operator", "operator")
+
+
+def is_alias(node: fx.Node) -> bool:
+    """Whether ``node`` may be a view of its first argument."""
+    return node.op in ("call_function", "call_method") and node.target in ALIASING_OPS
 
 
 def call_arg(node: fx.Node, index: int, name: str, default=None):

@@ -548,3 +548,84 @@ def test_a_mask_added_on_the_left_of_the_scores_is_found_and_exact():
     assert (row.decision, row.mask) == ("sparse", "causal"), row.reason
     out = torch.compile(MaskFirst(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
     torch.testing.assert_close(out, MaskFirst()(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+# Sites whose output the op would not reproduce: each was rewritten (and came out wrong, or raised) before.
+def _weights_through(dtype):
+    def attend(q, k, v):
+        weights = torch.softmax(_manual_scores(q, k), -1)
+        return weights.to(dtype).to(q.dtype) @ v
+    return attend
+
+
+def _manual_scores(q, k):
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    return scores.masked_fill(~_keep(q, k), float("-inf"))
+
+
+def _key_written_after_its_scores(q, k, v):
+    k = k.clone()
+    scores = _manual_scores(q, k)
+    k.mul_(3.0)  # k updated in place once its scores were taken
+    return torch.softmax(scores, -1) @ v + k.sum()
+
+
+def _mask_wider_than_the_query(q, k, v):
+    scores = q[:1, :1] @ k[:1, :1].transpose(-2, -1)  # [1, 1, S, S] scores
+    mask = torch.where(_keep(q, k), 0.0, float("-inf")).expand(q.shape[0], q.shape[1], -1, -1)
+    return torch.softmax(scores * 0.25 + mask, -1) @ v[:1, :1]  # [B, H, S, D] through the mask
+
+
+ROUND_TRIPS_DENSE = {
+    "weights-through-int32": (_weights_through(torch.int32), "cast to torch.int32"),
+    "weights-through-bf16": (_weights_through(torch.bfloat16), "cast to torch.bfloat16"),
+    "key-written-after-its-scores": (_key_written_after_its_scores, "written in place"),
+    "mask-wider-than-the-query": (_mask_wider_than_the_query, "differs from the query's"),
+    "float64": (lambda q, k, v: F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True).float(),
+                "float64"),
+    "negative-scale": (lambda q, k, v: torch.softmax((q @ k.transpose(-2, -1) * -0.25).masked_fill(~_keep(q, k), float("-inf")),
+                                                     -1) @ v, "not a finite number > 0"),
+}
+
+
+class _SiteCase(torch.nn.Module):
+    def __init__(self, attend):
+        super().__init__()
+        self.attend = attend
+
+    def forward(self, q, k, v):
+        return self.attend(q, k, v)
+
+
+@pytest.mark.parametrize("case", list(ROUND_TRIPS_DENSE))
+def test_sites_the_op_would_not_reproduce_stay_dense_and_say_why(case):
+    attend, reason = ROUND_TRIPS_DENSE[case]
+    q, k, v = _qkv(b=2, hq=2, hkv=2, s=96)
+    torch._dynamo.reset()
+    model = _SiteCase(attend)
+    compiled = torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})
+    torch.testing.assert_close(compiled(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-5)
+    (row,) = recent_reports()[-1].rows
+    assert row.decision == "dense" and reason in row.reason, row.reason
+
+
+class LiftedDropout(torch.nn.Module):
+    """SDPA with ``dropout_p=self.p``, which ``dynamic=True`` lifts to a graph input."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = 0.1
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
+
+
+def test_a_lifted_dropout_probability_leaves_the_site_dense_instead_of_failing_the_compile():
+    q, k, v = _qkv(hkv=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(LiftedDropout().train(), backend="minference", dynamic=True, options={"inner": "eager"})
+    with torch.no_grad():
+        out = compiled(q, k, v)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    (row,) = recent_reports()[-1].rows
+    assert row.decision == "dense" and "dropout" in row.reason, row.reason
