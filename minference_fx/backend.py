@@ -10,6 +10,7 @@ import collections
 import logging
 import re
 import warnings
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -56,7 +57,7 @@ def _model_layer_count(gm: fx.GraphModule, sites) -> int:
     return max(indices) + 1 if indices else 0
 
 
-def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_offset: int) -> None:
+def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_offset: Optional[int]) -> None:
     """Raise ConfigMismatchError naming every way the config does not fit this graph's sites that can be
     rewritten. A graph whose sites all stay dense uses no plan, so its layer count is not held against it: a
     graph break in the decoder stack (HF's sdpa with output_attentions=True, a hook) hands the backend graphs
@@ -73,7 +74,10 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
             continue
         hq, hkv, dim = _head_count(site)
         where = f"layer {site.layer} ({site.source or site.node.name})"
-        if head_offset + hq > model.num_q_heads:
+        if head_offset is None and hq != model.num_q_heads:
+            problems.append(f"{where}: {hq} query heads, config has {model.num_q_heads} (for one tensor-parallel "
+                            "rank's share of the heads, give options={'head_offset': its first head})")
+        elif head_offset is not None and head_offset + hq > model.num_q_heads:
             problems.append(f"{where}: query heads {head_offset}..{head_offset + hq - 1} exceed the config's {model.num_q_heads}")
         if hq // hkv != model.num_q_heads // model.num_kv_heads:
             problems.append(f"{where}: GQA group {hq // hkv}, config has {model.num_q_heads // model.num_kv_heads}")
@@ -116,7 +120,7 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
         if config is None:
             plan = LayerPlan((DEFAULT_HEAD,) * hq)
         else:
-            plan = config.layer_plan(site.layer, options.head_offset, hq)
+            plan = config.layer_plan(site.layer, options.head_offset or 0, hq)
         plans[index_of[id(site.node)]] = plan
         return plan
 

@@ -58,8 +58,18 @@ def parse_lengths(text: str) -> list[int]:
     out = []
     for part in text.split(","):
         part = part.strip().lower()
-        out.append(int(part[:-1]) * units[part[-1]] if part[-1] in units else int(part))
+        digits, unit = (part[:-1], units[part[-1]]) if part and part[-1] in units else (part, 1)
+        if not digits.isdigit() or int(digits) == 0:
+            raise ValueError(f"--lengths {text!r}: {part!r} is not a positive length (e.g. 4096, 8k, 1m)")
+        out.append(int(digits) * unit)
     return out
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def _bench(args) -> int:
@@ -243,9 +253,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="show which attention sites the backend rewrites, and why")
     p.add_argument("--model", default="llama", help="built-in tiny family (llama, qwen2, mistral, gemma3, gpt2, ...: see minference_fx.tiny), an HF config.json, or a model directory")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
-    p.add_argument("--layers", type=int, default=None, help="keep only this many layers (random weights are cheap, big models are not)")
-    p.add_argument("--seq", type=int, default=128, help="prompt length traced")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=_positive_int, default=None, help="keep only this many layers (random weights are cheap, big models are not)")
+    p.add_argument("--seq", type=_positive_int, default=128, help="prompt length traced")
+    p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--config", default=None, help="semantic config JSON (default: vertical-slash 1000/6096 everywhere)")
     p.add_argument("--diff", action="store_true", help="print the unified diff of the graph code")
     p.set_defaults(run=_inspect)
@@ -306,7 +316,22 @@ def main(argv=None) -> int:
     t.set_defaults(run=_autotune)
     _add_asset_commands(sub)
     args = parser.parse_args(argv)
-    return args.run(args)
+    from .config import ConfigError
+
+    if isinstance(getattr(args, "lengths", None), str):
+        try:
+            parse_lengths(args.lengths)
+        except ValueError as e:
+            parser.error(str(e))
+    try:
+        return args.run(args)
+    except ConfigError as e:  # a config that cannot be read or does not fit: its message says it all
+        sys.exit(f"minference-fx: {e}")
+    except Exception as e:
+        inner = getattr(e, "inner_exception", None)  # raised inside the backend, wrapped by Dynamo
+        if isinstance(inner, ConfigError):
+            sys.exit(f"minference-fx: {inner}")
+        raise
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import operator
 import os
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
@@ -369,6 +372,9 @@ def _model_problems(model) -> list[str]:
     return problems
 
 
+_MAX_BUDGET = 2**31 - 1
+
+
 def _head_problems(where: str, pattern, budgets) -> list[str]:
     problems = []
     if not isinstance(pattern, Pattern):
@@ -381,6 +387,8 @@ def _head_problems(where: str, pattern, budgets) -> list[str]:
         problems.append(f"{where}: budgets must be two integers, got {budgets!r}")
     elif budgets[0] < 0 or budgets[1] < 0:
         problems.append(f"{where}: negative budget {tuple(budgets)}")
+    elif max(budgets) > _MAX_BUDGET:
+        problems.append(f"{where}: budget {max(budgets)} over {_MAX_BUDGET} (the kernels hold budgets as int32)")
     elif pattern is Pattern.A_SHAPE and budgets[1] < 1:
         problems.append(f"{where}: an A-shape head's local window must be >= 1, got {tuple(budgets)}")
     return problems
@@ -479,6 +487,9 @@ def _parse_config(doc, problems: list[str]) -> SemanticConfig:
     if not isinstance(defaults, Mapping):
         problems.append(f"defaults must be an object, got {defaults!r}")
         defaults = {}
+    problems += _unknown_keys("defaults", defaults, tuple(DEFAULT_DEFAULTS))
+    if isinstance(defaults.get("default_head"), Mapping):
+        problems += _unknown_keys("defaults.default_head", defaults["default_head"], _HEAD_KEYS)
     defaults = _normalize_defaults(defaults)
     default_entry = _PLACEHOLDER
     dh = defaults.get("default_head")
@@ -523,11 +534,16 @@ def _head_index(key, n_heads: int) -> int | None:
 def _keyed_layer(li: int, raw_layer: Mapping, n_heads: int, default, parse, problems: list) -> list:
     """A layer given as {head index: entry}: unlisted heads keep ``default``; ``parse`` returns None to keep it too."""
     layer = [default] * n_heads
+    seen = set()
     for key, value in raw_layer.items():
         hi = _head_index(key, n_heads)
         if hi is None:
             problems.append(f"layer {li}: head key {key!r} is not an index in 0..{n_heads - 1}")
             continue
+        if hi in seen:
+            problems.append(f"layer {li}: head {hi} is given twice")
+            continue
+        seen.add(hi)
         entry = parse(f"layer {li} head {hi}", value, problems)
         if entry is not None:
             layer[hi] = entry
@@ -546,9 +562,23 @@ def _read_json(path: Path):
     except OSError as e:
         raise ConfigError(f"cannot read: {e}", source=path) from e
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
         raise ConfigError(f"not valid JSON: {e}", source=path) from e
+    except _DuplicateKey as e:
+        raise ConfigError(f"key {e.args[0]!r} appears twice in one object (JSON keeps only the last)", source=path) from e
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs):
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise _DuplicateKey(k)
+    return dict(pairs)
 
 
 def load_config(source, *, model: ModelIdentity | None = None) -> SemanticConfig:
@@ -673,6 +703,10 @@ def import_minference_best_pattern(path_or_list, model: ModelIdentity) -> Semant
         if not isinstance(raw_layer, Mapping):
             problems.append(f"layer {li}: expected an object keyed by head index, got {type(raw_layer).__name__}")
             continue
+        missing = sorted(set(range(n_heads)) - {_head_index(key, n_heads) for key in raw_layer})
+        if missing:  # MInference runs such heads as its default too; said, since a gap may mean another model
+            log.warning("best_pattern layer %d lists no entry for query heads %s (of %d): they get MInference's "
+                        "default head, vertical-slash %s", li, missing, n_heads, tuple(DEFAULT_HEAD["budgets"]))
         layers.append(_keyed_layer(li, raw_layer, n_heads, default, _minference_entry, problems))
     name = source.name if source is not None else "an in-memory list"
     config = SemanticConfig(

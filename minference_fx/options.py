@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Optional
 
 from .config import SemanticConfig, load_config
+
+# torch._inductor.list_mode_options()'s modes (read there would import Inductor with the options)
+_INDUCTOR_MODES = ("default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, never a length or an offset
 
 
 class Inner(str, Enum):
@@ -22,8 +30,9 @@ class BackendOptions:
     min_sparse_len: Optional[int] = None
     """prompts shorter than this run dense SDPA; -1: this GPU's tuned crossover; None: the config's value,
     or the tuned crossover without a config"""
-    head_offset: int = 0
-    """global index of this rank's first query head (tensor parallelism)"""
+    head_offset: Optional[int] = None
+    """global index of this rank's first query head (tensor parallelism); None: the graph holds every head,
+    so each layer's head count must equal the config's"""
     inductor_config: dict = dataclasses.field(default_factory=dict)
     """extra Inductor config patches"""
     mode: Optional[str] = None
@@ -56,6 +65,9 @@ class BackendOptions:
 
     @classmethod
     def from_user(cls, options: Optional[dict[str, Any]]) -> "BackendOptions":
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"minference backend options must be a dict, got {type(options).__name__} {options!r}"
+                             " (a semantic config goes in as options={'config': path})")
         options = dict(options or {})
         problems = [f"unknown option {key!r} (known: {', '.join(cls._KNOWN)})" for key in options if key not in cls._KNOWN]
         inner = options.get("inner", Inner.INDUCTOR)
@@ -64,19 +76,21 @@ class BackendOptions:
         except ValueError:
             problems.append(f"inner={inner!r}; expected one of {[i.value for i in Inner]}")
         min_len = options.get("min_sparse_len")
-        if min_len is not None and (not isinstance(min_len, int) or min_len < -1):
+        if min_len is not None and (not _is_int(min_len) or min_len < -1):
             problems.append(f"min_sparse_len={min_len!r}; expected an int >= 0, or -1 for the tuned crossover")
-        head_offset = options.get("head_offset", 0)
-        if not isinstance(head_offset, int) or head_offset < 0:
+        head_offset = options.get("head_offset")
+        if head_offset is not None and (not _is_int(head_offset) or head_offset < 0):
             problems.append(f"head_offset={head_offset!r}; expected an int >= 0")
         guard = options.get("guard_threshold")
-        if guard is not None and (not isinstance(guard, (int, float)) or not 0.0 <= guard <= 1.0):
+        if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not 0.0 <= guard <= 1.0):
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
         for flag in ("precompile", "route_dense"):
             if not isinstance(options.get(flag, True), bool):
                 problems.append(f"{flag}={options[flag]!r}; expected True or False")
+        if options.get("mode") is not None and options["mode"] not in _INDUCTOR_MODES:
+            problems.append(f"mode={options['mode']!r}; expected one of {list(_INDUCTOR_MODES)}")
         if not isinstance(options.get("inductor_config", {}), dict):
             problems.append("inductor_config must be a dict of Inductor config patches")
         if problems:

@@ -291,3 +291,38 @@ def test_model_identity_from_hf():
     check_fits(default_config(ident), ident)
     with pytest.raises(ConfigMismatchError, match="fingerprint"):
         check_fits(default_config(ident), dataclasses.replace(deeper, num_layers=2))
+
+
+# A config or options that say something other than what would run: each was once accepted silently.
+def test_a_typo_in_the_defaults_is_named_not_ignored():
+    doc = default_config(MODEL).to_dict()
+    doc["defaults"]["min_sparse_length"] = 0  # min_sparse_len misspelt: the 8192 default would stand
+    doc["defaults"]["default_head"]["budget"] = [1, 2]
+    with pytest.raises(ConfigError) as err:
+        load_config(doc)
+    assert "min_sparse_length" in str(err.value) and "budget" in str(err.value)
+
+
+def test_one_head_given_twice_is_named(tmp_path):
+    doc = default_config(MODEL).to_dict()
+    doc["layers"][0] = {"2": {"pattern": "dense", "budgets": [0, 0]}, " 2": {"pattern": "a_shape", "budgets": [4, 64]}}
+    with pytest.raises(ConfigError, match="head 2 is given twice"):
+        load_config(doc)
+    path = tmp_path / "twice.json"  # the same key twice in one JSON object: json.loads keeps the last
+    path.write_text(json.dumps(default_config(MODEL).to_dict()).replace('"layers": [', '"layers": [], "layers": [', 1))
+    with pytest.raises(ConfigError, match="appears twice"):
+        load_config(path)
+
+
+def test_a_budget_past_int32_is_refused():
+    doc = default_config(MODEL).to_dict()
+    doc["layers"][0][0] = {"pattern": "a_shape", "budgets": [4, 2**31 + 1]}  # would wrap negative in the kernels' tables
+    with pytest.raises(ConfigError, match="int32"):
+        load_config(doc)
+
+
+def test_best_pattern_heads_left_out_get_the_default_and_are_named(caplog):
+    with caplog.at_level("WARNING", logger="minference_fx.config"):
+        cfg = import_minference_best_pattern(BEST_PATTERN, MODEL)
+    assert cfg.layers[1][2] == HeadEntry(Pattern.VERTICAL_SLASH, (1000, 6096), None)
+    assert "layer 1 lists no entry for query heads [2]" in caplog.text

@@ -300,3 +300,27 @@ def test_torch_logs_show_the_report(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "1/1 attention sites rewritten" in done.stderr
+
+
+def test_a_config_for_more_heads_is_refused_unless_a_head_offset_says_the_graph_holds_a_share():
+    """A config for twice the heads once ran its first heads on this model without a word; with
+    ``head_offset`` (one tensor-parallel rank's share of the heads) it is the rank's slice, as meant."""
+    import dataclasses
+
+    from minference_fx.config import default_config, model_identity_from_hf
+
+    model = tiny_model("llama")
+    ident = model_identity_from_hf(model.config)
+    wider = default_config(dataclasses.replace(ident, num_q_heads=2 * ident.num_q_heads,
+                                               num_kv_heads=2 * ident.num_kv_heads, fingerprint=""), min_sparse_len=0)
+    ids = torch.randint(0, 128, (1, 64))
+    with torch.no_grad(), pytest.raises(Exception, match=f"{ident.num_q_heads} query heads, config has {2 * ident.num_q_heads}"):
+        _compile(model, wider)(ids, use_cache=False)
+    torch._dynamo.reset()
+    before = list(recent_reports())
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+        share = _compile(model, wider, head_offset=ident.num_q_heads)(ids, use_cache=False).logits
+    rows = [r for rep in reports_since(before) for r in rep.rows]
+    assert rows and all(r.decision == "sparse" for r in rows), rows
+    assert torch.isfinite(share).all() and share.shape == dense.shape

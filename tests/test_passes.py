@@ -1,4 +1,5 @@
 """The passes on hand-written attention: what is rewritten, what stays dense and why."""
+import re
 import subprocess
 import sys
 import textwrap
@@ -339,6 +340,36 @@ def test_torch_fused_attention_it_cannot_open_is_reported_not_missed(module, nam
 def test_bad_options_are_named():
     with pytest.raises(Exception, match="inner='fast'"):
         torch.compile(Causal(), backend="minference", options={"inner": "fast"})(*_qkv())
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"min_sparse_len": True}, "min_sparse_len=True"),  # True is an int to Python: it was taken as 1
+    ({"guard_threshold": True}, "guard_threshold=True"),  # and as 1.0: every vertical-slash head dense
+    ({"head_offset": True}, "head_offset=True"),
+    ({"mode": "max_autotune"}, "mode='max_autotune'"),  # ignored under the eager inners before
+    ("semantic.json", "must be a dict"),
+])
+def test_options_of_the_wrong_kind_are_named(options, named):
+    from minference_fx.options import BackendOptions
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        BackendOptions.from_user(options)
+
+
+def test_the_cli_names_a_bad_config_or_length_in_one_line(tmp_path, capsys):
+    from minference_fx.cli import main
+
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", "--model", "llama", "--config", str(empty)])
+    assert str(exit_.value.code).startswith("minference-fx: invalid semantic config") and "num_layers" in str(exit_.value.code)
+    with pytest.raises(SystemExit):
+        main(["bench", "kernels", "--lengths", "8x"])
+    assert "'8x' is not a positive length" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["inspect", "--model", "llama", "--layers", "0"])
+    assert "expected a positive integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path,layer", [
