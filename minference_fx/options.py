@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from .config import SemanticConfig, load_config
 
-# torch._inductor.list_mode_options()'s modes (read there would import Inductor with the options)
+# the modes of torch._inductor.list_mode_options(), written out so that reading the options imports no Inductor
 _INDUCTOR_MODES = ("default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
 
