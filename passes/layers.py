@@ -10,24 +10,32 @@ from .site import AttentionSite
 _LAYER_INDEX = re.compile(r"(?:\[(\d+)\]|\.(\d+)(?=\.|$))")
 
 
+AMBIGUOUS = "nn_module_stack, several list indices"
+"""``layer_from`` of a site whose module path holds more than one list index (``stages[i].blocks[j]``, or two
+attentions of one layer, ``layers[i].attns[k]``): which is the config's layer is not known, so a config is
+refused for it (``backend.check_config_fits``) rather than applied by a guess."""
+
+
+def _indices(stack) -> list[int]:
+    if not stack:
+        return []
+    path = list(stack.values())[-1][0]
+    return [int(bracket or dotted) for bracket, dotted in _LAYER_INDEX.findall(path)]
+
+
 def layer_from_module_stack(stack) -> int | None:
     """The last list index in the innermost module path, or None."""
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    found = _LAYER_INDEX.findall(path)
-    if not found:
-        return None
-    bracket, dotted = found[-1]
-    return int(bracket or dotted)
+    found = _indices(stack)
+    return found[-1] if found else None
 
 
 def run(sites: list[AttentionSite]) -> list[AttentionSite]:
     out = []
     for order, site in enumerate(sites):
-        layer = layer_from_module_stack(site.node.meta.get("nn_module_stack"))
-        if layer is None:
+        found = _indices(site.node.meta.get("nn_module_stack"))
+        if not found:
             out.append(dataclasses.replace(site, layer=order, layer_from="call order"))
         else:
-            out.append(dataclasses.replace(site, layer=layer, layer_from="nn_module_stack"))
+            out.append(dataclasses.replace(site, layer=found[-1],
+                                           layer_from=AMBIGUOUS if len(found) > 1 else "nn_module_stack"))
     return out

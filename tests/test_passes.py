@@ -660,3 +660,49 @@ def test_a_lifted_dropout_probability_leaves_the_site_dense_instead_of_failing_t
     assert out.shape == q.shape and torch.isfinite(out).all()
     (row,) = recent_reports()[-1].rows
     assert row.decision == "dense" and "dropout" in row.reason, row.reason
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+
+
+class Stages(torch.nn.Module):
+    """Two stages of two blocks, ``stages[i].blocks[j]``: the last list index (j) is not the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = torch.nn.ModuleList(torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([_Block(), _Block()])})
+                                          for _ in range(2))
+
+    def forward(self, x):
+        for stage in self.stages:
+            for block in stage["blocks"]:
+                x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_a_config_is_refused_where_a_module_path_leaves_the_layer_ambiguous(layers):
+    """``stages[i].blocks[j]`` once mapped four blocks onto config layers 0, 1, 0, 1: a 2-layer config ran, the
+    right 4-layer one was refused. Now neither is applied by a guess; without a config the sites are rewritten."""
+    from minference_fx.config import ModelIdentity, default_config
+
+    x = torch.randn(1, 96, 32)
+    config = default_config(ModelIdentity(num_layers=layers, num_q_heads=2, num_kv_heads=2, head_dim=16), min_sparse_len=0)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="several list indices"):
+        torch.compile(Stages(), backend="minference", options={"config": config, "inner": "eager"})(x)
+    torch._dynamo.reset()
+    model = Stages()
+    with torch.no_grad():
+        out = torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    rows = recent_reports()[-1].rows
+    assert len(rows) == 4 and all(r.decision == "sparse" for r in rows)
