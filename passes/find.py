@@ -155,7 +155,7 @@ def _walk_scores(softmax: fx.Node):
     ``masked_fill`` condition, scale, nodes passed, ops not understood), or None when the softmax is not fed by
     a q·kᵀ product."""
     scores = softmax.args[0]
-    chain, mask, fills, scale, unknown = [], None, False, 1.0, []
+    chain, mask, fills, selects, scale, unknown = [], None, False, False, 1.0, []
     lifted = None  # a scale Dynamo lifted to a graph input (dynamic=True reads self.scaling through .item())
     # an add with alpha (or a div with a rounding mode, below) is not the plain op read here: left for the walk
     # to report
@@ -168,6 +168,10 @@ def _walk_scores(softmax: fx.Node):
     elif _is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(call_arg(scores, 2, "value")):
         chain.append(scores)
         scores, mask, fills = scores.args[0], call_arg(scores, 1, "mask"), True
+    elif _is_call(scores, (torch.where,), ()) and _single_user(scores) and len(scores.args) == 3 and not scores.kwargs and (
+            _is_minus_inf(scores.args[2])):
+        chain.append(scores)  # where(keep, scores, -inf): the condition marks the keys read
+        scores, mask, selects = scores.args[1], scores.args[0], True
     for _ in range(_MAX_SCORE_STEPS):
         if not isinstance(scores, fx.Node) or not _single_user(scores):
             return None
@@ -177,7 +181,7 @@ def _walk_scores(softmax: fx.Node):
                     unknown.append("a lifted scale beside constant factors")
                 else:
                     scale = lifted
-            return scores, mask, fills, scale, chain, unknown
+            return scores, mask, fills, selects, scale, chain, unknown
         if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
             return None
         factor = scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
@@ -207,7 +211,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     walked = _walk_scores(softmax)
     if walked is None:
         return None
-    scores, mask, fills, scale, chain, unknown = walked
+    scores, mask, fills, selects, scale, chain, unknown = walked
     chain = [softmax] + chain
     query, key_t = scores.args[0], scores.args[1]
     key = _transposed_key(key_t)
@@ -259,6 +263,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
                 chain=tuple(chain),
                 blocker=blocker,
                 mask_fills=fills,
+                mask_selects=selects,
             )
         else:
             return None

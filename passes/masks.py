@@ -560,6 +560,9 @@ def analyse(site: AttentionSite) -> MaskInfo:
         if additive or isinstance(value, _Const):
             return MaskInfo(MaskKind.UNKNOWN, reason="masked_fill with a condition that is not a bool mask")
         value = _complement(value, site.mask)  # masked_fill marks what is blocked; the op takes what is kept
+    elif site.mask_selects:
+        if additive or isinstance(value, _Const):
+            return MaskInfo(MaskKind.UNKNOWN, reason="where with a condition that is not a bool mask")
     elif site.form == "manual" and not additive:
         return MaskInfo(MaskKind.UNKNOWN, reason="manual attention adds a mask that is not 0/-inf")
     if isinstance(value, _Unknown):
@@ -581,7 +584,7 @@ def _dtype_mismatch(site: AttentionSite, value) -> Optional[str]:
     """Why the mask's dtype contradicts how it was read (SDPA adds a float mask and selects by a bool one):
     a 0/1 mask of floats masks nothing, a 0/-inf mask turned bool keeps the blocked keys."""
     dtype = _dtype(site.mask)
-    if dtype is None or site.mask_fills:  # masked_fill itself insists on a bool condition
+    if dtype is None or site.mask_fills or site.mask_selects:  # masked_fill and where insist on a bool condition
         return None
     if isinstance(value, _Additive) and not dtype.is_floating_point:
         return f"a 0/-inf mask converted to {dtype}"

@@ -135,6 +135,8 @@ class AttentionSite:
     """non-empty: why the site must stay dense (first reason found)"""
     mask_fills: bool = False
     """the mask marks the scores filled with -inf (``masked_fill``): True where a key may NOT be read"""
+    mask_selects: bool = False
+    """the mask marks the scores kept (``torch.where(mask, scores, -inf)``): True where a key may be read"""
 
     def blocked(self, reason: str) -> "AttentionSite":
         return self if self.blocker else dataclasses.replace(self, blocker=reason)

@@ -706,3 +706,20 @@ def test_a_config_is_refused_where_a_module_path_leaves_the_layer_ambiguous(laye
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     rows = recent_reports()[-1].rows
     assert len(rows) == 4 and all(r.decision == "sparse" for r in rows)
+
+
+class WhereKeeps(torch.nn.Module):
+    """Eager attention that keeps the causal scores with ``torch.where(keep, scores, -inf)``."""
+
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        return torch.softmax(torch.where(_keep(q, k), scores, float("-inf")), -1) @ v
+
+
+def test_scores_kept_by_where_are_found_causal_and_exact():
+    """``where(keep, scores, -inf)`` had no report row (left dense unseen); the condition is what is read."""
+    q, k, v = _qkv(hkv=4)
+    row = _only_row(inspect(WhereKeeps(), q, k, v))
+    assert (row.decision, row.mask) == ("sparse", "causal"), row.reason
+    out = torch.compile(WhereKeeps(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, WhereKeeps()(q, k, v), rtol=1e-5, atol=1e-5)
