@@ -573,14 +573,6 @@ class MaskFirst(torch.nn.Module):
         return torch.softmax(mask + q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, -1) @ v
 
 
-def test_a_mask_added_on_the_left_of_the_scores_is_found_and_exact():
-    q, k, v = _qkv(hkv=4)
-    row = _only_row(inspect(MaskFirst(), q, k, v))
-    assert (row.decision, row.mask) == ("sparse", "causal"), row.reason
-    out = torch.compile(MaskFirst(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
-    torch.testing.assert_close(out, MaskFirst()(q, k, v), rtol=1e-5, atol=1e-5)
-
-
 # Sites whose output the op would not reproduce: each was rewritten (and came out wrong, or raised) before.
 def _weights_through(dtype):
     def attend(q, k, v):
@@ -716,10 +708,11 @@ class WhereKeeps(torch.nn.Module):
         return torch.softmax(torch.where(_keep(q, k), scores, float("-inf")), -1) @ v
 
 
-def test_scores_kept_by_where_are_found_causal_and_exact():
-    """``where(keep, scores, -inf)`` had no report row (left dense unseen); the condition is what is read."""
+@pytest.mark.parametrize("module", [MaskFirst, WhereKeeps])
+def test_eager_attention_spelt_mask_first_or_with_where_is_found_causal_and_exact(module):
+    """``mask + scores`` and ``where(keep, scores, -inf)`` had no report row (left dense unseen)."""
     q, k, v = _qkv(hkv=4)
-    row = _only_row(inspect(WhereKeeps(), q, k, v))
+    row = _only_row(inspect(module(), q, k, v))
     assert (row.decision, row.mask) == ("sparse", "causal"), row.reason
-    out = torch.compile(WhereKeeps(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
-    torch.testing.assert_close(out, WhereKeeps()(q, k, v), rtol=1e-5, atol=1e-5)
+    out = torch.compile(module(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, module()(q, k, v), rtol=1e-5, atol=1e-5)
