@@ -44,11 +44,6 @@ def recent_reports() -> list[Report]:
     return list(_REPORTS)
 
 
-def _module_path(site) -> str:
-    stack = site.node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else "?"
-
-
 def _head_count(site) -> tuple[int, int, int]:
     q = site.query.meta["example_value"]
     k = site.key.meta["example_value"]
@@ -79,7 +74,7 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
             continue
         if site.layer_from == passes.layers.AMBIGUOUS:
             problems.append(f"{site.source or site.node.name}: its module path has several list indices "
-                            f"({_module_path(site)}), so which config layer it is is not known")
+                            f"({passes.layers.module_path(site.node.meta.get('nn_module_stack'))}), so which config layer it is is not known")
             continue
         hq, hkv, dim = _head_count(site)
         where = f"layer {site.layer} ({site.source or site.node.name})"

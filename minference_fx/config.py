@@ -574,11 +574,12 @@ class _DuplicateKey(ValueError):
 
 
 def _no_duplicate_keys(pairs):
-    keys = [k for k, _ in pairs]
-    for k in keys:
-        if keys.count(k) > 1:
-            raise _DuplicateKey(k)
-    return dict(pairs)
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def load_config(source, *, model: ModelIdentity | None = None) -> SemanticConfig:

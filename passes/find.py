@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite, call_arg, is_alias, is_lifted_scalar, writes_in_place
+from .site import AttentionSite, call_arg, dtype_of, is_alias, is_lifted_scalar, writes_in_place
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -40,18 +40,16 @@ def source_of(node: fx.Node) -> str:
     return f"{short}:{line}"
 
 
-def _dropout_p(p, default: float) -> tuple:
+def _dropout_p(p) -> tuple:
     """(probability, blocker): a probability Dynamo lifted to a graph input (``dynamic=True``, or a changed
     ``self.p``) is not known here, so the site stays dense."""
-    if p is None:
-        return default, ""
     if isinstance(p, (int, float)):
         return float(p), ""
-    return default, "the dropout probability is a graph value, not a constant"
+    return 1.0, "the dropout probability is a graph value, not a constant"
 
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:
-    dropout_p, blocker = _dropout_p(call_arg(node, 4, "dropout_p", 0.0), 1.0)
+    dropout_p, blocker = _dropout_p(call_arg(node, 4, "dropout_p", 0.0))
     return AttentionSite(
         node=node,
         form="sdpa",
@@ -112,9 +110,7 @@ def _plain_binary(node: fx.Node) -> bool:
 def _narrowing_cast(cast: fx.Node, query: fx.Node):
     """Why a cast of the attention weights changes what the op would compute (None when it does not): the op
     keeps them in fp32 and reads v in its own dtype, which matches a cast to the query's dtype or to a wider float."""
-    before = getattr(cast.args[0].meta.get("example_value"), "dtype", None)
-    after = getattr(cast.meta.get("example_value"), "dtype", None)
-    wanted = getattr(query.meta.get("example_value"), "dtype", None)
+    before, after, wanted = dtype_of(cast.args[0]), dtype_of(cast), dtype_of(query)
     if after is not None and after.is_floating_point and (after == wanted or after == before or (
             torch.finfo(after).bits >= 32)):
         return None
@@ -241,9 +237,9 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
             probs = user
         elif _is_call(user, _DROPOUT_FUNCS, ("dropout",)):
             training = user.kwargs.get("train", call_arg(user, 2, "training", True))  # torch.dropout says train
-            p, dropout_blocker = _dropout_p(call_arg(user, 1, "p", 0.5), 1.0)
-            dropout_p = p if training else 0.0
-            blocker = blocker or (dropout_blocker if training else "") or ""
+            if training:
+                dropout_p, dropout_blocker = _dropout_p(call_arg(user, 1, "p", 0.5))
+                blocker = blocker or dropout_blocker
             chain.append(user)
             probs = user
         elif _is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:

@@ -16,11 +16,13 @@ attentions of one layer, ``layers[i].attns[k]``): which is the config's layer is
 refused for it (``backend.check_config_fits``) rather than applied by a guess."""
 
 
+def module_path(stack) -> str:
+    """The innermost module path of an ``nn_module_stack``, or "" without one."""
+    return list(stack.values())[-1][0] if stack else ""
+
+
 def _indices(stack) -> list[int]:
-    if not stack:
-        return []
-    path = list(stack.values())[-1][0]
-    return [int(bracket or dotted) for bracket, dotted in _LAYER_INDEX.findall(path)]
+    return [int(bracket or dotted) for bracket, dotted in _LAYER_INDEX.findall(module_path(stack))]
 
 
 def layer_from_module_stack(stack) -> int | None:

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .site import AttentionSite, MaskInfo, MaskKind, call_arg, is_alias, shape_of, writes_in_place
+from .site import AttentionSite, MaskInfo, MaskKind, call_arg, dtype_of, is_alias, shape_of, writes_in_place
 
 # An offset is (fx node holding a SymInt or None, int constant)
 _Off = tuple
@@ -154,7 +154,7 @@ class _Evaluator:
         if target is torch.arange:
             return self._arange(n)
         if target in ("new_ones", torch.ones) or target is torch.ones_like:
-            return _TRUE if _dtype(n) is torch.bool else _Const(1)
+            return _TRUE if dtype_of(n) is torch.bool else _Const(1)
         if target is torch.tensor and args and isinstance(args[0], (int, float)):
             return _Const(args[0])
         if target is torch.full and len(args) > 1 and isinstance(args[1], (bool, int, float)):
@@ -209,7 +209,7 @@ class _Evaluator:
         and additive masks within their kind (a 0/1 mask as float is a bias to SDPA: the consumer checks), and
         positions as 32/64-bit integers."""
         src = self.value(n.args[0])
-        before, after = _dtype(n.args[0]), _dtype(n)
+        before, after = dtype_of(n.args[0]), dtype_of(n)
         if isinstance(src, _Tensor):
             return src.derived(n)
         if isinstance(src, _Unknown) or (before is not None and before == after):
@@ -390,11 +390,6 @@ class _Evaluator:
         return _Mask(ma.preds | mb.preds)
 
 
-def _dtype(node) -> Optional[torch.dtype]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return getattr(value, "dtype", None)
-
-
 def _mutated(n: fx.Node, depth: int = 0) -> bool:
     """Whether a later node writes into ``n``'s storage: an in-place op on it or on a view of it."""
     for user in n.users:
@@ -527,7 +522,7 @@ def _mask_info(preds: frozenset) -> MaskInfo:
                 return MaskInfo(MaskKind.UNKNOWN, reason="packed-sequence ids at other positions than the queries")
             doc, doc_start = pred[1], pred[3]
     if key_mask is not None:
-        dtype = getattr(key_mask.meta.get("example_value"), "dtype", None)
+        dtype = dtype_of(key_mask)
         if dtype is not torch.bool:
             return MaskInfo(MaskKind.UNKNOWN, reason=f"padding mask of dtype {dtype}, expected bool")
     kind = MaskKind.PACKED if doc is not None else MaskKind.SLIDING_WINDOW if window else (
@@ -583,7 +578,7 @@ def analyse(site: AttentionSite) -> MaskInfo:
 def _dtype_mismatch(site: AttentionSite, value) -> Optional[str]:
     """Why the mask's dtype contradicts how it was read (SDPA adds a float mask and selects by a bool one):
     a 0/1 mask of floats masks nothing, a 0/-inf mask turned bool keeps the blocked keys."""
-    dtype = _dtype(site.mask)
+    dtype = dtype_of(site.mask)
     if dtype is None or site.mask_fills or site.mask_selects:  # masked_fill and where insist on a bool condition
         return None
     if isinstance(value, _Additive) and not dtype.is_floating_point:

@@ -87,7 +87,8 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
         if old_val is not None and old_val.dtype != q_val.dtype:
             out.append(site.blocked(f"attention output dtype {old_val.dtype} differs from the query's {q_val.dtype}"))
             continue
-        if old_val is not None and not all(statically_known_true(a == b) for a, b in zip(old_val.shape, q_val.shape)):
+        if old_val is not None and (old_val.dim() != q_val.dim() or not all(
+                statically_known_true(a == b) for a, b in zip(old_val.shape, q_val.shape))):
             # a mask that broadcasts the scores past q's batch or heads makes the output larger than q
             out.append(site.blocked(f"attention output of shape {tuple(old_val.shape)} differs from the query's "
                                     f"{tuple(q_val.shape)}"))

@@ -23,6 +23,12 @@ def shape_of(node) -> Optional[tuple]:
     return tuple(value.shape) if value is not None and hasattr(value, "shape") else None
 
 
+def dtype_of(node) -> Optional[torch.dtype]:
+    """The traced dtype of ``node``, or None when it is not a tensor node."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return getattr(value, "dtype", None)
+
+
 def is_lifted_scalar(x) -> bool:
     """A float Dynamo lifted to a graph input (``dynamic=True`` with a cache reads ``self.scaling`` through
     ``.item()``): a node holding a SymFloat, which the op takes as its scale, so one graph serves any value."""
