@@ -120,6 +120,34 @@ def test_sequence_major_layout_is_rewritten_and_exact():
     torch.testing.assert_close(out, SeqMajor()(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+class ViewAfterTranspose(torch.nn.Module):
+    """SDPA on [B, S, H, D] activations, its output viewed back to [B, S, H * D]: eager allows the ``view``
+    because SDPA returns its output in the queries' memory order."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = x.view(b, s, 4, 16).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return out.transpose(1, 2).view(b, s, 64)
+
+
+@pytest.mark.parametrize("inner, dynamic", [("eager", False), ("aot_eager", True), ("inductor", False)])
+def test_a_view_of_the_transposed_output_works_after_the_rewrite(inner, dynamic):
+    """The op's output is contiguous [B, H, S, D]; the rewrite copies it into the traced memory order, so a
+    ``.view`` eager allowed still works (it raised "view size is not compatible" before). With ``dynamic`` the
+    strides are symbolic, and a second length must not recompile."""
+    model = ViewAfterTranspose()
+    compiled = torch.compile(model, backend="minference", dynamic=dynamic,
+                             options={"inner": inner, "min_sparse_len": 0})
+    before = len(recent_reports())
+    for length in (96, 80) if dynamic else (96,):
+        x = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(length))
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    reports = recent_reports()[before:]
+    assert len(reports) == 1, "one graph for every length"
+    assert _only_row(reports[0]).decision == "sparse"
+
+
 def test_output_attentions_keeps_eager_attention_dense():
     from tiny_models import tiny_model
 
