@@ -7,7 +7,8 @@ Forms recognised:
   ``nn.MultiheadAttention``);
 * a manual chain ``matmul(q, kᵀ) → ×scale (or ÷, any number of constants) → (+ mask, or
   masked_fill(blocked, -inf)) → softmax(-1) (→ cast) (→ dropout) → matmul(·, v)``, as HF ``eager``
-  emits it; with other ops among the scores (Gemma 2's tanh soft-cap) or weights that escape, the site
+  emits it (kᵀ as ``transpose``, ``permute(0, 1, 3, 2)`` or ``mT``; ``einsum`` writes einsum attention in
+  this form); with other ops among the scores (Gemma 2's tanh soft-cap) or weights that escape, the site
   is found but blocked, so the report says why it stays dense;
 * PyTorch's fused attention calls that ``unfuse`` did not open and FlexAttention calls (HF
   ``flex_attention``): found and always blocked, for the report.
@@ -79,11 +80,17 @@ def _single_user(node: fx.Node) -> bool:
 
 
 def _transposed_key(node) -> fx.Node | None:
-    """k from ``k.transpose(-2, -1)`` (any spelling of the last two dims)."""
-    if not _is_call(node, (torch.transpose,), ("transpose",)):
-        return None
-    dims = {d % 4 if isinstance(d, int) else d for d in node.args[1:3]}
-    return node.args[0] if dims == {2, 3} else None
+    """k from ``k.transpose(-2, -1)`` (any spelling of the last two dims), ``k.permute(0, 1, 3, 2)`` or ``k.mT``."""
+    if _is_call(node, (torch.transpose,), ("transpose",)):
+        dims = {d % 4 if isinstance(d, int) else d for d in node.args[1:3]}
+        return node.args[0] if dims == {2, 3} else None
+    if _is_call(node, (torch.permute,), ("permute",)) and not node.kwargs:
+        rest = node.args[1:]
+        perm = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+        return node.args[0] if tuple(d % 4 if isinstance(d, int) else d for d in perm) == (0, 1, 3, 2) else None
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr and tuple(node.args[1:]) == ("mT",):
+        return node.args[0]
+    return None
 
 
 _SCALE_FUNCS = (operator.mul, torch.mul, operator.imul, operator.truediv, torch.div, operator.itruediv)

@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 # An offset into positions: an int, or an fx node holding a SymInt (past length)
 Offset = Union[int, fx.Node]
@@ -21,6 +22,25 @@ def shape_of(node) -> Optional[tuple]:
     """The traced shape of ``node`` (from Dynamo's example value), or None when it is not a tensor node."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     return tuple(value.shape) if value is not None and hasattr(value, "shape") else None
+
+
+_META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack")
+
+
+def add_call(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node:
+    """A call node with ``like``'s module path and source, and its fake value (the passes read shapes): for
+    passes that write nodes into the graph before ``find`` reads it."""
+    node = graph.call_function(target, args, kwargs)
+    for key in _META_KEYS:
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    arg_values, kwarg_values = fx.node.map_arg((args, kwargs), lambda n: n.meta["example_value"])
+    modes = []
+    fx.node.map_aggregate((arg_values, kwarg_values), lambda v: modes.append(v.fake_mode) if isinstance(v, FakeTensor) else v)
+    # the graph's own fake mode (the one its example values live in), not whatever tracing context is active
+    with modes[0]:
+        node.meta["example_value"] = target(*arg_values, **kwarg_values)
+    return node
 
 
 def dtype_of(node) -> Optional[torch.dtype]:

@@ -17,9 +17,8 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
-from .site import shape_of
+from .site import add_call as _add, shape_of
 
 _MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
                "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
@@ -28,7 +27,6 @@ _MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_p
 _DEFAULTS = dict(training=True, key_padding_mask=None, need_weights=True, attn_mask=None,
                  use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None, v_proj_weight=None,
                  static_k=None, static_v=None, average_attn_weights=True, is_causal=False)
-_META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack")
 
 
 def _bound(node: fx.Node, params: tuple, defaults: dict) -> dict:
@@ -95,21 +93,6 @@ def why_not_opened(node: fx.Node) -> str:
     ]
     failed = [reason for ok, reason in checks if not ok]
     return failed[0] if failed else ""
-
-
-def _add(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node:
-    """A call node with ``like``'s module path and source, and its fake value (the passes read shapes)."""
-    node = graph.call_function(target, args, kwargs)
-    for key in _META_KEYS:
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
-    arg_values, kwarg_values = fx.node.map_arg((args, kwargs), lambda n: n.meta["example_value"])
-    modes = []
-    fx.node.map_aggregate((arg_values, kwarg_values), lambda v: modes.append(v.fake_mode) if isinstance(v, FakeTensor) else v)
-    # the graph's own fake mode (the one its example values live in), not whatever tracing context is active
-    with modes[0]:
-        node.meta["example_value"] = target(*arg_values, **kwarg_values)
-    return node
 
 
 def _attention(graph, like, x, heads, width, qkv_weight, qkv_bias, out_weight, out_bias, seq_major, **sdpa_kwargs):

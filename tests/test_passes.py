@@ -139,13 +139,85 @@ def test_a_view_of_the_transposed_output_works_after_the_rewrite(inner, dynamic)
     model = ViewAfterTranspose()
     compiled = torch.compile(model, backend="minference", dynamic=dynamic,
                              options={"inner": inner, "min_sparse_len": 0})
-    before = len(recent_reports())
+    from tiny_models import reports_since
+
+    before = recent_reports()
     for length in (96, 80) if dynamic else (96,):
         x = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(length))
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    reports = recent_reports()[before:]
+    reports = reports_since(before)
     assert len(reports) == 1, "one graph for every length"
     assert _only_row(reports[0]).decision == "sparse"
+
+
+class EinsumAttention(torch.nn.Module):
+    """Research-code attention: scores and value product as einsums (or kᵀ as ``mT`` / ``permute``), a triu
+    mask filled with ``-finfo.max``; ``swap`` passes each einsum's operands the other way round."""
+
+    def __init__(self, scores: str | None, values: str, key_t: str = "", swap: bool = False):
+        super().__init__()
+        self.scores, self.values, self.key_t, self.swap = scores, values, key_t, swap
+
+    def forward(self, q, k, v):
+        n = q.shape[1] if self.values.endswith("ihd") else q.shape[2]
+        if self.key_t == "mT":
+            s = q @ k.mT
+        elif self.key_t == "permute":
+            s = q @ k.permute(0, 1, 3, 2)
+        else:
+            s = torch.einsum(self.scores, *((k, q) if self.swap else (q, k)))
+        s = (s * 0.25).masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -torch.finfo(s.dtype).max)
+        p = s.softmax(dim=-1)
+        return torch.einsum(self.values, *((v, p) if self.swap else (p, v)))
+
+
+@pytest.mark.parametrize("scores, values, key_t, swap", [
+    ("bhid,bhjd->bhij", "bhij,bhjd->bhid", "", False),
+    ("... i d, ... j d -> ... i j", "... i j, ... j d -> ... i d", "", False),
+    ("bihd,bjhd->bhij", "bhij,bjhd->bihd", "", False),  # [B, S, H, D] operands and output
+    ("bjhd,bihd->bhij", "bjhd,bhij->bihd", "", True),
+    (None, "bhij,bhjd->bhid", "mT", False),
+    (None, "bhij,bhjd->bhid", "permute", False),
+])
+def test_einsum_and_other_key_transposes_are_rewritten_and_exact(scores, values, key_t, swap):
+    """Each spelling is found and rewritten as a causal site (it had no report row before); at 96 tokens the
+    default budgets cover every key, so the output equals eager's."""
+    model = EinsumAttention(scores, values, key_t, swap)
+    q, k, v = _qkv(hkv=4)
+    if values.endswith("ihd"):
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    row = _only_row(inspect(model, q, k, v))
+    assert (row.decision, row.mask) == ("sparse", "causal"), row.reason
+    out = torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, model(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def _dynamo_graph(fn, *args):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture)(*args)
+    (gm,) = graphs
+    return gm
+
+
+@pytest.mark.parametrize("fn", [
+    lambda q, k, v: torch.einsum("bhij,bhjd->bhid", torch.einsum("bhid,bhjd->bhij", q, k).softmax(dim=-2), v),
+    lambda q, k, v: torch.einsum("bhij,bhjd->bhid", torch.einsum("bhid,bhjd->bhij", q, k).relu(), v),
+    lambda q, k, v: torch.einsum("bhid,bhjd->bhij", q, k).sum(-1),
+    lambda q, k, v: torch.einsum("bhid,bhjd->bhidj", q, k).softmax(-1),
+], ids=["softmax-over-queries", "relu-weights", "no-softmax", "outer-product"])
+def test_einsums_that_are_not_attention_are_left_as_they_are(fn):
+    from minference_fx.passes import einsum
+
+    gm = _dynamo_graph(fn, *_qkv(hkv=4))
+    before = [n.target for n in gm.graph.nodes]
+    assert einsum.run(gm) == 0
+    assert [n.target for n in gm.graph.nodes] == before
 
 
 def test_output_attentions_keeps_eager_attention_dense():
