@@ -16,11 +16,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .find import _DROPOUT_FUNCS, _MAX_SCORE_STEPS, _SOFTMAX_FUNCS, _is_call
+from .find import _DROPOUT_FUNCS, _MAX_SCORE_STEPS, _SOFTMAX_FUNCS, CASTS, _is_call
 from .site import add_call, call_arg
 
 _EINSUM = {torch.einsum, torch.functional.einsum}
-_CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +106,7 @@ def _reaches_softmax(node: fx.Node) -> bool:
 
 def _from_softmax(node) -> bool:
     """Whether ``node`` is weights from a softmax over the last dim (through casts and dropout)."""
-    while _is_call(node, _DROPOUT_FUNCS, _CASTS + ("dropout",)):
+    while _is_call(node, _DROPOUT_FUNCS, CASTS + ("dropout",)):
         node = node.args[0]
     return _softmax_over_last(node)
 

@@ -28,6 +28,7 @@ _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product
 _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
 _MATMUL_FUNCS = {torch.matmul, operator.matmul}
 _DROPOUT_FUNCS = {F.dropout, torch.dropout}
+CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double")
 
 
 def source_of(node: fx.Node) -> str:
@@ -142,6 +143,15 @@ def _written_between(tensors, start: fx.Node, end: fx.Node) -> bool:
     return False
 
 
+def _widening_cast(node) -> bool:
+    """A cast of the scores that the op's fp32 softmax makes anyway: to fp32 or wider, or to their own dtype
+    (Meta's reference Llama: ``F.softmax(scores.float(), dim=-1)``)."""
+    if not _is_call(node, (), CASTS) or not _single_user(node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = dtype_of(node.args[0]), dtype_of(node)
+    return after is not None and after.is_floating_point and (after == before or torch.finfo(after).bits >= 32)
+
+
 def _reaches_matmul(node) -> bool:
     """Whether following first arguments from ``node`` meets a matmul within the walk's bound."""
     for _ in range(_MAX_SCORE_STEPS + 1):
@@ -159,6 +169,9 @@ def _walk_scores(softmax: fx.Node):
     a q·kᵀ product."""
     scores = softmax.args[0]
     chain, mask, fills, selects, scale, unknown = [], None, False, False, 1.0, []
+    while _widening_cast(scores):
+        chain.append(scores)
+        scores = scores.args[0]
     lifted = None  # a scale Dynamo lifted to a graph input (dynamic=True reads self.scaling through .item())
     # an add with alpha (or a div with a rounding mode, below) is not the plain op read here: left for the walk
     # to report
@@ -187,6 +200,10 @@ def _walk_scores(softmax: fx.Node):
             return scores, mask, fills, selects, scale, chain, unknown
         if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
             return None
+        if _widening_cast(scores):
+            chain.append(scores)
+            scores = scores.args[0]
+            continue
         factor = scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
         if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
@@ -238,7 +255,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
             blocker = blocker or "the attention weights are used besides the output (output_attentions=True?)"
         else:
             (user,) = probs.users
-        if _is_call(user, (), ("to", "type", "type_as", "float", "half", "bfloat16")):
+        if _is_call(user, (), CASTS):
             blocker = blocker or _narrowing_cast(user, query) or ""
             chain.append(user)
             probs = user

@@ -108,11 +108,12 @@ _AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical
 _ADD = {operator.add, torch.add, "add", "__add__", "__radd__"}
 _SUB = {operator.sub, torch.sub, "sub", "__sub__"}
 _IDENTITY_METHODS = {"contiguous", "clone"}
-_CONVERSIONS = {"to", "bool"}
+_CONVERSIONS = {"to", "bool", "type_as", "type", "float", "half", "bfloat16", "double"}
 _POSITION_DTYPES = (torch.int32, torch.int64)  # narrower integers wrap within a long prompt's positions
 _AXIS_NAMES = {-1: "key", -2: "query", -4: "batch"}
 _NOT = {torch.logical_not, torch.bitwise_not, operator.invert, "logical_not", "bitwise_not", "__invert__"}
 _TRIANGLE = {torch.triu: "triu", torch.tril: "tril", "triu": "triu", "tril": "tril"}
+_CONCAT = {torch.cat, torch.concat, torch.concatenate, torch.hstack}
 _COMPLEMENT = {"le": "gt", "gt": "le"}  # not (kv <= q + o)  is  kv > q + o
 _HUGE_NEGATIVE = -1e4
 
@@ -155,6 +156,8 @@ class _Evaluator:
             return self._arange(n)
         if target in ("new_ones", torch.ones) or target is torch.ones_like:
             return _TRUE if dtype_of(n) is torch.bool else _Const(1)
+        if target in ("new_zeros", torch.zeros) or target is torch.zeros_like:
+            return _Const(False) if dtype_of(n) is torch.bool else _Const(0)
         if target is torch.tensor and args and isinstance(args[0], (int, float)):
             return _Const(args[0])
         if target is torch.full and len(args) > 1 and isinstance(args[1], (bool, int, float)):
@@ -184,6 +187,10 @@ class _Evaluator:
             return _Tensor(n)
         if target is torch.where:
             return self._where(n)
+        if target in (torch.masked_fill, "masked_fill"):
+            return self._masked_fill(n)
+        if target in _CONCAT:
+            return self._key_prefix(n)
         return _Unknown(f"{getattr(target, '__name__', target)} at {n.name}")
 
     def _checked(self, n: fx.Node, v):
@@ -340,6 +347,53 @@ class _Evaluator:
         ):
             return _Additive(cond)
         return _Unknown(f"where at {n.name}")
+
+    def _masked_fill(self, n):
+        """``zeros.masked_fill(blocked, -inf)``: an additive mask keeping what ``blocked`` does not."""
+        src, blocked, fill = self.value(n.args[0]), self.value(call_arg(n, 1, "mask")), call_arg(n, 2, "value")
+        if not (isinstance(src, _Const) and src.value == 0 and not isinstance(src.value, bool)):
+            return _Unknown(f"masked_fill of something other than zeros at {n.name}")
+        if not (isinstance(fill, (int, float)) and fill <= _HUGE_NEGATIVE):
+            return _Unknown(f"masked_fill with {fill!r} at {n.name}")
+        kept = _complement(self._as_mask(blocked) or blocked, n)
+        if isinstance(kept, (_Mask, _Unknown)):
+            return _Additive(kept) if isinstance(kept, _Mask) else kept
+        return _Unknown(f"masked_fill by a {type(kept).__name__.strip('_')} at {n.name}")
+
+    def _key_prefix(self, n):
+        """``hstack([zeros(Q, P), mask])`` (Meta's reference Llama, P cached keys): P keys every query sees, in
+        front of ``mask``; its terms then read key positions P further on. Only causal terms with constant
+        offsets, whose first row already sees key P - 1, keep that meaning."""
+        tensors = n.args[0] if n.args else None
+        dim = -1 if n.target is torch.hstack else call_arg(n, 1, "dim", 0)
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not all(isinstance(t, fx.Node) for t in tensors):
+            return _Unknown(f"concatenation at {n.name}")
+        prefix, rest = tensors
+        shape = shape_of(rest)
+        if shape is None or len(shape) < 2 or dim not in (-1, len(shape) - 1):
+            return _Unknown(f"concatenation along an axis other than the keys at {n.name}")
+        width, head, main = shape_of(prefix)[-1], self.value(prefix), self.value(rest)
+        if not isinstance(width, int):
+            return _Unknown(f"a prefix of symbolic width at {n.name}")
+        if width == 0:
+            return main  # prefill from an empty cache: hstack([zeros(Q, 0), mask])
+        additive = isinstance(main, _Additive)
+        if not (isinstance(head, _Const) and head.value == (0 if additive else True)):
+            return _Unknown(f"a key prefix that is not all kept at {n.name}")
+        mask = main.mask if additive else main
+        if not isinstance(mask, _Mask):
+            return main if isinstance(main, _Unknown) else _Unknown(f"a key prefix before {type(mask).__name__.strip('_')} at {n.name}")
+        preds = []
+        for pred in mask.preds:
+            if pred[0] != "le":
+                return _Unknown(f"a key prefix before a padding, document or window term at {n.name}")
+            (q_base, q_const), (k_base, k_const) = pred[1:]
+            # kv + k <= q + o holds for key P - 1 at query 0 when k - 1 <= o
+            if q_base is not None or k_base is not None or k_const - 1 > q_const:
+                return _Unknown(f"a key prefix before a mask that hides some of it at {n.name}")
+            preds.append(("le", (None, q_const), (None, k_const - width)))
+        shifted = _Mask(frozenset(preds))
+        return _Additive(shifted) if additive else shifted
 
     def _compare(self, op, a, b, raw, n):
         for side in (a, b):
@@ -545,6 +599,8 @@ def analyse(site: AttentionSite) -> MaskInfo:
     if shape is None or len(shape) not in (2, 4):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1 or H, Q, KV] or [Q, KV]")
     value = _Evaluator().value(site.mask)
+    if isinstance(value, _Unknown):
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"mask construction not understood ({value.reason})")
     additive = isinstance(value, _Additive)
     wrong_dtype = _dtype_mismatch(site, value)
     if wrong_dtype:

@@ -1,4 +1,6 @@
 """The passes on hand-written attention: what is rewritten, what stays dense and why."""
+import functools
+import math
 import re
 import subprocess
 import sys
@@ -190,6 +192,34 @@ def test_einsum_and_other_key_transposes_are_rewritten_and_exact(scores, values,
     assert (row.decision, row.mask) == ("sparse", "causal"), row.reason
     out = torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
     torch.testing.assert_close(out, model(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+class CastScores(torch.nn.Module):
+    def __init__(self, cast: str):
+        super().__init__()
+        self.cast = cast
+
+    def forward(self, q, k, v):
+        n = q.shape[2]
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5 + torch.nn.Transformer.generate_square_subsequent_mask(
+            n, dtype=q.dtype)
+        return F.softmax(getattr(scores, self.cast)(), dim=-1).type_as(q) @ v
+
+
+@pytest.mark.parametrize("dtype, cast, decision", [(torch.float16, "float", "sparse"), (torch.float32, "float", "sparse"),
+                                                   (torch.float32, "half", "dense")])
+def test_a_cast_of_the_scores_before_the_softmax_is_read_when_it_widens(dtype, cast, decision):
+    """``softmax(scores.float())`` is what the op's fp32 softmax does anyway, so the site is rewritten (it
+    stayed dense, "scores pass through float"); a narrowing cast changes the weights, so it stays dense."""
+    q, k, v = (t.to(dtype) for t in _qkv(hkv=4))
+    model = CastScores(cast)
+    row = _only_row(inspect(model, q, k, v))
+    assert row.decision == decision, row.reason
+    if decision == "dense":
+        assert "half between q·kᵀ and the softmax" in row.reason
+    out = torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, model(q, k, v), rtol=tol, atol=tol)
 
 
 def _dynamo_graph(fn, *args):
@@ -573,6 +603,25 @@ def _floor_divided(q, k, v, pad):
     return torch.softmax(scores.masked_fill(~_keep(q, k), float("-inf")), -1) @ v
 
 
+def _meta_llama(q, k, v, pad, cached=16, prefix_fill=0.0, diagonal=1):
+    """Meta's reference Llama: a triu of -inf after ``cached`` keys every query sees (hstack with zeros),
+    ``type_as``, and the softmax of the scores upcast with ``.float()``."""
+    q = q[:, :, cached:]
+    n = q.shape[2]
+    scores = q @ k.transpose(2, 3) / math.sqrt(q.shape[-1])
+    mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=diagonal)
+    mask = torch.hstack([torch.full((n, cached), prefix_fill), mask]).type_as(q)
+    return F.softmax((scores + mask).float(), dim=-1).type_as(q) @ v
+
+
+def _zeros_filled(q, k, v, pad, fill=float("-inf"), window=0):
+    """A float mask of zeros with the keys causal (and a window) blocks filled."""
+    kept = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    if window:
+        kept = kept & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1 - window)
+    return _sdpa(q, k, v, torch.zeros(q.shape[2], k.shape[2]).masked_fill(~kept, fill))
+
+
 READ_DENSE = {
     "float-ones-tril": (lambda q, k, v, pad: _sdpa(q, k, v, torch.ones(q.shape[2], k.shape[2]).tril()), "dtype torch.float32"),
     "bool-to-float": (lambda q, k, v, pad: _sdpa(q, k, v, _keep(q, k).to(q.dtype)), "dtype torch.float32"),
@@ -591,6 +640,10 @@ READ_DENSE = {
     "triu-in-place": (_triu_in_place, "modified in place"),
     "add-with-alpha": (_add_with_alpha, "pass through add"),
     "floor-division": (_floor_divided, "pass through div"),
+    "key-prefix-with-a-bias": (functools.partial(_meta_llama, prefix_fill=1.0), "a key prefix that is not all kept"),
+    "key-prefix-the-mask-hides": (functools.partial(_meta_llama, diagonal=-1), "a mask that hides some of it"),
+    "zeros-filled-with-a-finite-value": (functools.partial(_zeros_filled, fill=-0.5), "masked_fill with -0.5"),
+    "zeros-filled-under-a-window": (functools.partial(_zeros_filled, window=8), "negation of Mask"),
 }
 
 
@@ -648,13 +701,17 @@ READ_SPARSE = {
     "padding-as-its-complement": (_padding_from(lambda pad, n: ~(~pad[:, -n:])), "causal+padding"),
     "padding-compared-with-false": (_padding_from(lambda pad, n: (~pad[:, -n:]) == False), "causal+padding"),  # noqa: E712
     "padding-rows-swapped": (_padding_from(lambda pad, n: pad[[1, 0], -n:]), "causal+padding"),
+    "meta-llama-after-16-cached-keys": (_meta_llama, "causal+q_offset=16"),
+    "meta-llama-from-an-empty-cache": (functools.partial(_meta_llama, cached=0), "causal"),
+    "zeros-filled-with-minus-inf": (_zeros_filled, "causal"),
 }
 
 
 @pytest.mark.parametrize("case", list(READ_SPARSE))
 def test_tables_and_positions_computed_before_the_mask_are_read_as_computed(case):
     """A padding table sliced, negated, compared or reordered before it is read is passed to the op as
-    computed (it once went as the raw input), and positions sliced from 1 keep their start."""
+    computed (it once went as the raw input), and positions sliced from 1 keep their start. Meta's reference
+    Llama mask (zeros for cached keys hstacked before a triu of -inf) and zeros filled with -inf read causal."""
     attend, mask = READ_SPARSE[case]
     inputs = _mask_case_inputs()
     model, compiled = _compile_case(attend)
