@@ -14,10 +14,10 @@ import string
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .find import _DROPOUT_FUNCS, _MAX_SCORE_STEPS, _SOFTMAX_FUNCS, CASTS, _is_call
-from .site import add_call, call_arg
+from .site import add_call, call_arg, in_memory_order, memory_order, same_strides
 
 _EINSUM = {torch.einsum, torch.functional.einsum}
 
@@ -143,6 +143,19 @@ def _value_product(graph: fx.Graph, node: fx.Node, p: _Product, left: fx.Node, r
     return _permuted(graph, node, out, batch + i + d, p.out)
 
 
+def _same_contracted_size(p: _Product, left: torch.Tensor, right: torch.Tensor) -> bool:
+    """einsum broadcasts a size-1 summed dim against the other operand's; matmul does not."""
+    (c,) = p.contracted
+    return statically_known_true(left.shape[p.left.index(c)] == right.shape[p.right.index(c)])
+
+
+def _in_traced_strides(graph: fx.Graph, node: fx.Node, new: fx.Node) -> fx.Node:
+    """``new`` laid out in memory as einsum laid out its result (a later ``.view`` may rely on it): a copy only
+    where the permuted matmul differs (a value product whose output puts d before i)."""
+    want, got = node.meta["example_value"], new.meta["example_value"]
+    return new if same_strides(want, got) else in_memory_order(graph, node, new, memory_order(want))
+
+
 def run(gm: fx.GraphModule) -> int:
     """Rewrite every attention einsum; returns how many were rewritten."""
     graph, rewritten = gm.graph, 0
@@ -155,12 +168,14 @@ def run(gm: fx.GraphModule) -> int:
         if not all(isinstance(x, torch.Tensor) for x in values):
             continue
         p = _product(equation, *values)
-        if p is None or not p.well_formed():
+        if p is None or not p.well_formed() or not _same_contracted_size(p, *values):
             continue
         with graph.inserting_before(node):
             new = _scores(graph, node, p, left, right) if _reaches_softmax(node) else None
             if new is None:
                 new = _value_product(graph, node, p, left, right)
+            if new is not None:
+                new = _in_traced_strides(graph, node, new)
         if new is None:
             continue
         node.replace_all_uses_with(new)

@@ -8,7 +8,6 @@ then die, and are removed.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import operator
 from typing import Callable
@@ -21,7 +20,7 @@ from ..observe import observed_attention  # noqa: F401  (registers the search-mo
 from .. import routing
 from ..op import sparse_attention  # noqa: F401  (registers the op)
 from ..plan import LayerPlan
-from .site import AttentionSite, is_lifted_scalar, writes_in_place
+from .site import AttentionSite, in_memory_order, is_lifted_scalar, memory_order, writes_in_place
 
 _OP = torch.ops.minference.sparse_attention.default
 _OBSERVE_OP = torch.ops.minference.observed_attention.default
@@ -54,33 +53,6 @@ def _from_key_start(graph: fx.Graph, table, start, keys: fx.Node):
     first = _offset_arg(graph, start)
     stop = graph.call_function(operator.add, (first, graph.call_method("size", (keys, 2))))
     return graph.call_function(operator.getitem, (table, (slice(None), slice(first, stop))))
-
-
-def _physical_order(traced: torch.Tensor) -> tuple[int, ...] | None:
-    """The dims of the traced attention output from outermost to innermost in memory, when that is not the
-    logical order (SDPA on transposed [B, S, H, D] inputs returns its output in that memory order), else None.
-    Candidates are compared with ``statically_known_true`` so symbolic strides add no guard; a size-1 dim's stride
-    is free. None too for strides no permutation of a dense tensor gives (then the op's contiguous output stands)."""
-    shape, strides = traced.shape, traced.stride()
-    for order in itertools.permutations(range(traced.dim())):
-        if order == tuple(range(traced.dim())):
-            continue
-        expected, step = [None] * traced.dim(), 1
-        for dim in reversed(order):
-            expected[dim], step = step, step * shape[dim]
-        if all(statically_known_true(shape[d] == 1) or statically_known_true(strides[d] == expected[d])
-               for d in range(traced.dim())):
-            return order
-    return None
-
-
-def _in_traced_layout(graph: fx.Graph, out: fx.Node, order: tuple[int, ...]) -> fx.Node:
-    """``out`` (contiguous) copied into the traced output's memory order, so that a later ``.view`` the traced
-    strides allowed still works. HF's ``transpose(1, 2).contiguous()`` after it then copies nothing, so the copy
-    moves rather than adds one."""
-    physical = graph.call_method("contiguous", (graph.call_method("permute", (out, order)),))
-    inverse = tuple(sorted(range(len(order)), key=order.__getitem__))
-    return graph.call_method("permute", (physical, inverse))
 
 
 def _remove_dead(graph: fx.Graph, roots):
@@ -148,12 +120,14 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
                                                 route_site))
             else:
                 new = graph.call_function(_OBSERVE_OP, (*common, int(site.layer), int(observer)))
-            order = _physical_order(old_val) if old_val is not None else None
-            result = new if order is None else _in_traced_layout(graph, new, order)
-        for node in {new, result}:
-            # new's own strides differ from the traced ones when result reorders them; nothing reads new's
-            node.meta.update({k: site.node.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack")
-                              if k in site.node.meta})
+            # the traced value, though the op's output is contiguous: nothing reads new's strides but the copy
+            # below, which only needs its shape
+            new.meta.update({k: site.node.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack")
+                             if k in site.node.meta})
+            order = memory_order(old_val) if old_val is not None else None
+            # in the traced output's memory order, so that a later .view the traced strides allowed still works;
+            # HF's transpose(1, 2).contiguous() after it then copies nothing, so the copy moves rather than adds one
+            result = new if order is None else in_memory_order(graph, site.node, new, order)
         old_inputs = list(site.node.all_input_nodes)
         site.node.replace_all_uses_with(result)
         replaced[site.node] = result

@@ -6,13 +6,16 @@ Each pass adds to a site with ``dataclasses.replace``; nothing is stashed in
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from enum import Enum
 from typing import Optional, Union
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 # An offset into positions: an int, or an fx node holding a SymInt (past length)
 Offset = Union[int, fx.Node]
@@ -37,10 +40,44 @@ def add_call(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node
     arg_values, kwarg_values = fx.node.map_arg((args, kwargs), lambda n: n.meta["example_value"])
     modes = []
     fx.node.map_aggregate((arg_values, kwarg_values), lambda v: modes.append(v.fake_mode) if isinstance(v, FakeTensor) else v)
-    # the graph's own fake mode (the one its example values live in), not whatever tracing context is active
-    with modes[0]:
+    # the graph's own fake mode (the one its example values live in), not whatever tracing context is active;
+    # the Python dispatcher lets ops on symbolic sizes keep them symbolic (without it every size would be guarded
+    # to its traced value, and each new prompt length would compile again)
+    with modes[0], enable_python_dispatcher():
         node.meta["example_value"] = target(*arg_values, **kwarg_values)
     return node
+
+
+def memory_order(value: torch.Tensor) -> Optional[tuple]:
+    """The dims of ``value`` from outermost to innermost in memory when that is not the logical order (SDPA on
+    transposed [B, S, H, D] inputs returns its output in that memory order), else None. Candidates are compared
+    with ``statically_known_true`` so symbolic strides add no guard; a size-1 dim's stride is free. None too for
+    strides no permutation of a dense tensor gives."""
+    shape, strides = value.shape, value.stride()
+    for order in itertools.permutations(range(value.dim())):
+        if order == tuple(range(value.dim())):
+            continue
+        expected, step = [None] * value.dim(), 1
+        for dim in reversed(order):
+            expected[dim], step = step, step * shape[dim]
+        if all(statically_known_true(shape[d] == 1) or statically_known_true(strides[d] == expected[d])
+               for d in range(value.dim())):
+            return order
+    return None
+
+
+def in_memory_order(graph: fx.Graph, like: fx.Node, x: fx.Node, order: Optional[tuple]) -> fx.Node:
+    """A copy of ``x`` laid out in ``order`` (:func:`memory_order`; None: contiguous), of the same shape."""
+    if order is None:
+        return add_call(graph, like, torch.Tensor.contiguous, x)
+    physical = add_call(graph, like, torch.Tensor.contiguous, add_call(graph, like, torch.permute, x, order))
+    return add_call(graph, like, torch.permute, physical, tuple(sorted(range(len(order)), key=order.__getitem__)))
+
+
+def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape lie alike in memory (a size-1 dim's stride is free)."""
+    return all(statically_known_true(size == 1) or statically_known_true(x == y)
+               for size, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
 def dtype_of(node) -> Optional[torch.dtype]:

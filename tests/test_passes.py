@@ -222,6 +222,28 @@ def test_a_cast_of_the_scores_before_the_softmax_is_read_when_it_widens(dtype, c
     torch.testing.assert_close(out, model(q, k, v), rtol=tol, atol=tol)
 
 
+def _value_product_d_before_i(q, k, v):
+    p = torch.einsum("bhid,bhjd->bhij", q, k).masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1),
+                                                         float("-inf")).softmax(-1)
+    out = torch.einsum("bhij,bhjd->bhdi", p, v)
+    return out.view(out.shape[0], -1, out.shape[-1])  # einsum's result is contiguous here
+
+
+def _summed_dim_broadcast(q, k, v):
+    return torch.einsum("bhij,bhjd->bhid", torch.einsum("bhid,bhjd->bhij", q[..., :1], k).softmax(-1), v)
+
+
+@pytest.mark.parametrize("fn", [_value_product_d_before_i, _summed_dim_broadcast], ids=["d-before-i-then-view",
+                                                                                       "size-1-summed-dim"])
+def test_einsums_matmul_would_lay_out_or_broadcast_otherwise_run_as_eager(fn):
+    """A value product whose output puts d before i is copied into einsum's contiguous layout (a ``.view`` of it
+    raised "view size is not compatible"); a summed dim of size 1 that einsum broadcasts is left to einsum
+    (matmul refused it while the graph was compiled)."""
+    q, k, v = _qkv(hkv=4)
+    compiled = torch.compile(fn, backend="minference", options={"inner": "aot_eager", "min_sparse_len": 0})
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 def _dynamo_graph(fn, *args):
     graphs = []
 
@@ -288,6 +310,28 @@ class TorchMHA(torch.nn.Module):
             h = self.norm(x)
             x = x + mha(h, h, h, attn_mask=mask, is_causal=True, need_weights=self.need_weights)[0]
         return x
+
+
+@pytest.mark.parametrize("model", [lambda: EinsumAttention("bhid,bhjd->bhij", "bhij,bhjd->bhid"), TorchMHA],
+                         ids=["einsum", "multihead-attention"])
+def test_graphs_the_passes_write_nodes_into_compile_once_across_lengths(model):
+    """The einsum and unfuse passes add nodes whose fake values are computed on symbolic sizes; without the
+    Python dispatcher those sizes were guarded to their traced values, and every new length compiled again."""
+    from tiny_models import reports_since
+
+    model = model().eval()
+    compiled = torch.compile(model, backend="minference", dynamic=True, options={"inner": "eager", "min_sparse_len": 0})
+    before = recent_reports()
+    for n in (80, 100, 150):  # not 64: Dynamo would size it as the model width and specialise it
+        if isinstance(model, TorchMHA):
+            inputs = (torch.randn(2, n, 64, generator=torch.Generator().manual_seed(n)),)
+        else:
+            inputs = _qkv(hkv=4, s=n, seed=n)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    reports = reports_since(before)
+    assert len(reports) == 1, "one graph for every length"
+    assert all(r.decision == "sparse" for r in reports[0].rows), reports[0].rows
 
 
 def test_a_mask_from_a_buffer_stays_dense_and_says_so():
