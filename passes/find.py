@@ -244,6 +244,10 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
         blocker = (f"attention scores pass through {', '.join(reversed(unknown))}{what} between q·kᵀ and the softmax: "
                    "the sparse kernel computes only scaled scores plus an additive mask")
 
+    softmax_dtype = softmax.kwargs.get("dtype")
+    if not blocker and softmax_dtype is not None and torch.finfo(softmax_dtype).bits < 32:
+        blocker = f"the softmax is computed in {softmax_dtype} (the op computes it in fp32)"
+
     dropout_p = 0.0
     probs = softmax
     while True:

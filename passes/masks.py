@@ -365,7 +365,7 @@ class _Evaluator:
         front of ``mask``; its terms then read key positions P further on. Only causal terms with constant
         offsets, whose first row already sees key P - 1, keep that meaning."""
         tensors = n.args[0] if n.args else None
-        dim = -1 if n.target is torch.hstack else call_arg(n, 1, "dim", 0)
+        dim = 1 if n.target is torch.hstack else call_arg(n, 1, "dim", 0)  # hstack: dim 1, the keys of a 2-D mask
         if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not all(isinstance(t, fx.Node) for t in tensors):
             return _Unknown(f"concatenation at {n.name}")
         prefix, rest = tensors
@@ -457,7 +457,7 @@ def _broadcasts(target) -> bool:
     """Ops whose output may be larger than an operand along an axis: elementwise ones, expand, and views
     (which may also move an axis)."""
     return (target in _COMPARE or target in _AND or target in _ADD or target in _SUB or target is torch.where
-            or target in ("expand", "expand_as", "view", "reshape", "unsqueeze"))
+            or target in ("expand", "expand_as", "view", "reshape", "unsqueeze", "masked_fill", torch.masked_fill))
 
 
 def _tensor_nodes(args) -> list:

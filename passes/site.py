@@ -97,6 +97,8 @@ _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.
 # ops whose output may share their input's storage, so a write through them edits the input too
 ALIASING_OPS = {"view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute",
                 "t", "narrow", "select", "as_strided", "contiguous", "to", "bool", "flatten", "unflatten", "detach",
+                # a conversion to the dtype a tensor already has returns the tensor itself
+                "type", "type_as", "float", "half", "bfloat16", "double",
                 operator.getitem, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.reshape}
 
 

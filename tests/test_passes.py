@@ -666,6 +666,13 @@ def _zeros_filled(q, k, v, pad, fill=float("-inf"), window=0):
     return _sdpa(q, k, v, torch.zeros(q.shape[2], k.shape[2]).masked_fill(~kept, fill))
 
 
+def _written_through_type_as(q, k, v, pad):
+    mask = torch.zeros(q.shape[2], k.shape[2]).masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1),
+                                                          float("-inf"))
+    mask.type_as(q)[:, :] = 0  # the same dtype: type_as returns the mask itself, and this clears it
+    return _sdpa(q, k, v, mask)
+
+
 READ_DENSE = {
     "float-ones-tril": (lambda q, k, v, pad: _sdpa(q, k, v, torch.ones(q.shape[2], k.shape[2]).tril()), "dtype torch.float32"),
     "bool-to-float": (lambda q, k, v, pad: _sdpa(q, k, v, _keep(q, k).to(q.dtype)), "dtype torch.float32"),
@@ -688,6 +695,13 @@ READ_DENSE = {
     "key-prefix-the-mask-hides": (functools.partial(_meta_llama, diagonal=-1), "a mask that hides some of it"),
     "zeros-filled-with-a-finite-value": (functools.partial(_zeros_filled, fill=-0.5), "masked_fill with -0.5"),
     "zeros-filled-under-a-window": (functools.partial(_zeros_filled, window=8), "negation of Mask"),
+    "zeros-filled-under-one-broadcast-row": (
+        lambda q, k, v, pad: _sdpa(q, k, v, torch.zeros(q.shape[2], k.shape[2]).masked_fill(
+            torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)[:1], float("-inf"))), "broadcasts"),
+    "hstack-along-the-queries": (  # hstack joins dim 1: the keys of a 2-D mask, the queries of this 3-D one
+        lambda q, k, v, pad: _sdpa(q, k, v, torch.hstack([torch.zeros(1, 10, k.shape[2]), torch.triu(
+            torch.full((1, q.shape[2] - 10, k.shape[2]), float("-inf")), 1)]).unsqueeze(1)), "other than the keys"),
+    "written-through-type-as": (_written_through_type_as, "modified in place"),
 }
 
 
@@ -794,6 +808,13 @@ def _key_written_after_its_scores(q, k, v):
     return torch.softmax(scores, -1) @ v + k.sum()
 
 
+def _key_written_through_a_conversion(q, k, v):
+    k = k.clone()
+    scores = _manual_scores(q, k)
+    k.float().mul_(3.0)  # .float() of an fp32 tensor is the tensor itself: k is written
+    return torch.softmax(scores, -1) @ v + k.sum()
+
+
 def _mask_wider_than_the_query(q, k, v):
     scores = q[:1, :1] @ k[:1, :1].transpose(-2, -1)  # [1, 1, S, S] scores
     mask = torch.where(_keep(q, k), 0.0, float("-inf")).expand(q.shape[0], q.shape[1], -1, -1)
@@ -804,6 +825,9 @@ ROUND_TRIPS_DENSE = {
     "weights-through-int32": (_weights_through(torch.int32), "cast to torch.int32"),
     "weights-through-bf16": (_weights_through(torch.bfloat16), "cast to torch.bfloat16"),
     "key-written-after-its-scores": (_key_written_after_its_scores, "written in place"),
+    "key-written-through-a-conversion": (_key_written_through_a_conversion, "written in place"),
+    "softmax-in-fp16": (lambda q, k, v: F.softmax(_manual_scores(q, k), dim=-1, dtype=torch.float16).float() @ v,
+                        "the softmax is computed in torch.float16"),
     "mask-wider-than-the-query": (_mask_wider_than_the_query, "differs from the query's"),
     "float64": (lambda q, k, v: F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True).float(),
                 "float64"),
