@@ -374,8 +374,10 @@ class _Evaluator:
             return _Unknown(f"concatenation along an axis other than the keys at {n.name}")
         width, head, main = shape_of(prefix)[-1], self.value(prefix), self.value(rest)
         if not isinstance(width, int):
-            return _Unknown(f"a prefix of symbolic width at {n.name}")
-        if width == 0:
+            width = _size_node(prefix, width)  # a past length Dynamo made symbolic (start_pos under dynamic=True)
+            if width is None:
+                return _Unknown(f"a prefix of symbolic width not given as a size at {n.name}")
+        elif width == 0:
             return main  # prefill from an empty cache: hstack([zeros(Q, 0), mask])
         additive = isinstance(main, _Additive)
         if not (isinstance(head, _Const) and head.value == (0 if additive else True)):
@@ -388,10 +390,10 @@ class _Evaluator:
             if pred[0] != "le":
                 return _Unknown(f"a key prefix before a padding, document or window term at {n.name}")
             (q_base, q_const), (k_base, k_const) = pred[1:]
-            # kv + k <= q + o holds for key P - 1 at query 0 when k - 1 <= o
+            # kv + k <= q + o holds for key P - 1 at query 0 when k - 1 <= o; keys P on then read kv + k <= q + o + P
             if q_base is not None or k_base is not None or k_const - 1 > q_const:
                 return _Unknown(f"a key prefix before a mask that hides some of it at {n.name}")
-            preds.append(("le", (None, q_const), (None, k_const - width)))
+            preds.append(("le", _shift((None, q_const), width), (None, k_const)))
         shifted = _Mask(frozenset(preds))
         return _Additive(shifted) if additive else shifted
 
@@ -442,6 +444,14 @@ class _Evaluator:
             bad = a if ma is None else b
             return bad if isinstance(bad, _Unknown) else _Unknown(f"and with {type(bad).__name__.strip('_')}")
         return _Mask(ma.preds | mb.preds)
+
+
+def _size_node(made: fx.Node, size) -> Optional[fx.Node]:
+    """The graph value holding the symbolic ``size`` among the size arguments ``made`` was built from
+    (``torch.zeros((Q, start_pos))``), or None."""
+    found = []
+    fx.node.map_arg((made.args, made.kwargs), lambda a: found.append(a) if _is_symbolic_scalar(a) else None)
+    return next((a for a in found if statically_known_true(a.meta["example_value"] == size)), None)
 
 
 def _mutated(n: fx.Node, depth: int = 0) -> bool:

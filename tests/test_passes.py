@@ -658,6 +658,50 @@ def _meta_llama(q, k, v, pad, cached=16, prefix_fill=0.0, diagonal=1):
     return F.softmax((scores + mask).float(), dim=-1).type_as(q) @ v
 
 
+class MetaLlamaAttention(torch.nn.Module):
+    """Meta's reference Llama attention with its KV cache: keys up to ``start_pos + seqlen``, the mask
+    ``hstack([zeros(seqlen, start_pos), triu(full(-inf), 1)])``, the softmax of ``scores.float()``."""
+
+    def __init__(self, heads=4, head_dim=16, max_len=256):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.wq, self.wk, self.wv = (torch.nn.Linear(heads * head_dim, heads * head_dim, bias=False) for _ in range(3))
+        self.register_buffer("cache_k", torch.zeros(1, max_len, heads, head_dim))
+        self.register_buffer("cache_v", torch.zeros(1, max_len, heads, head_dim))
+
+    def forward(self, x, start_pos: int):
+        bsz, seqlen, _ = x.shape
+        xq, xk, xv = (w(x).view(bsz, seqlen, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        self.cache_k[:bsz, start_pos: start_pos + seqlen] = xk
+        self.cache_v[:bsz, start_pos: start_pos + seqlen] = xv
+        keys, values = self.cache_k[:bsz, : start_pos + seqlen], self.cache_v[:bsz, : start_pos + seqlen]
+        xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(self.head_dim)
+        mask = torch.triu(torch.full((seqlen, seqlen), float("-inf"), device=x.device), diagonal=1)
+        mask = torch.hstack([torch.zeros((seqlen, start_pos), device=x.device), mask]).type_as(xq)
+        scores = F.softmax((scores + mask).float(), dim=-1).type_as(xq)
+        return torch.matmul(scores, values).transpose(1, 2).contiguous().view(bsz, seqlen, -1)
+
+
+def test_meta_llama_chunks_through_its_cache_are_sparse_and_exact_in_one_graph():
+    """``dynamic=True`` makes ``start_pos`` symbolic, so the mask's prefix has a symbolic width: read as the
+    query offset (it stayed dense, "a prefix of symbolic width"). Every chunk equals eager's, one graph."""
+    from tiny_models import reports_since
+
+    torch.manual_seed(0)
+    model, twin = MetaLlamaAttention().eval(), MetaLlamaAttention().eval()
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="minference", dynamic=True, options={"inner": "eager", "min_sparse_len": 0})
+    x = torch.randn(1, 200, 64)
+    before = recent_reports()
+    with torch.no_grad():
+        for start, end in ((0, 90), (90, 150), (150, 200)):
+            torch.testing.assert_close(compiled(x[:, start:end], start), twin(x[:, start:end], start), rtol=1e-5, atol=1e-5)
+    (report,) = reports_since(before)
+    (row,) = report.rows
+    assert row.decision == "sparse" and row.mask.startswith("causal+q_offset=(l_start_pos_"), row
+
+
 def _zeros_filled(q, k, v, pad, fill=float("-inf"), window=0):
     """A float mask of zeros with the keys causal (and a window) blocks filled."""
     kept = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
