@@ -165,14 +165,16 @@ def _reaches_matmul(node) -> bool:
 
 def _walk_scores(softmax: fx.Node):
     """From the softmax's input up to ``matmul(q, kᵀ)``: (that matmul, mask, whether the mask is a
-    ``masked_fill`` condition, scale, nodes passed, ops not understood), or None when the softmax is not fed by
-    a q·kᵀ product."""
+    ``masked_fill`` condition, whether a ``where`` selects, scale, whether a lifted scale divides, nodes passed,
+    ops not understood), or None when the softmax is not fed by a q·kᵀ product."""
     scores = softmax.args[0]
     chain, mask, fills, selects, scale, unknown = [], None, False, False, 1.0, []
     while _widening_cast(scores):
         chain.append(scores)
         scores = scores.args[0]
-    lifted = None  # a scale Dynamo lifted to a graph input (dynamic=True reads self.scaling through .item())
+    # a scale Dynamo lifted to a graph input (dynamic=True reads self.scaling through .item(), and makes
+    # math.sqrt(q.shape[-1]) symbolic), and whether it divides the scores
+    lifted, divides = None, False
     # an add with alpha (or a div with a rounding mode, below) is not the plain op read here: left for the walk
     # to report
     if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores) and (
@@ -197,7 +199,7 @@ def _walk_scores(softmax: fx.Node):
                     unknown.append("a lifted scale beside constant factors")
                 else:
                     scale = lifted
-            return scores, mask, fills, selects, scale, chain, unknown
+            return scores, mask, fills, selects, scale, divides, chain, unknown
         if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
             return None
         if _widening_cast(scores):
@@ -207,9 +209,9 @@ def _walk_scores(softmax: fx.Node):
         factor = scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
         if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
-        elif _is_call(scores, _SCALE_FUNCS, ("mul",)) and scores.target not in _DIVIDE and is_lifted_scalar(factor):
+        elif _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and is_lifted_scalar(factor):
             if lifted is None:
-                lifted = factor
+                lifted, divides = factor, scores.target in _DIVIDE
             else:  # the op takes one scale value; a product of two would need new nodes
                 unknown.append("a second lifted scale")
         else:
@@ -231,7 +233,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     walked = _walk_scores(softmax)
     if walked is None:
         return None
-    scores, mask, fills, selects, scale, chain, unknown = walked
+    scores, mask, fills, selects, scale, divides, chain, unknown = walked
     chain = [softmax] + chain
     query, key_t = scores.args[0], scores.args[1]
     key = _transposed_key(key_t)
@@ -288,6 +290,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
                 blocker=blocker,
                 mask_fills=fills,
                 mask_selects=selects,
+                scale_divides=divides and not isinstance(scale, float),
             )
         else:
             return None

@@ -107,6 +107,8 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
         patterns, budget_a, budget_b = plan.op_arguments()
         info = site.mask_info
         with graph.inserting_before(site.node):
+            if site.scale_divides:
+                scale = graph.call_function(operator.truediv, (1.0, scale))
             q_offset = _q_offset_arg(graph, info)
             # an input may be an attention output rewritten above (attention fed straight into attention)
             q, k, v = (replaced.get(x, x) for x in (site.query, site.key, site.value))

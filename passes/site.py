@@ -185,6 +185,7 @@ class AttentionSite:
     is_causal: bool
     dropout_p: float
     scale: Optional[float]
+    """a number, or a node holding a SymFloat (:func:`is_lifted_scalar`); None: SDPA's default"""
     enable_gqa: bool = False
     source: str = ""
     """where in the user's source the call is (file:line)"""
@@ -198,6 +199,9 @@ class AttentionSite:
     shapes: str = ""
     blocker: str = ""
     """non-empty: why the site must stay dense (first reason found)"""
+    scale_divides: bool = False
+    """the lifted ``scale`` divides the scores (``/ math.sqrt(q.shape[-1])`` under ``dynamic=True``): the op's
+    scale is its reciprocal"""
     mask_fills: bool = False
     """the mask marks the scores filled with -inf (``masked_fill``): True where a key may NOT be read"""
     mask_selects: bool = False

@@ -89,7 +89,10 @@ class LiftedScale(torch.nn.Module):
         self.scaling, self.softening, self.extra = 0.25, 0.5, extra
 
     def forward(self, q, k, v):
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+        if self.extra == "divided":  # the Annotated Transformer's spelling; dynamic=True makes the head dim symbolic
+            scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.size(-1))
+        else:
+            scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
         if self.extra == "constant":
             scores = scores * 0.5
         elif self.extra == "attribute":
@@ -99,17 +102,18 @@ class LiftedScale(torch.nn.Module):
         return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-@pytest.mark.parametrize("extra, reason", [(None, None), ("constant", "a lifted scale beside constant factors"),
+@pytest.mark.parametrize("extra, reason", [(None, None), ("divided", None),
+                                           ("constant", "a lifted scale beside constant factors"),
                                            ("attribute", "a second lifted scale")])
 def test_a_lifted_scale_alone_is_rewritten_and_beside_other_factors_stays_dense_with_reason(extra, reason):
-    """The op takes one scale: a lifted one alone goes to it; times a constant or another lifted one, the site
-    is left dense and says so (rather than dropping a factor). All equal eager."""
+    """The op takes one scale: a lifted one alone goes to it (one that divides, as its reciprocal); times a constant
+    or another lifted one, the site is left dense and says so (rather than dropping a factor). All equal eager."""
     q, k, v = _qkv(hkv=4)
     model = LiftedScale(extra)
     compiled = torch.compile(model, backend="minference", dynamic=True, options={"inner": "eager", "min_sparse_len": 0})
     torch.testing.assert_close(compiled(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-5)
     (row,) = recent_reports()[-1].rows
-    if extra is None:
+    if reason is None:
         assert row.decision == "sparse", row.reason
     else:
         assert row.decision == "dense" and reason in row.reason
