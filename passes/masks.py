@@ -454,12 +454,22 @@ def _size_node(made: fx.Node, size) -> Optional[fx.Node]:
     return next((a for a in found if statically_known_true(a.meta["example_value"] == size)), None)
 
 
-def _mutated(n: fx.Node, depth: int = 0) -> bool:
-    """Whether a later node writes into ``n``'s storage: an in-place op on it or on a view of it."""
-    for user in n.users:
-        if user.args and user.args[0] is n and (writes_in_place(user) or (
-                depth < 4 and is_alias(user) and _mutated(user, depth + 1))):
-            return True
+def _mutated(n: fx.Node) -> bool:
+    """Whether a later node writes into ``n``'s storage: an in-place op (or an ``out=``) on it or on a view of it,
+    however many views deep."""
+    work, seen = [n], {n}
+    while work:
+        node = work.pop()
+        for user in node.users:
+            if user.kwargs.get("out") is node:
+                return True
+            if not user.args or user.args[0] is not node:
+                continue
+            if writes_in_place(user):
+                return True
+            if is_alias(user) and user not in seen:
+                seen.add(user)
+                work.append(user)
     return False
 
 

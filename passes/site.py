@@ -94,12 +94,17 @@ def is_lifted_scalar(x) -> bool:
 
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ifloordiv, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
-# ops whose output may share their input's storage, so a write through them edits the input too
-ALIASING_OPS = {"view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute",
-                "t", "narrow", "select", "as_strided", "contiguous", "to", "bool", "flatten", "unflatten", "detach",
+# ops whose output may share their input's storage, so a write through them edits the input too (as methods and
+# as torch functions; the split family returns views read through getitem)
+_VIEW_NAMES = ("view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute",
+               "t", "narrow", "select", "as_strided", "contiguous", "flatten", "unflatten", "detach", "diagonal",
+               "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "split", "split_with_sizes", "chunk",
+               "tensor_split", "unbind", "hsplit", "vsplit", "dsplit", "view_as_real", "view_as_complex", "real", "imag")
+ALIASING_OPS = {*_VIEW_NAMES, "to", "bool",
                 # a conversion to the dtype a tensor already has returns the tensor itself
                 "type", "type_as", "float", "half", "bfloat16", "double",
-                operator.getitem, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.reshape}
+                operator.getitem, *(getattr(torch, name) for name in _VIEW_NAMES if hasattr(torch, name))}
+_VIEW_ATTRIBUTES = ("T", "mT", "H", "mH", "real", "imag")
 
 
 def writes_in_place(node: fx.Node) -> bool:
@@ -115,7 +120,9 @@ def writes_in_place(node: fx.Node) -> bool:
 
 
 def is_alias(node: fx.Node) -> bool:
-    """Whether ``node`` may be a view of its first argument."""
+    """Whether ``node`` may be a view of its first argument (``x.mT`` is a ``getattr`` call)."""
+    if node.op == "call_function" and node.target is getattr:
+        return tuple(node.args[1:]) in tuple((a,) for a in _VIEW_ATTRIBUTES)
     return node.op in ("call_function", "call_method") and node.target in ALIASING_OPS
 
 

@@ -714,6 +714,22 @@ def _zeros_filled(q, k, v, pad, fill=float("-inf"), window=0):
     return _sdpa(q, k, v, torch.zeros(q.shape[2], k.shape[2]).masked_fill(~kept, fill))
 
 
+def _written_through(view: str):
+    """A bool causal mask whose key 0 is hidden afterwards through ``view`` of it."""
+    def attend(q, k, v, pad):
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        if view == "mT":
+            mask.mT[0] = False
+        elif view == "split":
+            mask.split(1, dim=1)[0].fill_(False)
+        elif view == "diagonal":
+            torch.diagonal(mask).fill_(False)
+        else:  # five views deep
+            mask.unsqueeze(0).unsqueeze(0).unsqueeze(0).unsqueeze(0).unsqueeze(0)[..., 0] = False
+        return _sdpa(q, k, v, mask)
+    return attend
+
+
 def _written_through_type_as(q, k, v, pad):
     mask = torch.zeros(q.shape[2], k.shape[2]).masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1),
                                                           float("-inf"))
@@ -750,6 +766,10 @@ READ_DENSE = {
         lambda q, k, v, pad: _sdpa(q, k, v, torch.hstack([torch.zeros(1, 10, k.shape[2]), torch.triu(
             torch.full((1, q.shape[2] - 10, k.shape[2]), float("-inf")), 1)]).unsqueeze(1)), "other than the keys"),
     "written-through-type-as": (_written_through_type_as, "modified in place"),
+    "written-through-mT": (_written_through("mT"), "modified in place"),
+    "written-through-a-split": (_written_through("split"), "modified in place"),
+    "written-through-torch-diagonal": (_written_through("diagonal"), "modified in place"),
+    "written-five-views-deep": (_written_through("five views"), "modified in place"),
 }
 
 
@@ -863,6 +883,13 @@ def _key_written_through_a_conversion(q, k, v):
     return torch.softmax(scores, -1) @ v + k.sum()
 
 
+def _key_written_through_mT(q, k, v):
+    k = k.clone()
+    scores = _manual_scores(q, k)
+    k.mT[..., 0] = 0.0  # a getattr view
+    return torch.softmax(scores, -1) @ v + k.sum()
+
+
 def _mask_wider_than_the_query(q, k, v):
     scores = q[:1, :1] @ k[:1, :1].transpose(-2, -1)  # [1, 1, S, S] scores
     mask = torch.where(_keep(q, k), 0.0, float("-inf")).expand(q.shape[0], q.shape[1], -1, -1)
@@ -874,6 +901,7 @@ ROUND_TRIPS_DENSE = {
     "weights-through-bf16": (_weights_through(torch.bfloat16), "cast to torch.bfloat16"),
     "key-written-after-its-scores": (_key_written_after_its_scores, "written in place"),
     "key-written-through-a-conversion": (_key_written_through_a_conversion, "written in place"),
+    "key-written-through-mT": (_key_written_through_mT, "written in place"),
     "softmax-in-fp16": (lambda q, k, v: F.softmax(_manual_scores(q, k), dim=-1, dtype=torch.float16).float() @ v,
                         "the softmax is computed in torch.float16"),
     "mask-wider-than-the-query": (_mask_wider_than_the_query, "differs from the query's"),
