@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .find import _DROPOUT_FUNCS, _MAX_SCORE_STEPS, _SOFTMAX_FUNCS, CASTS, _is_call
-from .site import add_call, call_arg, in_memory_order, memory_order, same_strides
+from .find import CASTS, DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS
+from .site import add_call, call_arg, in_memory_order, is_call, memory_order, same_strides
 
 _EINSUM = {torch.einsum, torch.functional.einsum}
 
@@ -90,23 +90,23 @@ def _operands(node: fx.Node):
 
 
 def _softmax_over_last(node) -> bool:
-    return _is_call(node, _SOFTMAX_FUNCS, ("softmax",)) and call_arg(node, 1, "dim", None) in (-1, 3)
+    return is_call(node, SOFTMAX_FUNCS, ("softmax",)) and call_arg(node, 1, "dim", None) in (-1, 3)
 
 
 def _reaches_softmax(node: fx.Node) -> bool:
     """Whether ``node`` flows through single users (scale, mask) into a softmax over its last dim."""
-    for _ in range(_MAX_SCORE_STEPS + 1):
+    for _ in range(MAX_SCORE_STEPS + 1):
         if len(node.users) != 1:
             return False
         (node,) = node.users
-        if _is_call(node, _SOFTMAX_FUNCS, ("softmax",)):
+        if is_call(node, SOFTMAX_FUNCS, ("softmax",)):
             return _softmax_over_last(node)
     return False
 
 
 def _from_softmax(node) -> bool:
     """Whether ``node`` is weights from a softmax over the last dim (through casts and dropout)."""
-    while _is_call(node, _DROPOUT_FUNCS, CASTS + ("dropout",)):
+    while is_call(node, DROPOUT_FUNCS, CASTS + ("dropout",)):
         node = node.args[0]
     return _softmax_over_last(node)
 

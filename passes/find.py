@@ -22,12 +22,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite, call_arg, dtype_of, is_alias, is_lifted_scalar, writes_in_place
+from .site import AttentionSite, call_arg, dtype_of, is_alias, is_call, is_lifted_scalar, writes_in_place
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-_SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
+SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
 _MATMUL_FUNCS = {torch.matmul, operator.matmul}
-_DROPOUT_FUNCS = {F.dropout, torch.dropout}
+DROPOUT_FUNCS = {F.dropout, torch.dropout}
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double")
 
 
@@ -68,24 +68,16 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
     )
 
 
-def _is_call(node, funcs=(), methods=()) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function" and node.target in funcs:
-        return True
-    return node.op == "call_method" and node.target in methods
-
-
 def _single_user(node: fx.Node) -> bool:
     return len(node.users) == 1
 
 
 def _transposed_key(node) -> fx.Node | None:
     """k from ``k.transpose(-2, -1)`` (any spelling of the last two dims), ``k.permute(0, 1, 3, 2)`` or ``k.mT``."""
-    if _is_call(node, (torch.transpose,), ("transpose",)):
+    if is_call(node, (torch.transpose,), ("transpose",)):
         dims = {d % 4 if isinstance(d, int) else d for d in node.args[1:3]}
         return node.args[0] if dims == {2, 3} else None
-    if _is_call(node, (torch.permute,), ("permute",)) and not node.kwargs:
+    if is_call(node, (torch.permute,), ("permute",)) and not node.kwargs:
         rest = node.args[1:]
         perm = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
         return node.args[0] if tuple(d % 4 if isinstance(d, int) else d for d in perm) == (0, 1, 3, 2) else None
@@ -98,7 +90,7 @@ _SCALE_FUNCS = (operator.mul, torch.mul, operator.imul, operator.truediv, torch.
 _DIVIDE = {operator.truediv, torch.div, operator.itruediv, "div", "div_"}
 # q·kᵀ → softmax seldom takes more steps than scale, soft-cap (÷, tanh, ×) and mask; a bound keeps the
 # walk from wandering up a long chain of single-user nodes
-_MAX_SCORE_STEPS = 6
+MAX_SCORE_STEPS = 6
 
 
 def _is_minus_inf(value) -> bool:
@@ -146,7 +138,7 @@ def _written_between(tensors, start: fx.Node, end: fx.Node) -> bool:
 def _widening_cast(node) -> bool:
     """A cast of the scores that the op's fp32 softmax makes anyway: to fp32 or wider, or to their own dtype
     (Meta's reference Llama: ``F.softmax(scores.float(), dim=-1)``)."""
-    if not _is_call(node, (), CASTS) or not _single_user(node) or not node.args or not isinstance(node.args[0], fx.Node):
+    if not is_call(node, (), CASTS) or not _single_user(node) or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     before, after = dtype_of(node.args[0]), dtype_of(node)
     return after is not None and after.is_floating_point and (after == before or torch.finfo(after).bits >= 32)
@@ -154,10 +146,10 @@ def _widening_cast(node) -> bool:
 
 def _reaches_matmul(node) -> bool:
     """Whether following first arguments from ``node`` meets a matmul within the walk's bound."""
-    for _ in range(_MAX_SCORE_STEPS + 1):
+    for _ in range(MAX_SCORE_STEPS + 1):
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
             return False
-        if _is_call(node, _MATMUL_FUNCS, ("matmul",)):
+        if is_call(node, _MATMUL_FUNCS, ("matmul",)):
             return True
         node = node.args[0]
     return False
@@ -177,23 +169,23 @@ def _walk_scores(softmax: fx.Node):
     lifted, divides = None, False
     # an add with alpha (or a div with a rounding mode, below) is not the plain op read here: left for the walk
     # to report
-    if _is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores) and (
+    if is_call(scores, (operator.add, torch.add, operator.iadd), ("add", "__add__")) and _single_user(scores) and (
             _plain_binary(scores)):
         chain.append(scores)
         scores, mask = scores.args
         if _reaches_matmul(mask) and not _reaches_matmul(scores):  # mask + scores
             scores, mask = mask, scores
-    elif _is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(call_arg(scores, 2, "value")):
+    elif is_call(scores, (torch.masked_fill,), ("masked_fill",)) and _single_user(scores) and _is_minus_inf(call_arg(scores, 2, "value")):
         chain.append(scores)
         scores, mask, fills = scores.args[0], call_arg(scores, 1, "mask"), True
-    elif _is_call(scores, (torch.where,), ()) and _single_user(scores) and len(scores.args) == 3 and not scores.kwargs and (
+    elif is_call(scores, (torch.where,), ()) and _single_user(scores) and len(scores.args) == 3 and not scores.kwargs and (
             _is_minus_inf(scores.args[2])):
         chain.append(scores)  # where(keep, scores, -inf): the condition marks the keys read
         scores, mask, selects = scores.args[1], scores.args[0], True
-    for _ in range(_MAX_SCORE_STEPS):
+    for _ in range(MAX_SCORE_STEPS):
         if not isinstance(scores, fx.Node) or not _single_user(scores):
             return None
-        if _is_call(scores, _MATMUL_FUNCS, ("matmul",)):
+        if is_call(scores, _MATMUL_FUNCS, ("matmul",)):
             if lifted is not None:
                 if scale != 1.0:  # the op takes one scale value; a product with constants would need new nodes
                     unknown.append("a lifted scale beside constant factors")
@@ -207,9 +199,9 @@ def _walk_scores(softmax: fx.Node):
             scores = scores.args[0]
             continue
         factor = scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
-        if _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
+        if is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
-        elif _is_call(scores, _SCALE_FUNCS, ("mul", "div")) and is_lifted_scalar(factor):
+        elif is_call(scores, _SCALE_FUNCS, ("mul", "div")) and is_lifted_scalar(factor):
             if lifted is None:
                 lifted, divides = factor, scores.target in _DIVIDE
             else:  # the op takes one scale value; a product of two would need new nodes
@@ -255,24 +247,24 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     while True:
         if len(probs.users) != 1:
             # the weights escape too (output_attentions): attention still, but the op makes no weights
-            user = next((u for u in probs.users if _is_call(u, _MATMUL_FUNCS, ("matmul",)) and u.args[0] is probs), None)
+            user = next((u for u in probs.users if is_call(u, _MATMUL_FUNCS, ("matmul",)) and u.args[0] is probs), None)
             if user is None:
                 return None
             blocker = blocker or "the attention weights are used besides the output (output_attentions=True?)"
         else:
             (user,) = probs.users
-        if _is_call(user, (), CASTS):
+        if is_call(user, (), CASTS):
             blocker = blocker or _narrowing_cast(user, query) or ""
             chain.append(user)
             probs = user
-        elif _is_call(user, _DROPOUT_FUNCS, ("dropout",)):
+        elif is_call(user, DROPOUT_FUNCS, ("dropout",)):
             training = user.kwargs.get("train", call_arg(user, 2, "training", True))  # torch.dropout says train
             if training:
                 dropout_p, dropout_blocker = _dropout_p(call_arg(user, 1, "p", 0.5))
                 blocker = blocker or dropout_blocker
             chain.append(user)
             probs = user
-        elif _is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
+        elif is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
             if _written_between((query, key), scores, user):
                 blocker = blocker or "q or k is written in place between q·kᵀ and the value product (the op reads both there)"
             return AttentionSite(
@@ -346,7 +338,7 @@ def run(gm: fx.GraphModule) -> list[AttentionSite]:
             sites.append(_sdpa_site(node))
         elif node.op == "call_function" and (node.target in _FUSED_MHA or node.target is _FLEX):
             sites.append(_opaque_site(node))
-        elif _is_call(node, _SOFTMAX_FUNCS, ("softmax",)):
+        elif is_call(node, SOFTMAX_FUNCS, ("softmax",)):
             site = _manual_site(node)
             if site is not None:
                 sites.append(site)

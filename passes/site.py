@@ -126,6 +126,15 @@ def is_alias(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and node.target in ALIASING_OPS
 
 
+def is_call(node, funcs=(), methods=()) -> bool:
+    """Whether ``node`` calls one of the torch functions ``funcs`` or the tensor methods ``methods``."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function" and node.target in funcs:
+        return True
+    return node.op == "call_method" and node.target in methods
+
+
 def call_arg(node: fx.Node, index: int, name: str, default=None):
     """Argument ``name`` of a call node, given by keyword or at position ``index``."""
     if name in node.kwargs:
