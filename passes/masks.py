@@ -290,6 +290,10 @@ class _Evaluator:
         vb = self.value(b)
         if isinstance(va, _Const) and isinstance(vb, _Const):
             return _Const(va.value - vb.value if negate else va.value + vb.value)
+        if not negate and isinstance(va, _Additive) and isinstance(vb, _Additive):
+            # 0 where both keep, a huge negative (or -inf) where either blocks: the keys both keep
+            both = self._and(va.mask, vb.mask)
+            return _Additive(both) if isinstance(both, _Mask) else both
         return _Unknown(f"arithmetic at {n.name}")
 
     def _getitem(self, n):

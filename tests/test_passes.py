@@ -828,6 +828,10 @@ READ_SPARSE = {
     "padding-compared-with-false": (_padding_from(lambda pad, n: (~pad[:, -n:]) == False), "causal+padding"),  # noqa: E712
     "padding-rows-swapped": (_padding_from(lambda pad, n: pad[[1, 0], -n:]), "causal+padding"),
     "meta-llama-after-16-cached-keys": (_meta_llama, "causal+q_offset=16"),
+    "two-additive-triangles-summed": (  # causal plus keys 8 or more behind blocked: a window of 8
+        lambda q, k, v, pad: _sdpa(q, k, v, torch.triu(torch.full((q.shape[2], k.shape[2]), float("-inf")), 1)
+                                   + torch.tril(torch.full((q.shape[2], k.shape[2]), float("-inf")), -8)),
+        "sliding_window(8)"),
     "meta-llama-from-an-empty-cache": (functools.partial(_meta_llama, cached=0), "causal"),
     "zeros-filled-with-minus-inf": (_zeros_filled, "causal"),
 }
