@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite, call_arg, dtype_of, is_alias, is_call, is_lifted_scalar, writes_in_place
+from .site import AttentionSite, call_arg, dtype_of, is_call, is_lifted_scalar, written_between
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -115,24 +115,6 @@ def _narrowing_cast(cast: fx.Node, query: fx.Node):
             torch.finfo(after).bits >= 32)):
         return None
     return f"the attention weights are cast to {after} before the value product"
-
-
-def _storage_root(node):
-    while isinstance(node, fx.Node) and is_alias(node) and node.args:
-        node = node.args[0]
-    return node
-
-
-def _written_between(tensors, start: fx.Node, end: fx.Node) -> bool:
-    """Whether a node after ``start`` and before ``end`` writes in place into any of ``tensors`` (or a view of
-    one, or what one is a view of)."""
-    roots = {_storage_root(t) for t in tensors}
-    node = start.next
-    while node is not end and node.op != "root":
-        if writes_in_place(node) and node.args and _storage_root(node.args[0]) in roots:
-            return True
-        node = node.next
-    return False
 
 
 def _widening_cast(node) -> bool:
@@ -265,7 +247,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
             chain.append(user)
             probs = user
         elif is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
-            if _written_between((query, key), scores, user):
+            if written_between((query, key), scores, user):
                 blocker = blocker or "q or k is written in place between q·kᵀ and the value product (the op reads both there)"
             return AttentionSite(
                 node=user,

@@ -12,7 +12,7 @@ import operator
 
 import torch.fx as fx
 
-from .site import AttentionSite, shape_of
+from .site import AttentionSite, call_arg, shape_of, written_between
 
 
 def unrepeat(node: fx.Node) -> fx.Node | None:
@@ -31,7 +31,7 @@ def unrepeat(node: fx.Node) -> fx.Node | None:
         ):
             source = unsqueezed.args[0]
     elif isinstance(unsqueezed, fx.Node) and unsqueezed.op == "call_method" and unsqueezed.target == "unsqueeze":
-        if unsqueezed.args[1] == 2:
+        if call_arg(unsqueezed, 1, "dim") == 2:
             source = unsqueezed.args[0]
     src_shape, out_shape, exp_shape = shape_of(source), shape_of(node), shape_of(expand)
     if source is None or src_shape is None or out_shape is None or exp_shape is None or len(src_shape) != 4:
@@ -51,7 +51,11 @@ def run(sites: list[AttentionSite]) -> list[AttentionSite]:
             out.append(site)
             continue
         k_src, v_src = unrepeat(site.key), unrepeat(site.value)
-        if k_src is not None and v_src is not None:
+        # the op reads the sources where the attention was: a write into a source or a repeated copy after the
+        # copy was made would reach one side only (eager reads the copies as they were made)
+        if (k_src is not None and v_src is not None and shape_of(k_src)[:3] == shape_of(v_src)[:3]
+                and not any(written_between((src, copy), copy, site.node)
+                            for src, copy in ((k_src, site.key), (v_src, site.value)))):
             site = dataclasses.replace(site, key=k_src, value=v_src, gqa_from="repeat_kv")
         elif site.enable_gqa:
             site = dataclasses.replace(site, gqa_from="enable_gqa")

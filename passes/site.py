@@ -135,6 +135,25 @@ def is_call(node, funcs=(), methods=()) -> bool:
     return node.op == "call_method" and node.target in methods
 
 
+def storage_root(node):
+    """What ``node`` may be a view of, through any chain of views (itself when none)."""
+    while isinstance(node, fx.Node) and is_alias(node) and node.args:
+        node = node.args[0]
+    return node
+
+
+def written_between(tensors, start: fx.Node, end: fx.Node) -> bool:
+    """Whether a node after ``start`` and before ``end`` writes in place into any of ``tensors`` (or a view of
+    one, or what one is a view of)."""
+    roots = {storage_root(t) for t in tensors}
+    node = start.next
+    while node is not end and node.op != "root":
+        if writes_in_place(node) and node.args and storage_root(node.args[0]) in roots:
+            return True
+        node = node.next
+    return False
+
+
 def call_arg(node: fx.Node, index: int, name: str, default=None):
     """Argument ``name`` of a call node, given by keyword or at position ``index``."""
     if name in node.kwargs:

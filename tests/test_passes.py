@@ -276,6 +276,60 @@ def test_einsums_that_are_not_attention_are_left_as_they_are(fn):
     assert [n.target for n in gm.graph.nodes] == before
 
 
+def _repeat_kv(x, n_rep, keyword=False):
+    """HF's repeat_kv: [B, Hkv, S, D] -> [B, Hkv * n_rep, S, D], each kv head next to its copies."""
+    b, h, s, d = x.shape
+    unsqueezed = x.unsqueeze(dim=2) if keyword else x[:, :, None, :, :]
+    return unsqueezed.expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+class RepeatedKV(torch.nn.Module):
+    """SDPA over repeat_kv'd K/V, with a write into a source or a copy after the copies were made."""
+
+    def __init__(self, write=None, keyword=False):
+        super().__init__()
+        self.write, self.keyword = write, keyword
+
+    def forward(self, q, k, v):
+        k, v = k.clone(), v.clone()
+        k2, v2 = _repeat_kv(k, 2, self.keyword), _repeat_kv(v, 2, self.keyword)
+        if self.write == "source":
+            v.add_(1.0)  # eager reads the copy made before this
+        elif self.write == "copy":
+            v2[:, 0] = 0.0
+        return F.scaled_dot_product_attention(q, k2, v2, is_causal=True)
+
+
+@pytest.mark.parametrize("write, keyword, gqa", [(None, False, "repeat_kv"), (None, True, "repeat_kv"),
+                                                 ("source", False, "-"), ("copy", False, "-")])
+def test_repeat_kv_is_looked_through_unless_a_source_or_copy_is_written_after(write, keyword, gqa):
+    """The op reads repeat_kv's sources where the attention is; a write into a source or a copy after the copy
+    was made would reach only one side, so then the copies are read (it came out wrong by up to 2.4). The
+    ``unsqueeze(dim=2)`` spelling is read too (it raised IndexError)."""
+    q, k, v = _qkv(hkv=2)
+    model = RepeatedKV(write, keyword)
+    out = torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, model(q, k, v), rtol=1e-5, atol=1e-5)
+    row = _only_row(recent_reports()[-1])
+    assert (row.decision, row.gqa) == ("sparse", gqa), row
+
+
+def test_repeat_kv_of_unequal_sources_runs_on_the_copies():
+    """K and V repeated from different head counts (2 x 3, 3 x 2): the site reads the 6-head copies, sparse and
+    exact (it was looked through to 2 and 3 heads, then left dense as "q/k/v shapes disagree", the report saying
+    repeat_kv)."""
+    q = torch.randn(1, 6, 40, 8)
+    k, v = torch.randn(1, 2, 40, 8), torch.randn(1, 3, 40, 8)
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, _repeat_kv(k, 3), _repeat_kv(v, 2), is_causal=True)
+
+    out = torch.compile(attend, backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, attend(q, k, v), rtol=1e-5, atol=1e-5)
+    row = _only_row(recent_reports()[-1])
+    assert (row.decision, row.gqa) == ("sparse", "-"), row
+
+
 def test_output_attentions_keeps_eager_attention_dense():
     from tiny_models import tiny_model
 
