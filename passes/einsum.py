@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .find import CASTS, DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS
-from .site import add_call, call_arg, in_memory_order, is_call, memory_order, same_strides
+from .find import DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS
+from .site import CASTS, add_call, call_arg, in_memory_order, is_call, memory_order
 
 _EINSUM = {torch.einsum, torch.functional.einsum}
 
@@ -30,9 +30,13 @@ class _Product:
     right: str
     out: str
 
-    def only(self, side: str) -> set:
-        other = self.right if side == self.left else self.left
-        return set(side) - set(other)
+    @property
+    def left_only(self) -> set:
+        return set(self.left) - set(self.right)
+
+    @property
+    def right_only(self) -> set:
+        return set(self.right) - set(self.left)
 
     @property
     def contracted(self) -> set:
@@ -44,8 +48,8 @@ class _Product:
 
     def well_formed(self) -> bool:
         """One letter summed, two kept from both operands, one kept from each alone: a batched matmul."""
-        return (len(self.contracted) == 1 and len(self.batch) == 2 and len(self.only(self.left)) == 1
-                and len(self.only(self.right)) == 1 and set(self.out) == set(self.left) ^ set(self.right) | set(self.batch))
+        return (len(self.contracted) == 1 and len(self.batch) == 2 and len(self.left_only) == 1
+                and len(self.right_only) == 1 and set(self.out) == set(self.left) ^ set(self.right) | set(self.batch))
 
 
 def _product(equation: str, left: torch.Tensor, right: torch.Tensor) -> _Product | None:
@@ -119,7 +123,7 @@ def _permuted(graph: fx.Graph, like: fx.Node, x: fx.Node, letters: str, order: s
 def _scores(graph: fx.Graph, node: fx.Node, p: _Product, left: fx.Node, right: fx.Node) -> fx.Node | None:
     """``q @ kᵀ`` for a scores einsum whose output ends (query letter, key letter), else None."""
     (d,) = p.contracted
-    if p.out[:2] != "".join(p.batch) or {p.out[2], p.out[3]} != p.only(p.left) | p.only(p.right):
+    if p.out[:2] != "".join(p.batch) or {p.out[2], p.out[3]} != p.left_only | p.right_only:
         return None
     (q, q_letters), (k, k_letters) = sorted(((left, p.left), (right, p.right)), key=lambda x: p.out[3] in x[1])
     q = _permuted(graph, node, q, q_letters, p.out[:3] + d)
@@ -152,8 +156,8 @@ def _same_contracted_size(p: _Product, left: torch.Tensor, right: torch.Tensor) 
 def _in_traced_strides(graph: fx.Graph, node: fx.Node, new: fx.Node) -> fx.Node:
     """``new`` laid out in memory as einsum laid out its result (a later ``.view`` may rely on it): a copy only
     where the permuted matmul differs (a value product whose output puts d before i)."""
-    want, got = node.meta["example_value"], new.meta["example_value"]
-    return new if same_strides(want, got) else in_memory_order(graph, node, new, memory_order(want))
+    want = memory_order(node.meta["example_value"])
+    return new if memory_order(new.meta["example_value"]) == want else in_memory_order(graph, node, new, want)
 
 
 def run(gm: fx.GraphModule) -> int:

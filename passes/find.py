@@ -22,13 +22,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import AttentionSite, call_arg, dtype_of, is_call, is_lifted_scalar, written_between
+from .site import CASTS, AttentionSite, call_arg, dtype_of, is_call, is_lifted_scalar, written_between
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
 _MATMUL_FUNCS = {torch.matmul, operator.matmul}
 DROPOUT_FUNCS = {F.dropout, torch.dropout}
-CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double")
 
 
 def source_of(node: fx.Node) -> str:
@@ -110,11 +109,16 @@ def _plain_binary(node: fx.Node) -> bool:
 def _narrowing_cast(cast: fx.Node, query: fx.Node):
     """Why a cast of the attention weights changes what the op would compute (None when it does not): the op
     keeps them in fp32 and reads v in its own dtype, which matches a cast to the query's dtype or to a wider float."""
-    before, after, wanted = dtype_of(cast.args[0]), dtype_of(cast), dtype_of(query)
-    if after is not None and after.is_floating_point and (after == wanted or after == before or (
-            torch.finfo(after).bits >= 32)):
+    after = dtype_of(cast)
+    if (after is not None and after == dtype_of(query)) or _loses_nothing(dtype_of(cast.args[0]), after):
         return None
     return f"the attention weights are cast to {after} before the value product"
+
+
+def _loses_nothing(before, after) -> bool:
+    """Whether a cast from ``before`` to ``after`` keeps what the op's fp32 arithmetic would: the same dtype, or
+    a float of 32 bits or more."""
+    return after is not None and after.is_floating_point and (after == before or torch.finfo(after).bits >= 32)
 
 
 def _widening_cast(node) -> bool:
@@ -122,8 +126,7 @@ def _widening_cast(node) -> bool:
     (Meta's reference Llama: ``F.softmax(scores.float(), dim=-1)``)."""
     if not is_call(node, (), CASTS) or not _single_user(node) or not node.args or not isinstance(node.args[0], fx.Node):
         return False
-    before, after = dtype_of(node.args[0]), dtype_of(node)
-    return after is not None and after.is_floating_point and (after == before or torch.finfo(after).bits >= 32)
+    return _loses_nothing(dtype_of(node.args[0]), dtype_of(node))
 
 
 def _reaches_matmul(node) -> bool:
@@ -171,6 +174,7 @@ def _walk_scores(softmax: fx.Node):
             if lifted is not None:
                 if scale != 1.0:  # the op takes one scale value; a product with constants would need new nodes
                     unknown.append("a lifted scale beside constant factors")
+                    divides = False
                 else:
                     scale = lifted
             return scores, mask, fills, selects, scale, divides, chain, unknown
@@ -264,7 +268,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
                 blocker=blocker,
                 mask_fills=fills,
                 mask_selects=selects,
-                scale_divides=divides and not isinstance(scale, float),
+                scale_divides=divides,
             )
         else:
             return None

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .site import AttentionSite, MaskInfo, MaskKind, call_arg, dtype_of, is_alias, shape_of, writes_in_place
+from .site import CASTS, AttentionSite, MaskInfo, MaskKind, call_arg, dtype_of, is_alias, shape_of, written_to
 
 # An offset is (fx node holding a SymInt or None, int constant)
 _Off = tuple
@@ -108,7 +108,7 @@ _AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical
 _ADD = {operator.add, torch.add, "add", "__add__", "__radd__"}
 _SUB = {operator.sub, torch.sub, "sub", "__sub__"}
 _IDENTITY_METHODS = {"contiguous", "clone"}
-_CONVERSIONS = {"to", "bool", "type_as", "type", "float", "half", "bfloat16", "double"}
+_CONVERSIONS = {*CASTS, "bool"}
 _POSITION_DTYPES = (torch.int32, torch.int64)  # narrower integers wrap within a long prompt's positions
 _AXIS_NAMES = {-1: "key", -2: "query", -4: "batch"}
 _NOT = {torch.logical_not, torch.bitwise_not, operator.invert, "logical_not", "bitwise_not", "__invert__"}
@@ -465,13 +465,9 @@ def _mutated(n: fx.Node) -> bool:
     while work:
         node = work.pop()
         for user in node.users:
-            if user.kwargs.get("out") is node:
+            if written_to(user) is node:
                 return True
-            if not user.args or user.args[0] is not node:
-                continue
-            if writes_in_place(user):
-                return True
-            if is_alias(user) and user not in seen:
+            if user.args and user.args[0] is node and is_alias(user) and user not in seen:
                 seen.add(user)
                 work.append(user)
     return False

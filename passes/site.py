@@ -74,12 +74,6 @@ def in_memory_order(graph: fx.Graph, like: fx.Node, x: fx.Node, order: Optional[
     return add_call(graph, like, torch.permute, physical, tuple(sorted(range(len(order)), key=order.__getitem__)))
 
 
-def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one shape lie alike in memory (a size-1 dim's stride is free)."""
-    return all(statically_known_true(size == 1) or statically_known_true(x == y)
-               for size, x, y in zip(a.shape, a.stride(), b.stride()))
-
-
 def dtype_of(node) -> Optional[torch.dtype]:
     """The traced dtype of ``node``, or None when it is not a tensor node."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
@@ -100,10 +94,11 @@ _VIEW_NAMES = ("view", "view_as", "reshape", "expand", "expand_as", "unsqueeze",
                "t", "narrow", "select", "as_strided", "contiguous", "flatten", "unflatten", "detach", "diagonal",
                "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "split", "split_with_sizes", "chunk",
                "tensor_split", "unbind", "hsplit", "vsplit", "dsplit", "view_as_real", "view_as_complex", "real", "imag")
-ALIASING_OPS = {*_VIEW_NAMES, "to", "bool",
-                # a conversion to the dtype a tensor already has returns the tensor itself
-                "type", "type_as", "float", "half", "bfloat16", "double",
-                operator.getitem, *(getattr(torch, name) for name in _VIEW_NAMES if hasattr(torch, name))}
+CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double")
+"""Tensor methods that convert a dtype (``bool`` besides, for masks)."""
+# a conversion to the dtype a tensor already has returns the tensor itself
+ALIASING_OPS = {*_VIEW_NAMES, *CASTS, "bool", operator.getitem,
+                *(getattr(torch, name) for name in _VIEW_NAMES if hasattr(torch, name))}
 _VIEW_ATTRIBUTES = ("T", "mT", "H", "mH", "real", "imag")
 
 
@@ -119,10 +114,17 @@ def writes_in_place(node: fx.Node) -> bool:
         "_operator", "operator")
 
 
+def written_to(node: fx.Node):
+    """The tensor ``node`` writes into: its first argument for an in-place op, its ``out=``; else None."""
+    if "out" in node.kwargs:
+        return node.kwargs["out"]
+    return node.args[0] if node.args and writes_in_place(node) else None
+
+
 def is_alias(node: fx.Node) -> bool:
     """Whether ``node`` may be a view of its first argument (``x.mT`` is a ``getattr`` call)."""
     if node.op == "call_function" and node.target is getattr:
-        return tuple(node.args[1:]) in tuple((a,) for a in _VIEW_ATTRIBUTES)
+        return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
     return node.op in ("call_function", "call_method") and node.target in ALIASING_OPS
 
 
@@ -148,7 +150,8 @@ def written_between(tensors, start: fx.Node, end: fx.Node) -> bool:
     roots = {storage_root(t) for t in tensors}
     node = start.next
     while node is not end and node.op != "root":
-        if writes_in_place(node) and node.args and storage_root(node.args[0]) in roots:
+        target = written_to(node)
+        if target is not None and storage_root(target) in roots:
             return True
         node = node.next
     return False
