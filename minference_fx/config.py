@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern
 
 log = logging.getLogger(__name__)
 
@@ -372,9 +372,6 @@ def _model_problems(model) -> list[str]:
     return problems
 
 
-_MAX_BUDGET = 2**31 - 1
-
-
 def _head_problems(where: str, pattern, budgets) -> list[str]:
     problems = []
     if not isinstance(pattern, Pattern):
@@ -387,8 +384,8 @@ def _head_problems(where: str, pattern, budgets) -> list[str]:
         problems.append(f"{where}: budgets must be two integers, got {budgets!r}")
     elif budgets[0] < 0 or budgets[1] < 0:
         problems.append(f"{where}: negative budget {tuple(budgets)}")
-    elif max(budgets) > _MAX_BUDGET:
-        problems.append(f"{where}: budget {max(budgets)} over {_MAX_BUDGET} (the kernels hold budgets as int32)")
+    elif max(budgets) > MAX_BUDGET:
+        problems.append(f"{where}: budget {max(budgets)} over {MAX_BUDGET} (the kernels hold budgets as int32)")
     elif pattern is Pattern.A_SHAPE and budgets[1] < 1:
         problems.append(f"{where}: an A-shape head's local window must be >= 1, got {tuple(budgets)}")
     return problems

@@ -47,15 +47,16 @@ from .kernels.guard import GuardStats
 from .plan import LISTED_PATTERNS, HeadPlan, LayerPlan, Pattern
 
 
-def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, patterns, budget_a, budget_b):
+def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
     problems = []
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problems.append(f"q, k, v must be 4-D [B, H, S, D]; got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
     else:
         if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
             problems.append(f"batch/heads/length disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if q.shape[-1] != k.shape[-1]:
-            problems.append(f"q head dim {q.shape[-1]} != k head dim {k.shape[-1]}")
+        if q.shape[-1] != k.shape[-1] or v.shape[-1] != q.shape[-1]:
+            # the output is q's shape (the fake says so), so a value head dim of its own has no place in it
+            problems.append(f"q, k, v head dims must agree, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
         if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
             problems.append(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
         if len(patterns) != q.shape[1]:
@@ -70,12 +71,17 @@ def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, patterns, budget_
                                     or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool):
             problems.append(f"doc_ids must be an integer [B or 1, S >= Skv={k.shape[2]}] tensor (B={q.shape[0]}), "
                             f"got {doc_ids.dtype} of shape {tuple(doc_ids.shape)}")
-        elif doc_ids is not None and q_offset + q.shape[2] > doc_ids.shape[-1]:
-            # the queries' ids are read at their positions: past the table would be out of bounds on the GPU
-            problems.append(f"doc_ids holds {doc_ids.shape[-1]} positions, the queries sit at "
-                            f"{q_offset}..{q_offset + q.shape[2] - 1}")
+        elif doc_ids is not None and q.shape[2] and (q_offset < 0 or q_offset + q.shape[2] > k.shape[2]):
+            # a query's document is the id at its own position, which must be one of the keys' (the index
+            # and the kernels read the ids of keys only)
+            problems.append(f"with doc_ids every query must sit at a key position 0..{k.shape[2] - 1}, the queries "
+                            f"sit at {q_offset}..{q_offset + q.shape[2] - 1}")
     if not (q.dtype == k.dtype == v.dtype):
         problems.append(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    elif q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        problems.append(f"q, k, v must be float16, bfloat16 or float32 (what the kernels compute in), got {q.dtype}")
+    if window < 0:
+        problems.append(f"window must be >= 0 (0: none), got {window}")
     if not (math.isfinite(scale) and scale > 0):
         problems.append(f"scale must be a finite number > 0, got {scale!r}")
     if not (len(patterns) == len(budget_a) == len(budget_b)):
@@ -236,7 +242,9 @@ def sparse_attention(
     guard_threshold: float = 0.0,
     route_site: int = -1,
 ) -> torch.Tensor:
-    _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, patterns, budget_a, budget_b)
+    _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b)
+    if doc_ids is not None:
+        doc_ids = doc_ids[:, :k.shape[2]]  # ids past the keys belong to no key and no query (checked above)
     key_mask, doc_ids = _row_major_per_batch(key_mask, q.shape[0]), _row_major_per_batch(doc_ids, q.shape[0])
     if q.is_cuda:
         from . import precompile
@@ -249,8 +257,9 @@ def sparse_attention(
         from .autotune.dispatch import tuned_min_sparse_len
 
         min_sparse_len = tuned_min_sparse_len(q, k, plan)
-    if q.shape[-2] < min_sparse_len or _split(plan).all_dense:
-        # a layer the plan keeps wholly dense runs the device's fused SDPA, faster than any tile walk
+    if q.shape[-2] < min_sparse_len or _split(plan).all_dense or k.shape[-2] == 0:
+        # a layer the plan keeps wholly dense runs the device's fused SDPA, faster than any tile walk (and with
+        # no keys there is no tile to walk: every row is zeros)
         return dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
     return _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan, guard_threshold, route_site)
 

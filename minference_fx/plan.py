@@ -26,6 +26,10 @@ PATTERN_CODES = {
     Pattern.BLOCK_SPARSE: 3,
 }
 PATTERN_FROM_CODE = {code: pattern for pattern, code in PATTERN_CODES.items()}
+MAX_BUDGET = 2**30
+"""The largest budget a plan may hold. The kernels keep budgets and key positions in int32 and round a budget up
+to whole tiles there (2**31 - 1 rounded up wraps negative, and an A-shape head then read wrong keys); 2**30 keys
+is past any prompt, so a larger budget means nothing more."""
 LISTED_PATTERNS = frozenset({Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE})
 """Patterns whose keys the online index lists (dense and A-shape keys are enumerated from the plan); only
 these can turn out near-dense at run time and be run dense (``kernels.guard.near_dense``)."""
@@ -43,6 +47,9 @@ class HeadPlan:
         object.__setattr__(self, "pattern", Pattern(self.pattern))
         if self.budget_a < 0 or self.budget_b < 0:
             raise ValueError(f"budgets must be >= 0, got {self.budget_a}, {self.budget_b} for {self.pattern.value}")
+        if max(self.budget_a, self.budget_b) > MAX_BUDGET:
+            raise ValueError(f"budgets must be <= {MAX_BUDGET} (the kernels hold them as int32), got "
+                             f"{self.budget_a}, {self.budget_b} for {self.pattern.value}")
         if self.pattern is Pattern.A_SHAPE and self.budget_b < 1:
             # with none a query would not read itself; the kernels and the reference then disagree on which
             # tiles a one-row query tile reads (its own or none), so the plan says it instead of either
@@ -69,4 +76,8 @@ class LayerPlan:
             raise ValueError(
                 f"plan lists differ in length: patterns {len(patterns)}, budget_a {len(budget_a)}, budget_b {len(budget_b)}"
             )
+        unknown = [(h, int(p)) for h, p in enumerate(patterns) if int(p) not in PATTERN_FROM_CODE]
+        if unknown:
+            raise ValueError(f"unknown pattern code(s) (head, code) {unknown}; the codes are "
+                             f"{ {code: pattern.value for code, pattern in PATTERN_FROM_CODE.items()} }")
         return LayerPlan(tuple(HeadPlan(PATTERN_FROM_CODE[int(p)], int(a), int(b)) for p, a, b in zip(patterns, budget_a, budget_b)))

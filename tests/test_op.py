@@ -130,15 +130,39 @@ def test_bad_inputs_are_named():
         OP(q, k, v, None, torch.zeros(1, 80), 0.25, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match=r"S >= Skv=80\] tensor \(B=1\), got torch.int64 of shape \(1, 79\)"):
         OP(q, k, v, None, torch.zeros(1, 79, dtype=torch.long), 0.25, 0, 0, *VS, 0)
-    with pytest.raises(ValueError, match=r"doc_ids holds 80 positions, the queries sit at 10..89"):
-        OP(q, k, v, None, torch.zeros(1, 80, dtype=torch.long), 0.25, 10, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"every query must sit at a key position 0..79, the queries sit at 10..89"):
+        OP(q, k, v, None, torch.zeros(1, 90, dtype=torch.long), 0.25, 10, 0, *VS, 0)
     with pytest.raises(ValueError, match="q, k, v must share a dtype"):
         OP(q.half(), k, v, None, None, 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match="must be float16, bfloat16 or float32"):  # int64 came back truncated
+        OP(q.long(), k.long(), v.long(), None, None, 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"head dims must agree, got 16, 16, 32"):  # the fake said [..., 16]
+        OP(q, k, torch.randn(1, 2, 80, 32), None, None, 0.25, 0, 0, *VS, 0)
+    with pytest.raises(ValueError, match=r"window must be >= 0 \(0: none\), got -1"):  # it zeroed every row
+        OP(q, k, v, None, None, 0.25, 0, -1, *VS, 0)
+    with pytest.raises(ValueError, match=r"unknown pattern code\(s\) \(head, code\) \[\(1, 7\)\]"):
+        OP(q, k, v, None, None, 0.25, 0, 0, [2, 7, 2, 2], [30] * 4, [50] * 4, 0)
+    with pytest.raises(ValueError, match=r"budgets must be <= 1073741824"):  # 2**31 - 1 wrapped in the kernel
+        OP(q, k, v, None, None, 0.25, 0, 0, [1] * 4, [2**31 - 1] * 4, [64] * 4, 0)
     for scale in (0.0, -0.25, float("nan"), float("inf")):  # the kernels' -inf scores times a scale <= 0: NaN
         with pytest.raises(ValueError, match="scale must be a finite number > 0"):
             OP(q, k, v, None, None, scale, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match=r"A-shape head's local window \(budget_b\) must be >= 1"):
         OP(q, k, v, None, None, 0.25, 0, 0, [1] * 4, [4] * 4, [0] * 4, 0)
+
+
+def test_a_document_table_longer_than_the_keys_and_no_keys_at_all():
+    """The op takes doc_ids [B, S >= Skv]: the sparse path read the whole table and failed to broadcast it; with
+    no keys the sparse path raised where the dense one gives the zeros the op promises."""
+    q, k, v = _qkv()
+    doc = torch.zeros(1, 95, dtype=torch.long)
+    doc[0, 50:] = 1
+    sparse = OP(q, k, v, None, doc, 0.25, 0, 0, *VS, 0)
+    assert torch.equal(sparse, OP(q, k, v, None, doc[:, :80], 0.25, 0, 0, *VS, 0))
+    dense = OP(q, k, v, None, doc, 0.25, 0, 0, *VS, 10**9)
+    assert torch.allclose(sparse, dense, atol=1e-5)  # the budgets cover 80 keys
+    no_keys = OP(q, k[:, :, :0], v[:, :, :0], None, None, 0.25, 0, 0, *VS, 0)
+    assert no_keys.shape == q.shape and not no_keys.any()
 
 
 def test_the_kernels_get_one_mask_row_per_batch_row_with_adjacent_entries(monkeypatch):
