@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..plan import PATTERN_CODES, Pattern
-from .reference import BLOCK, SparseIndex
+from .reference import BLOCK, SparseIndex, first_kept_keys
 from .tables import int_table
 
 DENSE = tl.constexpr(PATTERN_CODES[Pattern.DENSE])
@@ -151,16 +151,16 @@ def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_k
 
 
 @triton.jit
-def _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first, slot_ok=True):
+def _tile_number(i, pattern, listed, tile_list, sink_first, sink_tiles, win_first, slot_ok=True):
     """Key tile in slot i (scalar or vector) of a query tile's visits: listed (VS/BS), or enumerated for
-    dense and A-shape (sinks, then the window)."""
-    n = tl.where(i < sink_tiles, i, win_first + i - sink_tiles)
+    dense and A-shape (sinks from tile ``sink_first``, then the window)."""
+    n = tl.where(i < sink_tiles, sink_first + i, win_first + i - sink_tiles)
     n = tl.where(pattern == DENSE, i, n)
     return tl.where(listed, tl.load(tile_list + i, mask=listed & slot_ok, other=0), n)
 
 
 @triton.jit
-def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles, win_first,
+def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_first, sink_tiles, win_first,
                 k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
                 d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocRow, doc_q, window,
                 HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -175,7 +175,7 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     if BLOCK_N == TILE:
         for i in range(first, stop):
-            n = _tile_number(i, pattern, listed, tile_list, sink_tiles, win_first)
+            n = _tile_number(i, pattern, listed, tile_list, sink_first, sink_tiles, win_first)
             m_i, l_i, acc = _contiguous_step(n * TILE, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
                                              stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k,
                                              KeyMask, stride_km, DocRow, doc_q, window, HAS_KEY_MASK, HAS_DOC,
@@ -190,11 +190,11 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
             at = v * BLOCK_N + offs_n
             if CROSSING:
                 slot_ok = at // TILE < stop
-                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first, slot_ok)
+                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_first, sink_tiles, win_first, slot_ok)
                 cols = n * TILE + at % TILE
                 col_ok = slot_ok & (cols < seq_k)
             else:
-                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_tiles, win_first)
+                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_first, sink_tiles, win_first)
                 cols = n * TILE + at % TILE
                 col_ok = cols >= 0
             m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
@@ -329,9 +329,12 @@ def _sparse_attn_fwd(
         # -- stage 1: key tiles (TILE keys each), listed or enumerated from the pattern
         last_tile = tl.minimum(pos_hi, seq_k - 1) // TILE
         listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
-        sink_tiles = tl.cdiv(tl.load(BudgetA + h), TILE)
+        # a left-padded row's sinks are its own first keys: they start at the first key the mask keeps
+        sink_budget = tl.load(BudgetA + h)
+        sink_first = first_key // TILE
+        sink_end = tl.where(sink_budget > 0, tl.cdiv(first_key + sink_budget, TILE), sink_first)
         win_first = tl.maximum(list_lo - tl.load(BudgetB + h) + 1, 0) // TILE
-        sink_tiles = tl.minimum(sink_tiles, win_first)
+        sink_tiles = tl.maximum(tl.minimum(sink_end, win_first) - sink_first, 0)
         n_tiles = last_tile + 1  # dense
         if pattern == A_SHAPE:
             n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
@@ -347,13 +350,13 @@ def _sparse_attn_fwd(
         if BLOCK_M != TILE:
             crossing_last = tl.where(listed, tl.minimum(list_hi, seq_k - 1) // TILE, last_tile)
         n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
-        m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
-                                    win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
+        m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_first,
+                                    sink_tiles, win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
                                     d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window,
                                     HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
                                     CROSSING=False, APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
-        m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_tiles,
-                                    win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
+        m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_first,
+                                    sink_tiles, win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
                                     d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window,
                                     HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
                                     CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
@@ -452,7 +455,7 @@ def sparse_attention_triton(
     # a byte view of the bool mask, so no copy of it
     first_key = pat_t
     if key_mask is not None:
-        first_key = key_mask.view(torch.uint8).argmax(1).to(torch.int32).expand(B).contiguous()
+        first_key = first_kept_keys(key_mask, q.device).to(torch.int32).expand(B).contiguous()
     doc = doc_ids if doc_ids is not None else q
     if block_n not in (32, 64, 128):
         raise ValueError(f"block_n must be 32, 64 or 128, got {block_n}")

@@ -39,6 +39,7 @@ from minference_fx.kernels.reference import (
     VS_MIN_COLUMNS,
     VS_MIN_DIAGONALS,
     SparseIndex,
+    first_kept_keys,
 )
 from minference_fx.kernels.tables import int_table
 from minference_fx.plan import LayerPlan, Pattern
@@ -66,19 +67,24 @@ def _cdiv(a: int, b: int) -> int:
 
 
 
-@triton.jit(do_not_specialize=["total", "skv"])
-def _rank_keys_kernel(VERT, SLASH_PARTS, KEY_V, KEY_S, total, skv, forced_cols, forced_diags, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["total", "skv", "per_batch"])
+def _rank_keys_kernel(VERT, SLASH_PARTS, KEY_V, KEY_S, FirstKey, total, skv, per_batch, forced_cols, forced_diags,
+                      HAS_KEY_MASK: tl.constexpr, BLOCK: tl.constexpr):
     """int64 top-k keys of the vertical and slash scores: descending order is (score desc, index asc).
 
-    Scores that are not > 0 (+0, -0, NaN from inf inputs) rank as +0; the forced columns / diagonals
-    rank as +inf. Every key is then >= +0, whose fp32 bits order like the values, and the low word
-    ``2**32 - 1 - j`` makes ties go to the lower index, as the reference's stable sort does."""
+    Scores that are not > 0 (+0, -0, NaN from inf inputs) rank as +0; the forced columns (from the batch
+    row's first kept key: ``FirstKey``, ``per_batch`` scores a row) / diagonals rank as +inf. Every key is
+    then >= +0, whose fp32 bits order like the values, and the low word ``2**32 - 1 - j`` makes ties go to
+    the lower index, as the reference's stable sort does."""
     off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = off < total
     j = off % skv
     v = tl.load(VERT + off, mask=ok, other=0.0)
     s = tl.load(SLASH_PARTS + off, mask=ok, other=0.0) + tl.load(SLASH_PARTS + total + off, mask=ok, other=0.0)
-    v = tl.where(j < forced_cols, float("inf"), tl.where(v > 0, v, 0.0))
+    first = 0
+    if HAS_KEY_MASK:
+        first = tl.load(FirstKey + off // per_batch, mask=ok, other=0)
+    v = tl.where((j >= first) & (j < first + forced_cols), float("inf"), tl.where(v > 0, v, 0.0))
     s = tl.where(j < forced_diags, float("inf"), tl.where(s > 0, s, 0.0))
     low = tl.full([BLOCK], 4294967295, tl.int64) - j
     tl.store(KEY_V + off, (v.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low, mask=ok)
@@ -434,8 +440,10 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
     key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=dev)
     key_s = torch.empty_like(key_v)
     total = B * n_vs * skv
-    _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](raw_vertical, slash_parts, key_v, key_s, total, skv,
-                                                 VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS, BLOCK=_KEY_VEC)
+    first_key = first_kept_keys(key_mask, dev).expand(B).contiguous() if key_mask is not None else key_v
+    _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](raw_vertical, slash_parts, key_v, key_s, first_key, total, skv,
+                                                 n_vs * skv, VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS,
+                                                 HAS_KEY_MASK=key_mask is not None, BLOCK=_KEY_VEC)
 
     n_cols = [min(max(hp.budget_a, VS_MIN_COLUMNS), skv) for hp in vs_plans]
     n_diags = [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) for hp in vs_plans]
@@ -498,7 +506,7 @@ def _pool(x: torch.Tensor, tiles: int) -> torch.Tensor:
     return torch.cat(parts, dim=2) / counts[:, None]
 
 
-def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset):
+def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, key_mask):
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -517,6 +525,8 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset):
     # decreasing with n would still give the reference's lower-index-first order.
     forced_score = _FORCED_SCORE * (2.0 - n.float() / n_tiles)
     rank = torch.arange(cap, device=dev)
+    # a left-padded row's sink tile is its first key's, and the tiles wholly before it are padding
+    first_key = first_kept_keys(key_mask, dev)[:, None, None]  # [B or 1, 1, 1]
     m_chunk = max(1, min(m_tiles, _BS_CHUNK_ELEMS // max(1, B * n_bs * n_tiles)))
     for m0 in range(0, m_tiles, m_chunk):
         m1 = min(m_tiles, m0 + m_chunk)
@@ -528,20 +538,22 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset):
         lo = q_offset + m * BLOCK
         hi = q_offset + torch.clamp(m * BLOCK + BLOCK - 1, max=sq - 1)
         nn = n[:n_lim]
-        allowed = nn[None] * BLOCK <= hi[:, None]  # [mc, n_lim]
+        past_padding = torch.clamp(nn * BLOCK + BLOCK - 1, max=skv - 1)[None, None] >= first_key
+        allowed = (nn[None] * BLOCK <= hi[:, None])[None] & past_padding  # [B or 1, mc, n_lim]
         diagonal = (nn[None] >= (lo // BLOCK)[:, None]) & (nn[None] <= (hi // BLOCK)[:, None])
-        forced = allowed & ((nn[None] == 0) | diagonal)
-        # the bias rides in the GEMM: -inf where not allowed, the forced score where forced
+        forced = allowed & ((nn[None, None] == first_key // BLOCK) | diagonal[None])
+        # -inf where not allowed, the forced score where forced, added in place to the scores
         bias = torch.where(forced, forced_score[:n_lim], torch.where(allowed, 0.0, float("-inf")))
-        score = torch.baddbmm(bias.expand(B * n_bs, -1, -1), pq[:, m0:m1], pk_t[:, :, :n_lim])
-        top = score.topk(take, dim=-1, sorted=True).indices.view(B, n_bs, m1 - m0, take)
+        score = torch.bmm(pq[:, m0:m1], pk_t[:, :, :n_lim]).view(B, n_bs, m1 - m0, n_lim).add_(bias[:, None])
+        top = score.topk(take, dim=-1, sorted=True).indices
         # a row keeps max(min(allowed, k), forced) picks: never a disallowed one
-        want = torch.maximum(torch.minimum(allowed.sum(-1)[None], budgets[:, None]), forced.sum(-1)[None])  # [nbs, mc]
+        want = torch.maximum(torch.minimum(allowed.sum(-1)[:, None], budgets[None, :, None]),
+                             forced.sum(-1)[:, None])  # [B or 1, nbs, mc]
         # int32 before the sort: half the radix passes of int64
         picked = torch.where(rank[:take] < want[..., None], top, n_tiles).to(torch.int32).sort(dim=-1).values
         picked = torch.where(picked < n_tiles, picked, -1).to(out.tile_index.dtype)
         out.tile_index[:, :, m0:m1, :take].index_copy_(1, heads, picked)
-        out.tile_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32)[None].expand(B, -1, -1))
+        out.tile_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32).expand(B, -1, -1))
 
 
 # --------------------------------------------------------------------------- entry point
@@ -677,5 +689,6 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
         _vs_index(q, k, [h for h, _ in vs], [hp for _, hp in vs], out, scale=scale, key_mask=key_mask,
                   doc_ids=doc_ids, q_offset=q_offset, window=window, mass_out=mass_out)
     if bs:
-        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset)
+        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset,
+                  key_mask=key_mask)
     return out

@@ -154,12 +154,26 @@ def _stable_topk_mask(scores: torch.Tensor, k) -> torch.Tensor:
 # --------------------------------------------------------------------------- per-pattern index
 
 
-def _a_shape_tiles(lo, hi, n_tiles, skv, sink, window):
+def first_kept_keys(key_mask, device) -> torch.Tensor:
+    """int64 ``[B or 1]``: per batch row, the first key the padding mask keeps (0 without a mask, or when it
+    keeps none). A left-padded prompt's sinks and forced columns are counted from there, so that its sparse
+    keys are its own, not the padding's."""
+    if key_mask is None:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    key_mask = key_mask.to(device=device, dtype=torch.bool)
+    return key_mask.view(torch.uint8).argmax(1)  # a byte view of the mask: no copy of it
+
+
+def _a_shape_tiles(lo, hi, n_tiles, skv, sink, window, first_key):
+    """bool ``[B or 1, M, N]``: the tiles holding the ``sink`` keys from each row's ``first_key`` on, and the
+    tiles the query tile's window touches."""
     n_start = torch.arange(n_tiles, device=lo.device) * BLOCK
     n_end = torch.clamp(n_start + BLOCK - 1, max=skv - 1)
     w_lo, w_hi = (lo - window + 1)[:, None], hi[:, None]
     in_window = (w_lo <= w_hi) & (n_end[None] >= w_lo) & (n_start[None] <= w_hi)
-    return (n_start[None] < sink) | in_window
+    fk = first_key[:, None]
+    sinks = (n_end[None] >= fk) & (n_start[None] < fk + sink) & (sink > 0)
+    return sinks[:, None, :] | in_window[None]
 
 
 def _vertical_slash(q_h, k_g, pos, lo, hi, n_tiles, v_budget, s_budget, scale, key_mask, doc_ids, window):
@@ -174,9 +188,10 @@ def _vertical_slash(q_h, k_g, pos, lo, hi, n_tiles, v_budget, s_budget, scale, k
     prob = _masked_softmax(scores, allowed.expand_as(scores))  # [B, last_q, Skv]
 
     vertical = prob.sum(dim=1)
-    vertical[:, :VS_FORCED_COLUMNS] = float("inf")
-
     j = torch.arange(skv, device=dev)
+    fk = first_kept_keys(key_mask, dev)[:, None]  # the sinks of a left-padded row start at its first key
+    vertical = torch.where((j >= fk) & (j < fk + VS_FORCED_COLUMNS), float("inf"), vertical)
+
     delta = est_pos[:, None] - j[None, :]  # [last_q, Skv]
     on_diag = (delta >= 0) & (delta < skv)
     slash = torch.zeros(B, skv, device=dev, dtype=torch.float32)
@@ -205,8 +220,9 @@ def _vertical_slash(q_h, k_g, pos, lo, hi, n_tiles, v_budget, s_budget, scale, k
     return tiles, cols
 
 
-def _block_sparse(q_h, k_g, lo, hi, n_tiles, k_budget):
-    """Tile mask ``[B, M, N]`` of one block-sparse head."""
+def _block_sparse(q_h, k_g, lo, hi, n_tiles, k_budget, first_key):
+    """Tile mask ``[B, M, N]`` of one block-sparse head: the tile of each row's ``first_key`` (its sink) and
+    the diagonal tiles, then the best-scoring others; tiles wholly before ``first_key`` (padding) are none."""
     B, _, D = q_h.shape
     m_tiles = lo.numel()
 
@@ -219,12 +235,15 @@ def _block_sparse(q_h, k_g, lo, hi, n_tiles, k_budget):
 
     score = pool(q_h, m_tiles) @ pool(k_g, n_tiles).transpose(1, 2)  # [B, M, N]
     n = torch.arange(n_tiles, device=q_h.device)
-    allowed = n[None] * BLOCK <= hi[:, None]  # [M, N]
+    skv = k_g.shape[1]
+    fk = first_key[:, None, None]
+    past_padding = torch.clamp(n * BLOCK + BLOCK - 1, max=skv - 1)[None, None] >= fk  # [B or 1, 1, N]
+    allowed = (n[None] * BLOCK <= hi[:, None])[None] & past_padding  # [B or 1, M, N]
     diagonal = (n[None] >= (lo // BLOCK)[:, None]) & (n[None] <= (hi // BLOCK)[:, None])
-    forced = allowed & ((n[None] == 0) | diagonal)
+    forced = allowed & ((n[None, None] == fk // BLOCK) | diagonal[None])
     score = torch.where(forced, float("inf"), torch.where(allowed, score, float("-inf")))
-    k_eff = torch.maximum(torch.clamp(allowed.sum(-1), max=k_budget), forced.sum(-1))  # [M]
-    return _stable_topk_mask(score, k_eff[None].expand(B, -1))
+    k_eff = torch.maximum(torch.clamp(allowed.sum(-1), max=k_budget), forced.sum(-1))  # [B or 1, M]
+    return _stable_topk_mask(score, k_eff.expand(B, -1))
 
 
 def _pack(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +265,9 @@ def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
     if p is Pattern.DENSE:
         return n_tiles, 0
     if p is Pattern.A_SHAPE:
-        # window span of a full tile is b + 63 keys, touching at most ceil(b/64) + 2 tiles
-        return min(n_tiles, _cdiv(a, BLOCK) + _cdiv(b, BLOCK) + 2), 0
+        # window span of a full tile is b + 63 keys, touching at most ceil(b/64) + 2 tiles; sinks from an
+        # unaligned first key touch ceil(a/64) + 1
+        return min(n_tiles, _cdiv(a, BLOCK) + _cdiv(b, BLOCK) + 3), 0
     if p is Pattern.VERTICAL_SLASH:
         # each diagonal is a 64-wide unaligned range: at most two tiles
         return min(n_tiles, 2 * min(max(b, VS_MIN_DIAGONALS), skv)), min(max(a, VS_MIN_COLUMNS), skv)
@@ -292,6 +312,7 @@ def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_
     m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
     lo, hi = _tile_bounds(pos, m_tiles)
     reachable = torch.arange(n_tiles, device=dev)[None] * BLOCK <= hi[:, None]  # [M, N]
+    first_key = first_kept_keys(key_mask, dev)
 
     tile_masks, col_masks = [], []
     for h, head in enumerate(plan.heads):
@@ -300,13 +321,13 @@ def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_
         if head.pattern is Pattern.DENSE:
             tiles = reachable[None].expand(B, -1, -1)
         elif head.pattern is Pattern.A_SHAPE:
-            tiles = (_a_shape_tiles(lo, hi, n_tiles, skv, head.budget_a, head.budget_b) & reachable)[None].expand(B, -1, -1)
+            tiles = (_a_shape_tiles(lo, hi, n_tiles, skv, head.budget_a, head.budget_b, first_key) & reachable).expand(B, -1, -1)
         elif head.pattern is Pattern.VERTICAL_SLASH:
             tiles, cols = _vertical_slash(
                 q_h, k_g, pos, lo, hi, n_tiles, head.budget_a, head.budget_b, scale, key_mask, doc_ids, window
             )
         elif head.pattern is Pattern.BLOCK_SPARSE:
-            tiles = _block_sparse(q_h, k_g, lo, hi, n_tiles, head.budget_a)
+            tiles = _block_sparse(q_h, k_g, lo, hi, n_tiles, head.budget_a, first_key)
         else:  # pragma: no cover - Pattern is closed
             raise ValueError(f"unknown pattern {head.pattern}")
         tile_masks.append(tiles)

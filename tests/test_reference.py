@@ -74,8 +74,9 @@ def softmax_rows64(scores, allowed):
     return out
 
 
-def expected_index(q, k, plan, scale, pos, base):
-    """{(b, h, m): (sorted key tiles, sorted leftover columns)} from the definitions."""
+def expected_index(q, k, plan, scale, pos, base, key_mask=None):
+    """{(b, h, m): (sorted key tiles, sorted leftover columns)} from the definitions. A row's attention sinks
+    (A-shape) and forced columns (vertical-slash) start at the first key its padding mask keeps."""
     B, Hq, sq, _ = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -84,6 +85,9 @@ def expected_index(q, k, plan, scale, pos, base):
     hi = [max(pos[m * BLOCK : (m + 1) * BLOCK]) for m in range(M)]
     result = {}
     for b in range(B):
+        first = 0
+        if key_mask is not None and bool(key_mask[b % key_mask.shape[0]].any()):
+            first = int(key_mask[b % key_mask.shape[0]].nonzero()[0])
         for h, head in enumerate(plan.heads):
             qh, kh = q[b, h].double(), k[b, h // group].double()
             if head.pattern is Pattern.VERTICAL_SLASH:
@@ -96,7 +100,7 @@ def expected_index(q, k, plan, scale, pos, base):
                     for j in range(0, min(pos[row], skv - 1) + 1):
                         if pos[row] - j < skv:
                             slash[pos[row] - j] += prob[r, j].item()
-                for j in range(min(30, skv)):
+                for j in range(first, min(first + 30, skv)):
                     vertical[j] = float("inf")
                 for d in range(min(100, skv)):
                     slash[d] = float("inf")
@@ -113,7 +117,8 @@ def expected_index(q, k, plan, scale, pos, base):
                     w_lo, w_hi = lo[m] - win + 1, hi[m]
                     tiles = {
                         n for n in range(N)
-                        if n * BLOCK < sink or (w_lo <= w_hi and n * BLOCK <= w_hi and min(n * BLOCK + BLOCK, skv) - 1 >= w_lo)
+                        if (sink > 0 and min(n * BLOCK + BLOCK, skv) - 1 >= first and n * BLOCK < first + sink)
+                        or (w_lo <= w_hi and n * BLOCK <= w_hi and min(n * BLOCK + BLOCK, skv) - 1 >= w_lo)
                     }
                     leftover = []
                 elif head.pattern is Pattern.VERTICAL_SLASH:
@@ -124,8 +129,8 @@ def expected_index(q, k, plan, scale, pos, base):
                             tiles.update(range(a // BLOCK, z // BLOCK + 1))
                     leftover = sorted(j for j in cols if j // BLOCK not in tiles and j <= hi[m])
                 else:
-                    allowed = [n for n in range(N) if n * BLOCK <= hi[m]]
-                    forced = [n for n in allowed if n == 0 or lo[m] // BLOCK <= n <= hi[m] // BLOCK]
+                    allowed = [n for n in range(N) if n * BLOCK <= hi[m] and min(n * BLOCK + BLOCK, skv) - 1 >= first]
+                    forced = [n for n in allowed if n == first // BLOCK or lo[m] // BLOCK <= n <= hi[m] // BLOCK]
                     want = max(min(head.budget_a, len(allowed)), len(forced))
                     rest = [n for n in allowed if n not in forced]
                     scores = [float(pq[m] @ pk[n]) for n in rest]
@@ -205,7 +210,7 @@ def test_index_matches_definition(pattern, case):
     base = brute_base(pos.tolist(), skv, B, kw.get("key_mask"), kw.get("doc_ids"), kw.get("window", 0))
 
     index = ref.build_index(q, k, plan, scale=scale, **kw)
-    expected = expected_index(q, k, plan, scale, pos.tolist(), base)
+    expected = expected_index(q, k, plan, scale, pos.tolist(), base, kw.get("key_mask"))
     M = -(-sq // BLOCK)
     hi = [int(pos[m * BLOCK : (m + 1) * BLOCK].max()) for m in range(M)]
     check_structure(index, expected, B, Hq, M, hi)
