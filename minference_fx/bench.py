@@ -248,7 +248,13 @@ class KernelRow:
         return None if baseline is None else baseline / self.total_ms
 
 
-def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=("cudnn", "flash", "flex"), num_warps=None, num_stages=None):
+KERNEL_BASELINES = ("cudnn", "flash", "flex")
+
+
+def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=KERNEL_BASELINES, num_warps=None, num_stages=None):
+    unknown = [name for name in baselines if name not in KERNEL_BASELINES]
+    if unknown:  # a misspelt baseline would just be missing from the table
+        raise ValueError(f"unknown baseline(s) {unknown}; known: {', '.join(KERNEL_BASELINES)}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .kernels.attend import sparse_attention_triton

@@ -65,6 +65,14 @@ def parse_lengths(text: str) -> list[int]:
     return out
 
 
+def _named_problems() -> tuple:
+    from .assets import AssetError
+    from .config import ConfigError
+
+    # the project raises these with a message that names the problem; a traceback would only bury it
+    return ConfigError, AssetError, ValueError, FileNotFoundError
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -224,7 +232,7 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--tasks", default="ppl,niah,recall")
     e.add_argument("--lengths", default="2k,4k,8k")
     e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths")
-    e.add_argument("--seeds", type=int, default=1, help="needle seeds per (length, depth)")
+    e.add_argument("--seeds", type=_positive_int, default=1, help="needle seeds per (length, depth)")
     e.add_argument("--window-seed", type=int, default=0, help="which held-out window perplexity and recall read")
     e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")
     e.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
@@ -237,7 +245,7 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--out", default=None, help="results JSON (the PNG goes beside it)")
     e.set_defaults(run=_eval)
     d = sub.add_parser("demo", help="SmolLM2 answers a question from a long Austen prompt through the sparse backend")
-    d.add_argument("--length", type=int, default=None, help="prompt tokens (default 8000 on GPU, 2048 on CPU)")
+    d.add_argument("--length", type=_positive_int, default=None, help="prompt tokens (default 8000 on GPU, 2048 on CPU)")
     d.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else vertical-slash scaled to the length)")
     d.add_argument("--inner", default=None, choices=["eager", "aot_eager", "inductor"], help="default: inductor on GPU, eager on CPU")
     d.add_argument("--device", default=None)
@@ -295,7 +303,7 @@ def main(argv=None) -> int:
     sp.add_argument("--model", default="smollm2", help="smollm2, a built-in tiny family, an HF config.json, or a model directory")
     sp.add_argument("--data", default="austen", help="'austen' (Jane Austen's novels, fetched once) or a text file")
     sp.add_argument("--lengths", default="8k", help="calibration lengths, e.g. 4k,8k")
-    sp.add_argument("--samples", type=int, default=2, help="windows per length")
+    sp.add_argument("--samples", type=_positive_int, default=2, help="windows per length")
     sp.add_argument("--bound", type=float, default=0.05, help="largest mean relative output error a sparse head may have")
     sp.add_argument("--target-density", type=float, default=0.24, help="mean physical density the choice aims at")
     sp.add_argument("--yarn", type=float, default=None, metavar="FACTOR", help="smollm2: YaRN rope scaling factor "
@@ -316,8 +324,6 @@ def main(argv=None) -> int:
     t.set_defaults(run=_autotune)
     _add_asset_commands(sub)
     args = parser.parse_args(argv)
-    from .config import ConfigError
-
     if isinstance(getattr(args, "lengths", None), str):
         try:
             parse_lengths(args.lengths)
@@ -325,11 +331,11 @@ def main(argv=None) -> int:
             parser.error(str(e))
     try:
         return args.run(args)
-    except ConfigError as e:  # a config that cannot be read or does not fit: its message says it all
+    except _named_problems() as e:  # bad input whose message names it (a config, a value, a missing file)
         sys.exit(f"minference-fx: {e}")
     except Exception as e:
         inner = getattr(e, "inner_exception", None)  # raised inside the backend, wrapped by Dynamo
-        if isinstance(inner, ConfigError):
+        if isinstance(inner, _named_problems()):
             sys.exit(f"minference-fx: {inner}")
         raise
 

@@ -93,6 +93,12 @@ class BackendOptions:
             problems.append(f"mode={options['mode']!r}; expected one of {list(_INDUCTOR_MODES)}")
         if not isinstance(options.get("inductor_config", {}), dict):
             problems.append("inductor_config must be a dict of Inductor config patches")
+        if inner in (Inner.EAGER, Inner.AOT_EAGER):  # neither runs Inductor, so either would do nothing
+            problems += [f"{name}={options[name]!r} is an Inductor setting, and inner={inner.value!r} runs no Inductor"
+                         for name in ("mode", "inductor_config") if options.get(name)]
+        observer = options.get("observer")
+        if observer is not None and not _is_int(observer):
+            problems.append(f"observer={observer!r}; expected a token from minference_fx.observe.register")
         if problems:
             raise ValueError("minference backend options: " + "; ".join(problems))
         config = options.get("config")

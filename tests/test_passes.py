@@ -579,6 +579,10 @@ def test_bad_options_are_named():
     ({"guard_threshold": True}, "guard_threshold=True"),  # and as 1.0: every vertical-slash head dense
     ({"head_offset": True}, "head_offset=True"),
     ({"mode": "max_autotune"}, "mode='max_autotune'"),  # ignored under the eager inners before
+    ({"inner": "eager", "mode": "reduce-overhead"}, "inner='eager' runs no Inductor"),  # was silently dropped
+    ({"inner": "aot_eager", "inductor_config": {"max_autotune": True}}, "inductor_config={'max_autotune': True} is an"),
+    ({"observer": "abc"}, "observer='abc'"),  # int('abc') raised in the rewrite
+    ({"observer": True}, "observer=True"),  # taken as token 1
     ("semantic.json", "must be a dict"),
 ])
 def test_options_of_the_wrong_kind_are_named(options, named):
@@ -599,6 +603,9 @@ def test_the_cli_names_a_bad_config_or_length_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "kernels", "--lengths", "8x"])
     assert "'8x' is not a positive length" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # 0 ran the whole default demo, -5 failed on a config the user never gave
+        main(["demo", "--length", "0"])
+    assert "--length: expected a positive integer, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["inspect", "--model", "llama", "--layers", "0"])
     assert "expected a positive integer" in capsys.readouterr().err
