@@ -81,10 +81,11 @@ def _rank_keys_kernel(VERT, SLASH_PARTS, KEY_V, KEY_S, FirstKey, total, skv, per
     j = off % skv
     v = tl.load(VERT + off, mask=ok, other=0.0)
     s = tl.load(SLASH_PARTS + off, mask=ok, other=0.0) + tl.load(SLASH_PARTS + total + off, mask=ok, other=0.0)
-    first = 0
-    if HAS_KEY_MASK:
+    forced = j < forced_cols
+    if HAS_KEY_MASK:  # a left-padded row's sinks: from its first kept key
         first = tl.load(FirstKey + off // per_batch, mask=ok, other=0)
-    v = tl.where((j >= first) & (j < first + forced_cols), float("inf"), tl.where(v > 0, v, 0.0))
+        forced = (j >= first) & (j < first + forced_cols)
+    v = tl.where(forced, float("inf"), tl.where(v > 0, v, 0.0))
     s = tl.where(j < forced_diags, float("inf"), tl.where(s > 0, s, 0.0))
     low = tl.full([BLOCK], 4294967295, tl.int64) - j
     tl.store(KEY_V + off, (v.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low, mask=ok)

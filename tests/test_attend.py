@@ -293,3 +293,31 @@ def test_covering_budgets_equal_dense_sdpa():
     got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_without_serialised_wgmma():
+    """ptxas's report for sm_90a, taken on this CPU (kernels.codegen): at the shipped H200 table's 32K and 128K
+    configs the sparse walk, with and without a padding mask, neither serialises its wgmma pipeline nor spills.
+    An edit of two scalar ops once tipped the unmasked walk into both C7515 and 240 registers (from 222): 14%
+    slower at 128K, found only by a GPU re-tune (results/autotune_warmup_h200_2026-12-01_v13.txt)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from minference_fx.autotune import cache
+
+    table = json.loads(next(p for p in cache.shipped_paths() if p.name == "h200.json").read_text())
+    configs = sorted({(c["key"]["head_dim"], *c["entry"].values()) for c in table["configs"]
+                      if c["key"]["kernel"] == "sparse_attention" and c["key"]["bucket"] in (32768, 131072)})
+    assert configs
+    code = ("import json, sys\nfrom minference_fx.kernels.codegen import sparse_walk_codegen\n"
+            "print(json.dumps([[vars(sparse_walk_codegen(*c, key_mask=m)) for m in (False, True)] "
+            "for c in json.loads(sys.argv[1])]))")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(configs)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for config, variants in zip(configs, json.loads(done.stdout.strip().splitlines()[-1])):
+        for masked, report in zip((False, True), variants):
+            assert not report["wgmma_serialized"] and report["spill_bytes"] == 0, (config, masked, report)

@@ -1,0 +1,108 @@
+"""What ptxas makes of the attention kernel for a GPU target, without the GPU.
+
+A kernel edit that looks free can tip ptxas into serialising the wgmma pipeline (its advisory C7515) or into
+more registers: two scalar ops on the A-shape sinks did that once, and the sparse walk ran 14% slower at 128K
+on the H200 (``results/autotune_warmup_h200_2026-12-01_v13.txt``). Triton compiles to PTX on any machine and
+ships ptxas, so this check costs seconds of CPU instead of a GPU session: a stand-in driver names the target,
+the kernel is compiled as the op would launch it, and the launch, which needs a GPU, is not made.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+HOPPER = ("cuda", 90, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codegen:
+    """ptxas's account of one compiled variant."""
+
+    registers: int
+    spill_bytes: int
+    wgmma_serialized: bool
+    """ptxas advisory C7515: the wgmma pipeline waits on ordinary instructions (a real slowdown)"""
+
+
+class _TargetOnlyDriver:
+    """Enough of a Triton driver to compile for ``target``; launching raises."""
+
+    def __init__(self, target):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget(*target)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def _ptxas() -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
+                        key_mask: bool = False, target=HOPPER) -> Codegen:
+    """Compile the sparse walk (bf16, vertical-slash heads) for ``target`` and read ptxas's report.
+
+    Needs ``TRITON_INTERPRET`` unset or 0 when Triton was imported (the interpreter compiles nothing)."""
+    import triton
+    from triton.runtime import driver
+
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    from . import attend
+    from .reference import SparseIndex
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("kernel codegen needs TRITON_INTERPRET=0: the interpreter compiles nothing")
+    b, hq, hkv, s = 1, 8, 2, 1024
+    q = torch.zeros(b, hq, s, head_dim, dtype=torch.bfloat16)
+    k, v = (torch.zeros(b, hkv, s, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    m = s // 64
+    index = SparseIndex(torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int16),
+                        torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int32))
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * hq)
+    kernel = attend._sparse_attn_fwd
+    before = set(id(x) for cache in kernel.device_caches.values() for x in cache[0].values())
+    previous = driver._active  # reset_active() would build the default driver, which needs a GPU
+    driver.set_active(_TargetOnlyDriver(target))
+    try:
+        attend.sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=head_dim ** -0.5,
+                                       key_mask=torch.ones(b, s, dtype=torch.bool) if key_mask else None,
+                                       num_warps=num_warps, num_stages=num_stages, block_m=block_m, block_n=block_n)
+    except AttributeError:
+        pass  # the launch: the stand-in driver has no launcher, and nothing is meant to run
+    finally:
+        driver._active = previous
+    compiled = [x for cache in kernel.device_caches.values() for x in cache[0].values() if id(x) not in before]
+    if len(compiled) != 1:
+        raise RuntimeError(f"expected one new compiled variant, found {len(compiled)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled[0].asm["ptx"])
+        arch = f"sm_{target[1]}a" if target[1] == 90 else f"sm_{target[1]}"
+        report = subprocess.run([str(_ptxas()), f"-arch={arch}", "-v", str(ptx), "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return Codegen(registers, spills, "C7515" in report)
