@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .reference import BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, query_positions
+from .reference import BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, first_kept_keys, query_positions
 
 # A head whose index keeps this share of its causal key tiles (leftover columns counted as tiles of
 # BLOCK) runs dense: at most 1/0.9 = 1.11x the tiles, at 1.24x the speed per tile (the dense walk against the
@@ -106,7 +106,21 @@ def causal_tiles(sq: int, skv: int, q_offset: int) -> int:
     return sum(min(q_offset + min(m * BLOCK + BLOCK - 1, sq - 1), skv - 1) // BLOCK + 1 for m in range(m_tiles))
 
 
-def near_dense(index: SparseIndex, sq: int, skv: int, q_offset: int) -> torch.Tensor:
-    """[B, H] bool: the heads whose index keeps at least ``NEAR_DENSE_SHARE`` of the causal tiles."""
-    kept = index.tile_count.sum(-1, dtype=torch.float32) + index.col_count.sum(-1, dtype=torch.float32) / BLOCK
-    return kept >= NEAR_DENSE_SHARE * causal_tiles(sq, skv, q_offset)
+def near_dense(index: SparseIndex, sq: int, skv: int, q_offset: int, key_mask=None) -> torch.Tensor:
+    """[B, H] bool: the heads whose index keeps at least ``NEAR_DENSE_SHARE`` of the causal tiles.
+
+    With a padding mask both counts start at each row's first kept key: a left-padded prompt's padding query
+    tiles read nothing and its padding key tiles hold no key it reads, so counting them decided a head of the
+    same prompt one way padded and the other unpadded (output off by 0.46-0.67). Computed on the device: no sync."""
+    if key_mask is None:
+        kept = index.tile_count.sum(-1, dtype=torch.float32) + index.col_count.sum(-1, dtype=torch.float32) / BLOCK
+        return kept >= NEAR_DENSE_SHARE * causal_tiles(sq, skv, q_offset)
+    dev = index.tile_count.device
+    first = first_kept_keys(key_mask, dev)[:, None]  # [B or 1, 1]
+    m = torch.arange(index.tile_count.shape[-1], device=dev)
+    hi = q_offset + torch.clamp(m * BLOCK + BLOCK - 1, max=sq - 1)  # each query tile's last position
+    sees = hi[None] >= first  # [B or 1, M]
+    causal = torch.where(sees, torch.clamp(hi, max=skv - 1)[None] // BLOCK - first // BLOCK + 1, 0).sum(-1)
+    kept = (index.tile_count * sees[:, None]).sum(-1, dtype=torch.float32)
+    kept = kept + (index.col_count * sees[:, None]).sum(-1, dtype=torch.float32) / BLOCK
+    return kept >= NEAR_DENSE_SHARE * causal[:, None]

@@ -307,7 +307,7 @@ def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_t
     """The run-time rules that send a (batch, head) pair dense, on an index that lists every head (the
     reference's): ([B, Hq] near-dense listed heads, [B, Hq] vertical-slash heads whose estimated captured
     mass is under ``guard_threshold``, or None when that is 0)."""
-    near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], masks["q_offset"])
+    near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], masks["q_offset"], masks["key_mask"])
     if guard_threshold <= 0 or not _split(plan).n_vs:
         return near, None
     return near, weak_heads(guard_mass(q, k, index, scale, masks), plan, guard_threshold)
@@ -362,7 +362,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     force = weak
     if split.n_listed:  # only listed heads can be near-dense: a plan without any needs no check
         # the GPU index lists nothing for other heads, so near_dense alone never picks them
-        near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"])
+        near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks["q_offset"], masks["key_mask"])
         guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
         force = near if force is None else force | near
     ran_dense = force
@@ -424,13 +424,13 @@ def _dense_pairs(heads: tuple, q: torch.Tensor) -> torch.Tensor:
     return pairs[None, :].expand(q.shape[0], -1)
 
 
-def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int) -> torch.Tensor:
+def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int, key_mask=None) -> torch.Tensor:
     """[B, Hq] bool: the (batch, head) pairs the op runs dense by the near-dense rule, for an index that lists
     every head (the reference's; it enumerates dense and A-shape heads' tiles too, which the rule skips)."""
     from .kernels import guard
 
     listed = torch.tensor(_split(plan).listed_mask, device=index.tile_count.device)
-    return guard.near_dense(index, sq, skv, q_offset) & listed[None, :]
+    return guard.near_dense(index, sq, skv, q_offset, key_mask) & listed[None, :]
 
 
 NEAR_DENSE_STATS = GuardStats()
