@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..plan import PATTERN_CODES, Pattern
 from .reference import BLOCK, SparseIndex, first_kept_keys
-from .tables import int_table
+from .tables import int_table, rows_per_batch
 
 DENSE = tl.constexpr(PATTERN_CODES[Pattern.DENSE])
 A_SHAPE = tl.constexpr(PATTERN_CODES[Pattern.A_SHAPE])
@@ -457,6 +457,7 @@ def sparse_attention_triton(
     ci = index.col_index.reshape(B * Hq, index.col_index.shape[2], -1)
     tc = index.tile_count.reshape(B * Hq, -1)
     cc = index.col_count.reshape(B * Hq, -1)
+    key_mask, doc_ids = rows_per_batch(key_mask, B), rows_per_batch(doc_ids, B)
     km = key_mask if key_mask is not None else q  # any pointer; unused when HAS_KEY_MASK is False
     # per row, the first key the mask keeps (0 when it keeps none: the mask alone then hides every key);
     # a byte view of the bool mask, so no copy of it

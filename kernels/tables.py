@@ -29,3 +29,14 @@ def int_table(values, device) -> torch.Tensor:
             out[i:end].copy_(torch.arange(values[i], values[i] + step * (end - i), step, dtype=torch.int32, device=device))
         i = end
     return out
+
+
+def rows_per_batch(t, batch: int):
+    """A [1 or B, S] mask or document table (or None) as the kernels read it: row b at ``b * stride(0)``, its
+    entries adjacent. A one-row table is broadcast (stride 0, no copy); a strided one is copied (only odd
+    layouts). Read as given, a one-row table's row 1 lay past its end."""
+    if t is None:
+        return None
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.expand(batch, -1) if t.shape[0] == 1 and batch > 1 else t

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.guard import GuardStats
+from .kernels.tables import rows_per_batch
 from .plan import LISTED_PATTERNS, HeadPlan, LayerPlan, Pattern
 
 
@@ -89,15 +90,6 @@ def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns,
     if problems:
         raise ValueError("minference::sparse_attention: " + "; ".join(problems))
 
-
-def _row_major_per_batch(t: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
-    """A [1 or B, S] mask or document table as the kernels read it: row b at ``b * stride(0)``, its entries
-    adjacent. A one-row table is broadcast (stride 0, no copy); a strided one is copied (only odd layouts)."""
-    if t is None:
-        return None
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t.expand(batch, -1) if t.shape[0] == 1 and batch > 1 else t
 
 
 MASKED_SDPA_MAX_PAIRS = 1 << 24
@@ -186,7 +178,7 @@ def dense_walk(q, k, v, key_mask, doc_ids, scale, q_offset, window, launch=None,
     if out is not None and (doc_ids is not None or window > 0):
         raise ValueError("dense_walk(out=...) runs again only the rows a padding mask hides keys of: with documents "
                          "or a window SDPA's unmasked rows would stand")
-    key_mask, doc_ids = _row_major_per_batch(key_mask, B), _row_major_per_batch(doc_ids, B)  # as the kernel reads them
+    key_mask, doc_ids = rows_per_batch(key_mask, B), rows_per_batch(doc_ids, B)  # as the kernel reads them
     if launch is None:
         from .autotune.dispatch import launch_config
 
@@ -245,7 +237,7 @@ def sparse_attention(
     _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b)
     if doc_ids is not None:
         doc_ids = doc_ids[:, :k.shape[2]]  # ids past the keys belong to no key and no query (checked above)
-    key_mask, doc_ids = _row_major_per_batch(key_mask, q.shape[0]), _row_major_per_batch(doc_ids, q.shape[0])
+    key_mask, doc_ids = rows_per_batch(key_mask, q.shape[0]), rows_per_batch(doc_ids, q.shape[0])
     if q.is_cuda:
         from . import precompile
 

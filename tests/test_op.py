@@ -190,7 +190,7 @@ def test_the_kernels_get_one_mask_row_per_batch_row_with_adjacent_entries(monkey
     # what the kernels then read (the GPU path under the interpreter) is what the CPU op's reference reads
     plan = LayerPlan.from_op_arguments(*VS)
     for key_mask, doc_ids in ((one_row, None), (None, docs)):
-        masks = dict(key_mask=op._row_major_per_batch(key_mask, 2), doc_ids=op._row_major_per_batch(doc_ids, 2),
+        masks = dict(key_mask=op.rows_per_batch(key_mask, 2), doc_ids=op.rows_per_batch(doc_ids, 2),
                      q_offset=0, window=0)
         got = op.sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRIES["sparse_attention"]).out
         want = OP(q, k, v, key_mask, doc_ids, 0.25, 0, 0, *VS, 0)
