@@ -278,7 +278,7 @@ def main(argv=None) -> int:
                    help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--out", default=None, help="JSON results file")
-    b.add_argument("--layers", type=int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")
+    b.add_argument("--layers", type=_positive_int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")
     b.add_argument("--model", default="llama3-8b-random",
                    help="prefill: llama3-8b-random (random-weight Llama-3-8B shape), smollm2 (SmolLM2-135M-Instruct's "
                         "real weights on Austen's prose), or a local HF model directory (prose through its tokenizer "
@@ -287,14 +287,14 @@ def main(argv=None) -> int:
                    help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
                         "minference-noguard, minference-noroute, minference-ro")
     b.add_argument("--reduce-overhead", action="store_true", help="prefill: also minference with mode=reduce-overhead")
-    b.add_argument("--reps", type=int, default=3, help="prefill: timed forwards per cell (median), after one warm-up")
+    b.add_argument("--reps", type=_positive_int, default=3, help="prefill: timed forwards per cell (median), after one warm-up")
     b.add_argument("--in-process", action="store_true",
                    help="prefill: every variant in this process (default: one process each, empty compile caches)")
     b.add_argument("--append", action="store_true", help="prefill: keep the other variants already in --out")
     b.add_argument("--attention-mask", action="store_true",
                    help="prefill: pass an all-ones attention_mask, as generate() does (HF then builds a padding mask "
                         "in the traced graph)")
-    b.add_argument("--batch", type=int, default=1, help="prefill: prompts per forward (each its own text); TTFT is the batch's")
+    b.add_argument("--batch", type=_positive_int, default=1, help="prefill: prompts per forward (each its own text); TTFT is the batch's")
     b.add_argument("--pad-fraction", type=float, default=0.0, metavar="F",
                    help="prefill, with --batch >= 2: left-pad the rows to unequal lengths, the last keeping (1 - F) of "
                         "the length, with the mask and position ids generate() passes")
@@ -314,9 +314,9 @@ def main(argv=None) -> int:
     sp.set_defaults(run=_search)
     t = sub.add_parser("autotune", help="tune the kernels and the dense/sparse crossover on this GPU; --show prints the cache")
     t.add_argument("--lengths", default="32k,128k", help="prompt lengths to tune, e.g. 32k,128k,1m")
-    t.add_argument("--head-dim", type=int, default=None)
-    t.add_argument("--gqa", type=int, default=None, help="query heads per kv head")
-    t.add_argument("--kv-heads", type=int, default=None, help="kv heads of the timed inputs (default 8)")
+    t.add_argument("--head-dim", type=_positive_int, default=None)
+    t.add_argument("--gqa", type=_positive_int, default=None, help="query heads per kv head")
+    t.add_argument("--kv-heads", type=_positive_int, default=None, help="kv heads of the timed inputs (default 8)")
     t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     t.add_argument("--model", default=None, help="HF config.json or model directory: head dim, GQA and kv heads from it")
     t.add_argument("--show", action="store_true", help="print the cache and the shipped tables, tune nothing")

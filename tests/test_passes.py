@@ -606,6 +606,11 @@ def test_the_cli_names_a_bad_config_or_length_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):  # 0 ran the whole default demo, -5 failed on a config the user never gave
         main(["demo", "--length", "0"])
     assert "--length: expected a positive integer, got 0" in capsys.readouterr().err
+    for argv in (["bench", "prefill", "--reps", "0"], ["bench", "prefill", "--layers", "-1"],
+                 ["autotune", "--head-dim", "-1", "--gqa", "4"]):  # --reps 0 ran one rep, the others reached the GPU
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "expected a positive integer" in capsys.readouterr().err, argv
     with pytest.raises(SystemExit):
         main(["inspect", "--model", "llama", "--layers", "0"])
     assert "expected a positive integer" in capsys.readouterr().err
