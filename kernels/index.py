@@ -429,7 +429,8 @@ def _vs_to_tiles_kernel(
     tl.store(COL_CNT + out_row, tl.minimum(ccount, col_cap))
 
 
-def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, doc_ids, q_offset, window, mass_out=None):
+def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, doc_ids, q_offset, window, first_key,
+              mass_out=None):
     B, Hq, sq, _ = q.shape
     skv = k.shape[2]
     dev = q.device
@@ -441,7 +442,7 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
     key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=dev)
     key_s = torch.empty_like(key_v)
     total = B * n_vs * skv
-    first_key = first_kept_keys(key_mask, dev).expand(B).contiguous() if key_mask is not None else key_v
+    first_key = first_key.expand(B).contiguous() if key_mask is not None else key_v  # key_v: any pointer
     _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](raw_vertical, slash_parts, key_v, key_s, first_key, total, skv,
                                                  n_vs * skv, VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS,
                                                  HAS_KEY_MASK=key_mask is not None, BLOCK=_KEY_VEC)
@@ -507,7 +508,7 @@ def _pool(x: torch.Tensor, tiles: int) -> torch.Tensor:
     return torch.cat(parts, dim=2) / counts[:, None]
 
 
-def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, key_mask):
+def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key):
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -527,7 +528,7 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, key_mask)
     forced_score = _FORCED_SCORE * (2.0 - n.float() / n_tiles)
     rank = torch.arange(cap, device=dev)
     # a left-padded row's sink tile is its first key's, and the tiles wholly before it are padding
-    first_key = first_kept_keys(key_mask, dev)[:, None, None]  # [B or 1, 1, 1]
+    first_key = first_key[:, None, None]  # [B or 1, 1, 1]
     m_chunk = max(1, min(m_tiles, _BS_CHUNK_ELEMS // max(1, B * n_bs * n_tiles)))
     for m0 in range(0, m_tiles, m_chunk):
         m1 = min(m_tiles, m0 + m_chunk)
@@ -543,10 +544,12 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, key_mask)
         allowed = (nn[None] * BLOCK <= hi[:, None])[None] & past_padding  # [B or 1, mc, n_lim]
         diagonal = (nn[None] >= (lo // BLOCK)[:, None]) & (nn[None] <= (hi // BLOCK)[:, None])
         forced = allowed & ((nn[None, None] == first_key // BLOCK) | diagonal[None])
-        # -inf where not allowed, the forced score where forced, added in place to the scores
+        # the bias rides in the GEMM: -inf where not allowed, the forced score where forced (one row of it, a
+        # view, unless a padding mask gives each batch row its own)
         bias = torch.where(forced, forced_score[:n_lim], torch.where(allowed, 0.0, float("-inf")))
-        score = torch.bmm(pq[:, m0:m1], pk_t[:, :, :n_lim]).view(B, n_bs, m1 - m0, n_lim).add_(bias[:, None])
-        top = score.topk(take, dim=-1, sorted=True).indices
+        bias = bias[:, None].expand(B, n_bs, -1, -1).reshape(B * n_bs, m1 - m0, n_lim)
+        score = torch.baddbmm(bias, pq[:, m0:m1], pk_t[:, :, :n_lim])
+        top = score.topk(take, dim=-1, sorted=True).indices.view(B, n_bs, m1 - m0, take)
         # a row keeps max(min(allowed, k), forced) picks: never a disallowed one
         want = torch.maximum(torch.minimum(allowed.sum(-1)[:, None], budgets[None, :, None]),
                              forced.sum(-1)[:, None])  # [B or 1, nbs, mc]
@@ -686,10 +689,10 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
         return out
     vs = [(h, hp) for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.VERTICAL_SLASH]
     bs = [(h, hp) for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.BLOCK_SPARSE]
+    first_key = first_kept_keys(key_mask, dev)  # once for both patterns
     if vs:
         _vs_index(q, k, [h for h, _ in vs], [hp for _, hp in vs], out, scale=scale, key_mask=key_mask,
-                  doc_ids=doc_ids, q_offset=q_offset, window=window, mass_out=mass_out)
+                  doc_ids=doc_ids, q_offset=q_offset, window=window, first_key=first_key, mass_out=mass_out)
     if bs:
-        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset,
-                  key_mask=key_mask)
+        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset, first_key=first_key)
     return out

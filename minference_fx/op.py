@@ -91,7 +91,6 @@ def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns,
         raise ValueError("minference::sparse_attention: " + "; ".join(problems))
 
 
-
 MASKED_SDPA_MAX_PAIRS = 1 << 24
 """Above this many (query, key) pairs a masked dense call on the GPU runs the sparse kernel's dense walk instead
 of SDPA. SDPA takes no padding mask beside ``is_causal``, so the mask would be materialised, a byte per pair

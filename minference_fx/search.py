@@ -163,7 +163,7 @@ def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last
         plan = LayerPlan((cand,) * hq)
         index = reference.build_index(q, k, plan, scale=call.scale, **masks)
         # the op runs a near-dense index dense (kernels.guard.near_dense): score what it computes
-        near = near_dense_heads(index, plan, sq, skv, call.q_offset, masks.get("key_mask"))
+        near = near_dense_heads(index, plan, sq, skv, call.q_offset, masks["key_mask"])
         if bool(near.any()):  # offline: a host check costs nothing here
             index = guard.densify(index, near, sq, skv, call.q_offset)
         kept = prob * (_row_key_mask(index, rows, skv) & base)

@@ -308,7 +308,8 @@ def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_
     from minference_fx.autotune import cache
 
     table = json.loads(next(p for p in cache.shipped_paths() if p.name == "h200.json").read_text())
-    configs = sorted({(c["key"]["head_dim"], *c["entry"].values()) for c in table["configs"]
+    fields = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")  # sparse_walk_codegen's order
+    configs = sorted({(c["key"]["head_dim"], *(c["entry"][f] for f in fields)) for c in table["configs"]
                       if c["key"]["kernel"] == "sparse_attention" and c["key"]["bucket"] in (32768, 131072)})
     assert configs
     code = ("import json, sys\nfrom minference_fx.kernels.codegen import sparse_walk_codegen\n"
