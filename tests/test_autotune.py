@@ -343,6 +343,17 @@ def test_crossover_on_clean_curves():
     assert tuner.find_crossover(LENGTHS, dense, close, margin=0.05) == 16384
 
 
+def test_crossover_margin_keeps_dense_where_the_tuner_won_and_the_model_lost():
+    # the H200 tuner's SmolLM2-shape timings (results/autotune_warmup_h200_2026-12-01_v14_smollm2_shape.txt):
+    # sparse won 1.06x at 32K and the compiled model then ran 0.67x of HF eager there (v15), 1.56x at 64K (v16)
+    dense = {16384: 0.717, 32768: 2.734, 65536: 10.817}
+    sparse = {16384: 3.712, 32768: 2.591, 65536: 4.784}
+    assert tuner.find_crossover(sorted(dense), dense, sparse, margin=tuner.CROSSOVER_MARGIN) == 65536
+    # the Llama-3-8B shape's 1.59x win at 32K (v14) still crosses there
+    dense, sparse = {16384: 3.595, 32768: 14.626, 65536: 57.206}, {16384: 4.021, 32768: 9.179, 65536: 19.818}
+    assert tuner.find_crossover(sorted(dense), dense, sparse, margin=tuner.CROSSOVER_MARGIN) == 32768
+
+
 def test_crossover_ignores_a_noisy_early_win():
     dense = _curve(lambda n: (n / 1024) ** 2)
     noisy = {**_curve(lambda n: 6 + n / 1024), 1024: 0.5, 8192: 70.0}  # wins by noise at 1K, loses at 8K
