@@ -28,7 +28,7 @@ except Exception:  # a torch without the private registry still logs through log
     pass
 
 DEFAULT_HEAD = HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096)
-# negative: the op looks up this GPU's tuned dense/sparse crossover (32768 when untuned)
+# negative: the op looks up this GPU's tuned dense/sparse crossover (untuned: autotune.dispatch.untuned_crossover)
 DEFAULT_MIN_SPARSE_LEN = -1
 DEFAULT_GUARD_THRESHOLD = DEFAULT_DEFAULTS["guard_threshold"]
 

@@ -28,6 +28,14 @@ def _plan_summary(plan) -> str:
     return ", ".join(f"{n}x{p}({a},{b})" if p != "dense" else f"{n}xdense" for (p, a, b), n in counts.items())
 
 
+def _rewritten_reason(min_sparse_len: int) -> str:
+    if min_sparse_len < 0:
+        return "rewritten; dense below the tuned crossover length"
+    if min_sparse_len <= 1:  # a prompt of one token is dense either way: nothing to skip
+        return "rewritten; sparse at every length"
+    return f"rewritten; dense below {min_sparse_len} query tokens"
+
+
 @dataclasses.dataclass
 class Report:
     rows: list[SiteRow]
@@ -47,8 +55,7 @@ class Report:
             rows.append(SiteRow(
                 index=i, layer=site.layer, source=site.source, form=site.form, shapes=site.shapes, mask=mask,
                 gqa=site.gqa_from or "-", decision="dense" if site.blocker else "sparse",
-                reason=site.blocker or ("rewritten; dense below the tuned crossover length" if min_sparse_len < 0
-                                        else f"rewritten; dense below {min_sparse_len} query tokens"),
+                reason=site.blocker or _rewritten_reason(min_sparse_len),
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
         return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense)

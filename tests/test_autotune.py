@@ -555,7 +555,7 @@ def test_op_without_a_tuned_crossover_uses_the_default_length(cache_dir, monkeyp
 
 
 def test_untuned_crossover_follows_the_plans_budgets(cache_dir):
-    """With no measured crossover, sparse starts where the widest sparse head reads at most a quarter of the
+    """With no measured crossover, sparse starts where the widest sparse head reads at most an eighth of the
     prompt's keys per row (a power of two, never below the semantic default)."""
     from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
@@ -563,18 +563,18 @@ def test_untuned_crossover_follows_the_plans_budgets(cache_dir):
         return LayerPlan(tuple(HeadPlan(*h) for h in heads))
 
     vs = (Pattern.VERTICAL_SLASH, 1000, 6096)
-    assert dispatch.untuned_crossover() == dispatch.untuned_crossover(plan(vs)) == 32768  # 4 x 7096 = 28384
-    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 500, 1024))) == 8192  # 6096: the floor
-    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 4096, 4096))) == 32768  # exactly 4 x 8192
-    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 4096, 4097))) == 65536
-    assert dispatch.untuned_crossover(plan((Pattern.BLOCK_SPARSE, 100, 0))) == 32768  # 100 tiles of 64 keys
-    assert dispatch.untuned_crossover(plan((Pattern.A_SHAPE, 64, 1024))) == 8192
+    assert dispatch.untuned_crossover() == dispatch.untuned_crossover(plan(vs)) == 65536  # 8 x 7096 = 56768
+    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 250, 500))) == 8192  # 6000: the floor
+    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 2048, 2048))) == 32768  # exactly 8 x 4096
+    assert dispatch.untuned_crossover(plan((Pattern.VERTICAL_SLASH, 2048, 2049))) == 65536
+    assert dispatch.untuned_crossover(plan((Pattern.BLOCK_SPARSE, 50, 0))) == 32768  # 50 tiles of 64 keys
+    assert dispatch.untuned_crossover(plan((Pattern.A_SHAPE, 64, 512))) == 8192
     # the widest head decides; dense heads read every key but go to SDPA, so they do not count
-    assert dispatch.untuned_crossover(plan((Pattern.DENSE,), vs, (Pattern.A_SHAPE, 64, 1024))) == 32768
+    assert dispatch.untuned_crossover(plan((Pattern.DENSE,), vs, (Pattern.A_SHAPE, 64, 512))) == 65536
     assert dispatch.untuned_crossover(plan((Pattern.DENSE,))) == cache.DEFAULT_MIN_SPARSE_LEN
     q, k = torch.empty(1, 4, 64, 16), torch.empty(1, 2, 64, 16)
-    assert dispatch.tuned_min_sparse_len(q, k, plan(*[(Pattern.VERTICAL_SLASH, 500, 1024)] * 4)) == 8192
-    assert dispatch.tuned_min_sparse_len(q, k, plan(*[vs] * 4)) == 32768
+    assert dispatch.tuned_min_sparse_len(q, k, plan(*[(Pattern.VERTICAL_SLASH, 250, 500)] * 4)) == 8192
+    assert dispatch.tuned_min_sparse_len(q, k, plan(*[vs] * 4)) == 65536
     # a measured crossover wins over the budgets
     cache.write(crossovers={dispatch.crossover_key(torch.device("cpu"), torch.float32, 16, 2): 2048})
     cache.forget()
@@ -584,7 +584,7 @@ def test_untuned_crossover_follows_the_plans_budgets(cache_dir):
 def test_op_asks_for_the_crossover_of_its_own_plan(cache_dir, monkeypatch):
     asked = []
     monkeypatch.setattr(dispatch, "tuned_min_sparse_len", lambda q, k, plan=None: asked.append(plan) or 1 << 20)
-    OP(*_qkv(80), None, None, 0.25, 0, 0, [2, 2, 0, 2], [500] * 4, [1024] * 4, -1)
+    OP(*_qkv(80), None, None, 0.25, 0, 0, [2, 2, 0, 2], [250] * 4, [500] * 4, -1)
     (plan,) = asked
     assert [h.pattern.value for h in plan.heads] == ["vertical_slash", "vertical_slash", "dense", "vertical_slash"]
     assert dispatch.untuned_crossover(plan) == 8192

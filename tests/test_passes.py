@@ -62,6 +62,16 @@ def test_is_causal_enable_gqa_is_rewritten_and_exact():
     torch.testing.assert_close(out, Causal()(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+def test_rewritten_reason_names_the_length_dense_runs_below():
+    q, k, v = _qkv()
+    assert "tuned crossover" in _only_row(inspect(Causal(), q, k, v)).reason
+    assert _only_row(inspect(Causal(), q, k, v, options={"min_sparse_len": 4096})).reason.endswith(
+        "dense below 4096 query tokens")
+    # 0 runs every prompt sparse: there is no length below it to name
+    assert _only_row(inspect(Causal(), q, k, v, options={"min_sparse_len": 0})).reason == (
+        "rewritten; sparse at every length")
+
+
 def test_unknown_float_mask_stays_dense_with_reason():
     q, k, v = _qkv()
     bias = torch.randn(1, 1, 96, 96)

@@ -105,10 +105,10 @@ def test_launch_configs_are_those_of_the_buckets_the_sparse_path_runs_at(monkeyp
     assert sorted(precompile.launch_configs(_spec(), q, q)) == sorted([(small, tuned_walk), (big, tuned_walk)])
     _fake_table(monkeypatch, cache.DENSE_ALWAYS, every_bucket)
     assert precompile.launch_configs(_spec(), q, q) == []
-    # no crossover stored: VS(1000, 6096) runs sparse from 32K, VS(500, 1024) from 8K
+    # no crossover stored: VS(1000, 6096) runs sparse from 64K, VS(250, 500) from 8K
     _fake_table(monkeypatch, None, {**every_bucket, 8192: small})
     assert precompile.launch_configs(_spec(), q, q) == [(big, walk)]
-    assert sorted(precompile.launch_configs(_spec(budget_a=(500,) * 8, budget_b=(1024,) * 8), q, q)) == sorted(
+    assert sorted(precompile.launch_configs(_spec(budget_a=(250,) * 8, budget_b=(500,) * 8), q, q)) == sorted(
         [(small, walk), (big, walk)])
     # an explicit min_sparse_len wins over the stored crossover
     _fake_table(monkeypatch, cache.DENSE_ALWAYS, {**every_bucket, 8192: small})
