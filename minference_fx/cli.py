@@ -128,12 +128,12 @@ def _search(args) -> int:
     else:
         if yarn:
             sys.exit("search --yarn: only with --model smollm2 (set rope scaling in the config.json otherwise)")
+        if not Path(args.model).is_dir():  # a tiny family or a config.json has no tokenizer for the text
+            sys.exit(f"search --model {args.model}: needs a tokenizer; use smollm2 or a local model directory with one")
         from transformers import AutoTokenizer
 
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = build_model(args.model, "sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(args.model) if Path(args.model).is_dir() else None
-    if tokenizer is None:
-        sys.exit("search needs a tokenizer: use --model smollm2 or a model directory that has one")
     if args.data == "austen":
         from .assets import austen_text
 
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
                         "the length, with the mask and position ids generate() passes")
     b.set_defaults(run=_bench)
     sp = sub.add_parser("search", help="offline pattern search: per (layer, head) pattern into a semantic config")
-    sp.add_argument("--model", default="smollm2", help="smollm2, a built-in tiny family, an HF config.json, or a model directory")
+    sp.add_argument("--model", default="smollm2", help="smollm2 or a local HF model directory with a tokenizer")
     sp.add_argument("--data", default="austen", help="'austen' (Jane Austen's novels, fetched once) or a text file")
     sp.add_argument("--lengths", default="8k", help="calibration lengths, e.g. 4k,8k")
     sp.add_argument("--samples", type=_positive_int, default=2, help="windows per length")

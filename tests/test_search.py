@@ -204,6 +204,11 @@ def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
     assert "YaRN x2" in searches[0]["data_name"] and "YaRN" not in searches[1]["data_name"]
     with pytest.raises(SystemExit, match="only with --model smollm2"):
         cli.main([*common, "--model", "llama", "--yarn", "2"])
+    # a tiny family or a config.json has no tokenizer: refused before the model is built
+    monkeypatch.setattr(cli, "build_model", lambda *a: pytest.fail("built a model it cannot tokenize for"))
+    for model in ("llama", str(tmp_path / "config.json")):
+        with pytest.raises(SystemExit, match=f"search --model {model}: needs a tokenizer"):
+            cli.main([*common, "--model", model])
 
 
 def test_a_near_dense_candidate_scores_as_dense_and_dense_wins_the_tie():
