@@ -12,6 +12,7 @@ from .config import (
     default_config,
     import_minference_best_pattern,
     load_config,
+    model_identity_from_hf,
 )
 from .inspection import inspect
 from .op import sparse_attention
@@ -38,6 +39,7 @@ __all__ = [
     "import_minference_best_pattern",
     "inspect",
     "load_config",
+    "model_identity_from_hf",
     "minference_backend",
     "recent_reports",
     "sparse_attention",

@@ -203,11 +203,11 @@ def _eval(args) -> int:
         model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
         window_seed=args.window_seed)
     print("\n" + results.table())
-    if args.out:
+    if args.out:  # without --out nothing is written: the table above is the result
         results.save(args.out)
         print(f"wrote {args.out}")
-    png = evaluate.save_png(results, Path(args.out or "eval.json").with_suffix(".png"))
-    print(f"wrote {png}" if png else "no PNG: matplotlib is not installed (pip install matplotlib)")
+        png = evaluate.save_png(results, Path(args.out).with_suffix(".png"))
+        print(f"wrote {png}" if png else "no PNG: matplotlib is not installed (pip install matplotlib)")
     return 0
 
 

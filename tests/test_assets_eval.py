@@ -290,8 +290,13 @@ def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
     monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: (model, None, "tiny"))
     monkeypatch.setattr(assets, "austen_text", lambda path=None: "text")
     monkeypatch.setattr(evaluate, "run_eval", fake_run_eval)
-    monkeypatch.setattr(evaluate, "save_png", lambda *a: None)
+    pngs = []
+    monkeypatch.setattr(evaluate, "save_png", lambda results, path: pngs.append(path))
     assert cli.main(["eval", "--budgets", "200", "700", "--lengths", "1k", "--out", str(tmp_path / "e.json")]) == 0
+    assert pngs == [tmp_path / "e.png"]
+    monkeypatch.chdir(tmp_path / "..")
+    assert cli.main(["eval", "--budgets", "200", "700", "--lengths", "1k"]) == 0
+    assert pngs == [tmp_path / "e.png"]  # without --out: the table only, no file in the working directory
     heads = [entry for layer in seen["config"].layers for entry in layer]
     assert heads and all(e.pattern is Pattern.VERTICAL_SLASH and tuple(e.budgets) == (200, 700) for e in heads)
     assert seen["config_name"] == "every head vertical-slash (200, 700)" and seen["config"].guard_threshold == 0.8
