@@ -110,7 +110,7 @@ _SUB = {operator.sub, torch.sub, "sub", "__sub__"}
 _IDENTITY_METHODS = {"contiguous", "clone"}
 _CONVERSIONS = {*CASTS, "bool"}
 _POSITION_DTYPES = (torch.int32, torch.int64)  # narrower integers wrap within a long prompt's positions
-_AXIS_NAMES = {-1: "key", -2: "query", -4: "batch"}
+_AXIS_NAMES = {-1: "key", -2: "query", -3: "head", -4: "batch"}
 _NOT = {torch.logical_not, torch.bitwise_not, operator.invert, "logical_not", "bitwise_not", "__invert__"}
 _TRIANGLE = {torch.triu: "triu", torch.tril: "tril", "triu": "triu", "tril": "tril"}
 _CONCAT = {torch.cat, torch.concat, torch.concatenate, torch.hstack}
@@ -238,6 +238,9 @@ class _Evaluator:
         return _Unknown(f"conversion of {type(src).__name__.strip('_')} from {before} to {after} at {n.name}")
 
     def _arange(self, n):
+        dtype = dtype_of(n) or n.kwargs.get("dtype") or torch.int64  # a graph without meta: arange's default
+        if dtype not in _POSITION_DTYPES:  # bf16 rounds past 256, uint8 wraps past 255: not exact positions
+            return _Unknown(f"arange of dtype {dtype} at {n.name}, expected int32 or int64")
         args = [a for a in n.args]
         if len(args) == 1:
             return _Range((None, 0))
@@ -571,6 +574,11 @@ def _mask_info(preds: frozenset) -> MaskInfo:
     if len(causal) != 1:
         return MaskInfo(MaskKind.UNKNOWN, reason="mask has no single causal (kv <= q) term")
     q_off, k_off = _relative(*causal[0][1:])
+    if q_off[0] is None and k_off[0] is None and q_off[1] - k_off[1] < 0:
+        # strict causal and the like: eager attention gives such rows the mean of V (a finite fill) or NaN
+        # (-inf), the op zeros; only dense attention reproduces what the model computes
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"causal term kv <= q{q_off[1] - k_off[1]} leaves the first "
+                                                 f"{k_off[1] - q_off[1]} query row(s) without a key")
     window = 0
     key_mask = doc = None
     key_start = doc_start = _ZERO
@@ -599,6 +607,10 @@ def _mask_info(preds: frozenset) -> MaskInfo:
         dtype = dtype_of(key_mask)
         if dtype is not torch.bool:
             return MaskInfo(MaskKind.UNKNOWN, reason=f"padding mask of dtype {dtype}, expected bool")
+    if doc is not None:
+        dtype = dtype_of(doc)
+        if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype is torch.bool:
+            return MaskInfo(MaskKind.UNKNOWN, reason=f"packed-sequence ids of dtype {dtype}, expected an integer dtype")
     kind = MaskKind.PACKED if doc is not None else MaskKind.SLIDING_WINDOW if window else (
         MaskKind.CAUSAL_PADDING if key_mask is not None else MaskKind.CAUSAL
     )

@@ -72,6 +72,75 @@ def test_rewritten_reason_names_the_length_dense_runs_below():
         "rewritten; sparse at every length")
 
 
+class StrictCausal(torch.nn.Module):
+    """A token does not see itself: row 0 has no key, which eager softmax turns into the mean of V."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=0), self.fill)
+        return att.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e4])
+def test_a_mask_that_leaves_rows_without_keys_stays_dense_and_matches_eager(fill):
+    q, k, v = _qkv(hq=2, hkv=2)
+    row = _only_row(inspect(StrictCausal(fill), q, k, v, options={"min_sparse_len": 0}))
+    assert row.decision == "dense" and "leaves the first 1 query row(s) without a key" in row.reason
+    got = torch.compile(StrictCausal(fill), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(got, StrictCausal(fill)(q, k, v))  # row 0 too: the mean of V, not zeros
+
+
+class PositionsOf(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, q, k, v):
+        pos = torch.arange(q.shape[-2], dtype=self.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pos[None, None, None, :] <= pos[None, None, :, None])
+
+
+def test_positions_of_a_dtype_that_rounds_or_wraps_stay_dense():
+    q, k, v = _qkv(hq=2, hkv=2, s=300)  # bf16 rounds past 256, uint8 wraps past 255
+    assert _only_row(inspect(PositionsOf(torch.int32), q, k, v)).decision == "sparse"
+    for dtype in (torch.bfloat16, torch.float16, torch.uint8, torch.int16):
+        row = _only_row(inspect(PositionsOf(dtype), q, k, v))
+        assert row.decision == "dense" and f"arange of dtype {dtype}" in row.reason, row
+
+
+class PackedByIds(torch.nn.Module):
+    def forward(self, q, k, v, doc):
+        b, t = doc.shape
+        bi = torch.arange(b)[:, None, None, None]
+        qi, ki = torch.arange(t)[None, None, :, None], torch.arange(t)[None, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(ki <= qi) & (doc[bi, qi] == doc[bi, ki]))
+
+
+def test_packed_sequence_ids_must_be_integers():
+    q, k, v = _qkv(hq=2, hkv=2)
+    doc = torch.cat([torch.zeros(1, 40), torch.ones(1, 56)], 1).long()
+    assert _only_row(inspect(PackedByIds(), q, k, v, doc)).mask.startswith("packed")
+    row = _only_row(inspect(PackedByIds(), q, k, v, doc.float()))  # the op would refuse them at run time
+    assert row.decision == "dense" and "packed-sequence ids of dtype torch.float32" in row.reason
+
+
+def test_a_mask_term_along_the_head_axis_stays_dense_with_reason():
+    class HeadTerm(torch.nn.Module):
+        def forward(self, q, k, v):
+            t, h = q.shape[-2], q.shape[1]
+            qi, ki = torch.arange(t)[None, None, :, None], torch.arange(t)[None, None, None, :]
+            head = torch.arange(1)[None, :, None, None].expand(1, h, 1, 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=(ki <= qi) & (head >= 0))
+
+    row = _only_row(inspect(HeadTerm(), *_qkv(hq=2, hkv=2)))  # it raised KeyError: -3
+    assert row.decision == "dense" and "head axis" in row.reason
+
+
 def test_unknown_float_mask_stays_dense_with_reason():
     q, k, v = _qkv()
     bias = torch.randn(1, 1, 96, 96)
