@@ -87,6 +87,7 @@ def _transposed_key(node) -> fx.Node | None:
 
 _SCALE_FUNCS = (operator.mul, torch.mul, operator.imul, operator.truediv, torch.div, operator.itruediv)
 _DIVIDE = {operator.truediv, torch.div, operator.itruediv, "div", "div_"}
+_COMMUTING_SCALE = (operator.mul, torch.mul)  # a factor on the left is read too (not for ÷: c / x is not x / c)
 # q·kᵀ → softmax seldom takes more steps than scale, soft-cap (÷, tanh, ×) and mask; a bound keeps the
 # walk from wandering up a long chain of single-user nodes
 MAX_SCORE_STEPS = 6
@@ -178,13 +179,17 @@ def _walk_scores(softmax: fx.Node):
                 else:
                     scale = lifted
             return scores, mask, fills, selects, scale, divides, chain, unknown
-        if scores.op not in ("call_function", "call_method") or not scores.args or not isinstance(scores.args[0], fx.Node):
+        if scores.op not in ("call_function", "call_method") or not scores.args:
+            return None
+        operand, factor = scores.args[0], scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
+        if is_call(scores, _COMMUTING_SCALE, ()) and _plain_binary(scores) and isinstance(operand, (int, float)):
+            operand, factor = factor, operand  # scale * (q @ kᵀ): the factor on the left
+        if not isinstance(operand, fx.Node):
             return None
         if _widening_cast(scores):
             chain.append(scores)
-            scores = scores.args[0]
+            scores = operand
             continue
-        factor = scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
         if is_call(scores, _SCALE_FUNCS, ("mul", "div")) and isinstance(factor, (int, float)) and factor != 0:
             scale *= 1.0 / factor if scores.target in _DIVIDE else float(factor)
         elif is_call(scores, _SCALE_FUNCS, ("mul", "div")) and is_lifted_scalar(factor):
@@ -195,7 +200,7 @@ def _walk_scores(softmax: fx.Node):
         else:
             unknown.append(_op_name(scores))
         chain.append(scores)
-        scores = scores.args[0]
+        scores = operand
     return None
 
 

@@ -141,6 +141,23 @@ def test_a_mask_term_along_the_head_axis_stays_dense_with_reason():
     assert row.decision == "dense" and "head axis" in row.reason
 
 
+class ScaleOnTheLeft(torch.nn.Module):
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        att = 0.5 * (q @ k.transpose(-2, -1))  # not 1/sqrt(16): a scale the test can tell apart
+        return att.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ v
+
+
+def test_a_scale_on_the_left_of_the_scores_is_read():
+    q, k, v = _qkv(hq=2, hkv=2)
+    row = _only_row(inspect(ScaleOnTheLeft(), q, k, v))  # it was not found at all
+    assert (row.decision, row.mask) == ("sparse", "causal")
+    got = torch.compile(ScaleOnTheLeft(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max() > 1e-3
+
+
 def test_unknown_float_mask_stays_dense_with_reason():
     q, k, v = _qkv()
     bias = torch.randn(1, 1, 96, 96)
