@@ -199,6 +199,8 @@ class _Evaluator:
         repeat one query row's mask): the abstract values record what an entry depends on, not extents."""
         if _mutated(n):
             return _Unknown(f"{n.name} is modified in place")
+        if n.target == "unsqueeze" and isinstance(v, _Axis):
+            return v  # a 1-D range stood up as [S, 1]: its axis moved, it was not broadcast (see _passthrough)
         if n.target is operator.getitem:
             operands = _index_nodes(n.args[1])  # a gather broadcasts its indices; a slice keeps positions
         elif _broadcasts(n.target):
@@ -266,7 +268,11 @@ class _Evaluator:
     def _passthrough(self, n):
         src = self.value(n.args[0])
         if n.target == "unsqueeze" and isinstance(src, _Range):
-            return src if n.args[1] == 0 else _Unknown(f"unsqueeze of a range at {n.name}")
+            if n.args[1] == 0:
+                return src
+            if n.args[1] in (1, -1) and len(shape_of(n.args[0]) or ()) == 1:
+                return _axis(-2, src.offset, n)  # [S] -> [S, 1]: the query axis of a [Q, KV] mask
+            return _Unknown(f"unsqueeze of a range at {n.name}")
         if n.target in ("view", "reshape") and isinstance(src, _Tensor) and _same_shape(n, n.args[0]):
             return src.derived(n)  # GPT-2's attention_mask.view(batch, -1): the same [B, S] tensor
         if n.target in ("view", "reshape") and isinstance(src, _Additive) and _same_last_two(n, n.args[0]):
@@ -308,8 +314,11 @@ class _Evaluator:
         if isinstance(src, _Const):
             return src
         if isinstance(src, _Range):
-            if len(index) == 4 and all(i is None or i == slice(None) for i in index) and index.count(slice(None)) == 1:
-                return _Axis(index.index(slice(None)), src.offset)
+            if (2 <= len(index) <= 4 and all(i is None or i == slice(None) for i in index)
+                    and index.count(slice(None)) == 1 and len(shape_of(n.args[0]) or ()) == 1):
+                # one axis of the result, counted from the right as broadcasting aligns it: pos[:, None] is the
+                # query axis of a [Q, KV] mask as pos[None, None, :, None] is of a [B, H, Q, KV] one
+                return _axis(index.index(slice(None)) - len(index), src.offset, n)
             if all(isinstance(i, slice) for i in index):
                 return self._range_slice(n, src, index)
             return _Unknown(f"index {index} of a range at {n.name}")
@@ -419,6 +428,9 @@ class _Evaluator:
         if isinstance(a, _Const) and isinstance(b, _Const):
             fn = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne}[op]
             return _Const(fn(a.value, b.value))
+        # a range is a key index (its last axis) where it meets a query index: pos[:, None] >= pos
+        a, b = (_Axis(3, side.offset) if isinstance(side, _Range) and isinstance(other, _Axis) else side
+                for side, other in ((a, b), (b, a)))
         if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 2 and b.dim == 3:
             a, b, op = b, a, _FLIP[op]
         if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 3 and b.dim == 2:
@@ -492,6 +504,13 @@ def _tensor_nodes(args) -> list:
 
 def _index_nodes(index) -> list:
     return _tensor_nodes(index if isinstance(index, tuple) else (index,))
+
+
+def _axis(axis: int, offset: _Off, n):
+    """A range laid along ``axis`` (counted from the right): batch, query or key; the op has no per-head term."""
+    if axis == -3:
+        return _Unknown(f"a range along the head axis at {n.name}")
+    return _Axis(axis + 4, offset)
 
 
 def _depends_on(v) -> set:

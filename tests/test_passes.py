@@ -158,6 +158,35 @@ def test_a_scale_on_the_left_of_the_scores_is_read():
     assert (got - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max() > 1e-3
 
 
+class TwoDimMask(torch.nn.Module):
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.build(q.shape[-2], k.shape[-2]))
+
+
+TWO_DIM_MASKS = {  # [Q, KV] masks from 1-D positions, as hand-written models build them
+    "causal": (lambda sq, sk: torch.arange(sq)[:, None] >= torch.arange(sk)[None, :], "causal"),
+    "unsqueezed window": (lambda sq, sk: (torch.arange(sq).unsqueeze(-1) >= torch.arange(sk))
+                          & (torch.arange(sq).unsqueeze(-1) < torch.arange(sk) + 20), "sliding_window(20)"),
+    "bottom-right": (lambda sq, sk: torch.arange(sq)[:, None] + (sk - sq) >= torch.arange(sk)[None, :], "causal+q_offset=56"),
+}
+
+
+@pytest.mark.parametrize("name", TWO_DIM_MASKS)
+def test_two_dim_masks_from_positions_are_read_and_exact(name):
+    build, mask = TWO_DIM_MASKS[name]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 40, 16, generator=g)
+    k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(2))
+    row = _only_row(inspect(TwoDimMask(build), q, k, v))  # "index (slice, None) of a range" kept these dense
+    assert (row.decision, row.mask) == ("sparse", mask)
+    got = torch.compile(TwoDimMask(build), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(got, TwoDimMask(build)(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_float_mask_stays_dense_with_reason():
     q, k, v = _qkv()
     bias = torch.randn(1, 1, 96, 96)
