@@ -326,6 +326,9 @@ class _Evaluator:
             batch, pos = (self.value(i) for i in index)
             if isinstance(batch, _Axis) and batch.dim == 0 and batch.offset == (None, 0) and isinstance(pos, _Axis):
                 return _Gather(src.node, pos.dim, pos.offset)
+        if isinstance(src, _Tensor) and index == (slice(None), None, None, slice(None)) and (
+                len(shape_of(n.args[0]) or ()) == 2):
+            return _Gather(src.node, 3, _ZERO)  # padding[:, None, None, :]: the [B, S] table read at [b, kv]
         if isinstance(src, (_Mask, _Additive)) and _keeps_positions(index):
             return src
         if isinstance(src, _Tensor):

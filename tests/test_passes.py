@@ -187,6 +187,26 @@ def test_two_dim_masks_from_positions_are_read_and_exact(name):
     torch.testing.assert_close(got, TwoDimMask(build)(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+class BroadcastPadding(torch.nn.Module):
+    """The [B, S] padding mask stood up as [B, 1, 1, S], as older hand-written models combine it."""
+
+    def forward(self, q, k, v, attention_mask):
+        t = q.shape[-2]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.ones(t, t, dtype=torch.bool).tril() & attention_mask.bool()[:, None, None, :])
+
+
+def test_a_padding_mask_broadcast_by_none_indexing_is_read_and_exact():
+    q, k, v = _qkv(b=2, hq=2, hkv=2)
+    padding = torch.ones(2, 96, dtype=torch.long)
+    padding[1, :30] = 0  # row 1 left-padded
+    row = _only_row(inspect(BroadcastPadding(), q, k, v, padding))
+    assert (row.decision, row.mask) == ("sparse", "causal+padding")
+    got = torch.compile(BroadcastPadding(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(
+        q, k, v, padding)
+    torch.testing.assert_close(got, BroadcastPadding()(q, k, v, padding), rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_float_mask_stays_dense_with_reason():
     q, k, v = _qkv()
     bias = torch.randn(1, 1, 96, 96)
