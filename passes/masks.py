@@ -199,7 +199,7 @@ class _Evaluator:
         repeat one query row's mask): the abstract values record what an entry depends on, not extents."""
         if _mutated(n):
             return _Unknown(f"{n.name} is modified in place")
-        if n.target == "unsqueeze" and isinstance(v, _Axis):
+        if n.target == "unsqueeze" and isinstance(v, _Axis) and isinstance(self.memo.get(n.args[0]), _Range):
             return v  # a 1-D range stood up as [S, 1]: its axis moved, it was not broadcast (see _passthrough)
         if n.target is operator.getitem:
             operands = _index_nodes(n.args[1])  # a gather broadcasts its indices; a slice keeps positions

@@ -207,6 +207,18 @@ def test_a_padding_mask_broadcast_by_none_indexing_is_read_and_exact():
     torch.testing.assert_close(got, BroadcastPadding()(q, k, v, padding), rtol=1e-5, atol=1e-5)
 
 
+def test_a_query_index_unsqueezed_onto_the_head_axis_stays_dense():
+    class QueryOnHeads(torch.nn.Module):
+        def forward(self, q, k, v):
+            t = q.shape[-2]
+            on_heads = torch.arange(t)[:, None].unsqueeze(-1)  # [T, 1, 1]: the positions moved to the head axis
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=(on_heads >= torch.arange(t))[None])
+
+    q, k, v = (torch.randn(1, 96, 96, 16) for _ in range(3))  # as many heads as positions: eager runs it
+    row = _only_row(inspect(QueryOnHeads(), q, k, v))
+    assert row.decision == "dense" and "query axis" in row.reason
+
+
 def test_unknown_float_mask_stays_dense_with_reason():
     q, k, v = _qkv()
     bias = torch.randn(1, 1, 96, 96)
