@@ -267,12 +267,14 @@ class _Evaluator:
 
     def _passthrough(self, n):
         src = self.value(n.args[0])
-        if n.target == "unsqueeze" and isinstance(src, _Range):
-            if n.args[1] == 0:
+        if n.target == "unsqueeze" and isinstance(src, (_Range, _Axis)):
+            dim, ndim = call_arg(n, 1, "dim"), len(shape_of(n) or ())
+            dim = dim + ndim if isinstance(dim, int) and dim < 0 else dim
+            if dim == 0:  # a leading axis moves none of the others (they are counted from the right)
                 return src
-            if n.args[1] in (1, -1) and len(shape_of(n.args[0]) or ()) == 1:
+            if isinstance(src, _Range) and dim == 1 and len(shape_of(n.args[0]) or ()) == 1:
                 return _axis(-2, src.offset, n)  # [S] -> [S, 1]: the query axis of a [Q, KV] mask
-            return _Unknown(f"unsqueeze of a range at {n.name}")
+            return _Unknown(f"unsqueeze({dim}) of a position index at {n.name}: it moves the axis")
         if n.target in ("view", "reshape") and isinstance(src, _Tensor) and _same_shape(n, n.args[0]):
             return src.derived(n)  # GPT-2's attention_mask.view(batch, -1): the same [B, S] tensor
         if n.target in ("view", "reshape") and isinstance(src, _Additive) and _same_last_two(n, n.args[0]):

@@ -216,7 +216,26 @@ def test_a_query_index_unsqueezed_onto_the_head_axis_stays_dense():
 
     q, k, v = (torch.randn(1, 96, 96, 16) for _ in range(3))  # as many heads as positions: eager runs it
     row = _only_row(inspect(QueryOnHeads(), q, k, v))
-    assert row.decision == "dense" and "query axis" in row.reason
+    assert row.decision == "dense" and "moves the axis" in row.reason
+
+    class ExpandedOntoHeads(torch.nn.Module):  # the sizes agree, so only the axis bookkeeping can tell
+        def forward(self, q, k, v):
+            t = q.shape[-2]
+            on_heads = torch.arange(t).unsqueeze(-1).expand(t, t).unsqueeze(-1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=(on_heads >= torch.arange(t))[None])
+
+    row = _only_row(inspect(ExpandedOntoHeads(), q, k, v))  # it was rewritten as causal: off by 3.97
+    assert row.decision == "dense" and "moves the axis" in row.reason
+
+
+def test_unsqueeze_with_its_dim_by_keyword_is_read():
+    class ByKeyword(torch.nn.Module):
+        def forward(self, q, k, v):
+            pos = torch.arange(q.shape[-2])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=pos.unsqueeze(dim=-1) >= pos)
+
+    q, k, v = _qkv(hq=2, hkv=2)
+    assert (_only_row(inspect(ByKeyword(), q, k, v)).mask) == "causal"  # it raised IndexError
 
 
 def test_unknown_float_mask_stays_dense_with_reason():
