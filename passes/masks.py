@@ -587,6 +587,11 @@ def _relative(q_off: _Off, k_off: _Off) -> tuple:
     return q_off, k_off
 
 
+def _never_negative(base, const: int) -> bool:
+    value = base.meta.get("example_value") if isinstance(base, fx.Node) else None
+    return isinstance(value, (int, torch.SymInt)) and statically_known_true(value + const >= 0)
+
+
 def _as_offset(off: _Off):
     base, const = off
     return const if base is None else (base, const)
@@ -603,6 +608,10 @@ def _mask_info(preds: frozenset) -> MaskInfo:
         # (-inf), the op zeros; only dense attention reproduces what the model computes
         return MaskInfo(MaskKind.UNKNOWN, reason=f"causal term kv <= q{q_off[1] - k_off[1]} leaves the first "
                                                  f"{k_off[1] - q_off[1]} query row(s) without a key")
+    if q_off[0] is not None and k_off[0] is None and not _never_negative(q_off[0], q_off[1] - k_off[1]):
+        # a cache length is a size and never negative; KV - Q is, for more queries than keys
+        return MaskInfo(MaskKind.UNKNOWN, reason=f"causal term's query offset {q_off[0].name} + {q_off[1] - k_off[1]} "
+                                                 "may be negative (query rows without a key)")
     window = 0
     key_mask = doc = None
     key_start = doc_start = _ZERO

@@ -238,6 +238,29 @@ def test_unsqueeze_with_its_dim_by_keyword_is_read():
     assert (_only_row(inspect(ByKeyword(), q, k, v)).mask) == "causal"  # it raised IndexError
 
 
+class BottomRightBias(torch.nn.Module):
+    """Causal aligned bottom-right as a finite bias: with more queries than keys the first rows see no key."""
+
+    def forward(self, q, k, v):
+        sq, skv = q.shape[-2], k.shape[-2]
+        keep = torch.arange(sq)[:, None] + (skv - sq) >= torch.arange(skv)
+        scores = 0.25 * (q @ k.transpose(-1, -2))
+        return (scores + torch.where(keep, 0.0, torch.finfo(q.dtype).min)).softmax(-1) @ v
+
+
+def test_a_symbolic_query_offset_that_may_be_negative_stays_dense():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 64, 16, generator=g)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    for t in (q, k, v):
+        torch._dynamo.mark_dynamic(t, 2)  # KV - Q is then a symbol, negative here
+    row = _only_row(inspect(BottomRightBias(), q, k, v))
+    assert row.decision == "dense" and "may be negative" in row.reason
+    opts = {"inner": "eager", "min_sparse_len": 0}
+    torch.testing.assert_close(torch.compile(BottomRightBias(), backend="minference", options=opts)(q, k, v),
+                               BottomRightBias()(q, k, v))  # the op had zeroed the 24 rows eager averages
+
+
 def test_unknown_float_mask_stays_dense_with_reason():
     q, k, v = _qkv()
     bias = torch.randn(1, 1, 96, 96)
