@@ -318,8 +318,8 @@ def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SP
             return DENSE_ALWAYS if length is None else length
     if (key, untuned) not in _missed:
         _missed.add((key, untuned))
-        log.warning("no tuned dense/sparse crossover for %s; sparse from %d tokens (run `minference-fx autotune` on the GPU that runs the model)",
-                    key, untuned)
+        log.warning("no tuned dense/sparse crossover for %s; sparse from %d tokens "
+                    "(run `minference-fx autotune` on the GPU that runs the model)", key, untuned)
     return untuned
 
 
