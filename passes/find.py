@@ -137,8 +137,15 @@ def _reaches_matmul(node) -> bool:
             return False
         if is_call(node, _MATMUL_FUNCS, ("matmul",)):
             return True
-        node = node.args[0]
+        node = _score_operand(node)
     return False
+
+
+def _score_operand(node: fx.Node):
+    """The operand the walk follows up from ``node``: the first, or the second of ``c * x`` (a factor on the left)."""
+    if is_call(node, _COMMUTING_SCALE, ()) and _plain_binary(node) and isinstance(node.args[0], (int, float)):
+        return node.args[1]
+    return node.args[0]
 
 
 def _walk_scores(softmax: fx.Node):
@@ -182,7 +189,7 @@ def _walk_scores(softmax: fx.Node):
         if scores.op not in ("call_function", "call_method") or not scores.args:
             return None
         operand, factor = scores.args[0], scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
-        if is_call(scores, _COMMUTING_SCALE, ()) and _plain_binary(scores) and isinstance(operand, (int, float)):
+        if operand is not _score_operand(scores):
             operand, factor = factor, operand  # scale * (q @ kᵀ): the factor on the left
         if not isinstance(operand, fx.Node):
             return None

@@ -157,6 +157,15 @@ def test_a_scale_on_the_left_of_the_scores_is_read():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max() > 1e-3
 
+    class MaskFirst(torch.nn.Module):  # the mask on the left as well: the walk must still find the matmul
+        def forward(self, q, k, v):
+            t = q.shape[-2]
+            return (torch.triu(torch.full((t, t), float("-inf")), 1) + 0.5 * (q @ k.transpose(-2, -1))).softmax(-1) @ v
+
+    assert (_only_row(inspect(MaskFirst(), q, k, v)).mask) == "causal"
+    got = torch.compile(MaskFirst(), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
 
 class TwoDimMask(torch.nn.Module):
     def __init__(self, build):
