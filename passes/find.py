@@ -188,9 +188,10 @@ def _walk_scores(softmax: fx.Node):
             return scores, mask, fills, selects, scale, divides, chain, unknown
         if scores.op not in ("call_function", "call_method") or not scores.args:
             return None
-        operand, factor = scores.args[0], scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
-        if operand is not _score_operand(scores):
-            operand, factor = factor, operand  # scale * (q @ kᵀ): the factor on the left
+        operand = _score_operand(scores)
+        factor = scores.args[1] if len(scores.args) > 1 and _plain_binary(scores) else None
+        if operand is not scores.args[0]:
+            factor = scores.args[0]  # scale * (q @ kᵀ): the factor on the left
         if not isinstance(operand, fx.Node):
             return None
         if _widening_cast(scores):

@@ -434,8 +434,10 @@ class _Evaluator:
             fn = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne}[op]
             return _Const(fn(a.value, b.value))
         # a range is a key index (its last axis) where it meets a query index: pos[:, None] >= pos
-        a, b = (_Axis(3, side.offset) if isinstance(side, _Range) and isinstance(other, _Axis) else side
-                for side, other in ((a, b), (b, a)))
+        if isinstance(a, _Range) and isinstance(b, _Axis):
+            a = _Axis(3, a.offset)
+        elif isinstance(b, _Range) and isinstance(a, _Axis):
+            b = _Axis(3, b.offset)
         if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 2 and b.dim == 3:
             a, b, op = b, a, _FLIP[op]
         if isinstance(a, _Axis) and isinstance(b, _Axis) and a.dim == 3 and b.dim == 2:
