@@ -29,7 +29,8 @@ read when all of these hold:
   padding mask only with one batch row): then the head runs dense through the device's SDPA this call,
   without the mask, and a row the padding mask hides keys of runs it again with the mask in the kernel's
   dense walk (``minference_fx.routing``: lagged, read without a host sync). A head only ever gains keys
-  by it.
+  by it. A site whose every head is routed builds its index only at one call in eight, or when the prompt
+  has doubled (``routing.index_due``), to see a head stop being near-dense.
 
 A row with no readable key yields zeros, never NaN.
 """
@@ -266,6 +267,9 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     # routing sends heads to the fused SDPA; with documents or a window to read it has none to send them to
     can_route = routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     routed = routing.routed_heads(route_site, q.shape[1], q.device) if can_route else ()
+    if routed and _split(_layer_plan_with_dense(plan, routed)).all_dense and \
+            not routing.index_due(route_site, q.shape[-2], q.device):
+        return _every_head_routed(q, k, v, key_mask, scale, q_offset)
     if q.is_cuda:
         from .autotune.dispatch import launch_config
 
@@ -274,7 +278,7 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
         if weak is not None:
             guard.record(weak, q.shape[0] * n_vs)
         if ran_dense is not None and can_route:
-            routing.observe(route_site, ran_dense)
+            routing.observe(route_site, ran_dense, q.shape[-2])
         return out
     # CPU: the reference is the implementation (the Triton interpreter is for tests, not speed)
     from .kernels import reference
@@ -286,12 +290,22 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
         guard.record(weak, q.shape[0] * n_vs)
         force = force | weak
     if can_route:
-        routing.observe(route_site, force)
+        routing.observe(route_site, force, q.shape[-2])
     force = force | _head_mask(routed, q.shape[1])[None, :]
     if bool(force.any()):  # CPU: a host check is free, and densify copies the index
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks)
     return out.to(q.dtype).contiguous()
+
+
+def _every_head_routed(q, k, v, key_mask, scale: float, q_offset: int) -> torch.Tensor:
+    """A layer whose every head is routed, at a call that skips its index (``routing.index_due``): the device's
+    fused SDPA without the mask (``routable`` allows no other), then on the GPU the rows a padding mask hides
+    keys of again, masked, in the kernel's dense walk (the CPU's SDPA reads the mask itself)."""
+    if key_mask is None or not q.is_cuda:
+        return dense_attention(q, k, v, key_mask, None, scale, q_offset, 0)
+    out = dense_attention(q, k, v, None, None, scale, q_offset, 0)
+    return dense_walk(q, k, v, key_mask, None, scale, q_offset, 0, out=out)
 
 
 def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_threshold: float):

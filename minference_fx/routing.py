@@ -15,6 +15,13 @@ Under a padding mask (``generate`` always passes one) a call of one batch row ro
 run SDPA without the mask, and the row again masked if the mask hides keys (``op.routable``); with
 generate's all-ones mask, 0.98x -> 1.04x at 128K (``_v19*``). A padded batch does not route.
 
+A site whose every head is routed runs the whole layer through SDPA, and its index then only serves to see
+whether a head has stopped being near-dense. It builds the index at one call in ``RECHECK_EVERY`` (and at
+once when the prompt has grown ``RECHECK_GROWTH``-fold since the call it last checked), and skips it in
+between: on random weights the index cost the all-routed path 8 % of the layer against the op's own dense
+path at 32K (``results/bench_prefill_h200_2026-12-01_v26_*``). A skipped check can only keep a head dense
+a few calls longer: slower at worst, never less exact.
+
 No host sync: the host reads a decision only once the copy's event has completed
 (``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read
 or copied, so a captured graph replays the decision of the warm-up calls before it.
@@ -41,7 +48,17 @@ class _SiteState:
     """pinned [heads] uint8: whether each head ran dense at the last observed call (GPU only)"""
     ready: Optional[torch.cuda.Event] = None
     """recorded after the copy into ``host``; None once read (or on CPU)"""
+    checked_len: int = 0
+    """the query length of the last observed call"""
+    skipped: int = 0
+    """calls since then that skipped the index (every head routed)"""
 
+
+RECHECK_EVERY = 8
+"""an all-routed site builds its index at one call in this many (the others skip it)"""
+RECHECK_GROWTH = 2
+"""... and at once at a prompt this many times the last checked one: a head near-dense at a short prompt is
+often sparse at a long one (the budgets stay fixed while the causal rows grow)"""
 
 MAX_SITES = 1 << 16
 """Sites whose decisions are kept, most recently observed first. Every compile creates new sites and
@@ -75,9 +92,21 @@ def routed_heads(site: int, heads: int, device: torch.device) -> tuple:
     return state.routed
 
 
-def observe(site: int, ran_dense: torch.Tensor) -> None:
-    """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense)
-    for the next call of ``site``. On the GPU: an asynchronous copy, read when it has landed."""
+def index_due(site: int, length: int, device: torch.device) -> bool:
+    """Whether this call of ``site``, whose every head is routed, builds its index (``RECHECK_EVERY``,
+    ``RECHECK_GROWTH``) at query ``length``; when not, it counts as skipped. A CUDA graph capture counts
+    nothing: the graph replays whichever it took."""
+    state = _STATES.get(site)
+    if state is None or length >= RECHECK_GROWTH * state.checked_len or state.skipped >= RECHECK_EVERY - 1:
+        return True
+    if not _capturing(device):
+        state.skipped += 1
+    return False
+
+
+def observe(site: int, ran_dense: torch.Tensor, length: int) -> None:
+    """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense, at query
+    ``length``) for the next call of ``site``. On the GPU: an asynchronous copy, read when it has landed."""
     if site == NO_SITE or _capturing(ran_dense.device):
         return
     heads = ran_dense.shape[1]
@@ -88,6 +117,7 @@ def observe(site: int, ran_dense: torch.Tensor) -> None:
         while len(_STATES) > MAX_SITES:
             _STATES.popitem(last=False)
     _STATES.move_to_end(site)
+    state.checked_len, state.skipped = length, 0
     if not ran_dense.is_cuda:
         state.routed = _heads(every_row)
         return

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call: install, then the steps asked for; every step's output lands in $OUT.
-# usage: scripts/gpu_session.sh STEPS   (comma list of: tests, tune, bench, prefill)
+# usage: scripts/gpu_session.sh STEPS   (comma list of: tests, tune, bench, prefill, densepath)
 #   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu
 #   TUNE_LENGTHS / TUNE_TIMEOUT     minference-fx autotune into $OUT/autotune, then a second process reads it
 #   TUNE_EXTRA                      autotune arguments of a second shape, tuned into the same cache
 #   BENCH_LENGTHS / BENCH_TIMEOUT / BENCH_ARGS    minference-fx bench kernels
 #   PREFILL_ARGS / PREFILL_TIMEOUT                minference-fx bench prefill
+#   densepath: DENSE_ARGS (default PREFILL_ARGS)  bench prefill again, the op held to its dense path for d128/g4
+#                                                 (a cache whose one entry says dense at every length)
 set -uo pipefail
 steps=",${1:-tests,bench},"
 OUT=${OUT:-/tmp/out}
@@ -32,4 +34,12 @@ if [[ $steps == *,bench,* ]]; then
 fi
 if [[ $steps == *,prefill,* ]]; then
   timeout "${PREFILL_TIMEOUT:-400}" minference-fx bench prefill ${PREFILL_ARGS:-} --out "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.txt"
+fi
+if [[ $steps == *,densepath,* ]]; then
+  dense_cache=$(mktemp -d)
+  MINFERENCE_FX_CACHE_DIR=$dense_cache python3 -c 'import torch; from minference_fx.autotune import cache, dispatch
+cache.write(crossovers={dispatch.crossover_key(torch.device("cuda"), torch.bfloat16, 128, 4): None})'
+  MINFERENCE_FX_CACHE_DIR=$dense_cache minference-fx autotune --show 2>&1 | tee "$OUT/bench_prefill_dense_path.txt"
+  MINFERENCE_FX_CACHE_DIR=$dense_cache timeout "${PREFILL_TIMEOUT:-400}" minference-fx bench prefill ${DENSE_ARGS:-${PREFILL_ARGS:-}} \
+    --out "$OUT/bench_prefill_dense_path.json" 2>&1 | tee -a "$OUT/bench_prefill_dense_path.txt"
 fi

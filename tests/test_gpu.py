@@ -421,11 +421,12 @@ def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
             assert _rel(out, dense) < 1e-2
 
 
-def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync():
+def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(monkeypatch):
     """Diffuse Q/K at 16K make every VS head near-dense: after that call (and the copy it queued has landed)
-    the site routes all 8 heads, so its next call runs cuDNN on the whole layer even for structured inputs,
-    whose own index is sparse; the call after that routes nothing again. A CUDA graph captured on a routed
-    site reads and queues nothing while capturing and replays the routed path."""
+    the site routes all 8 heads, so its next calls run cuDNN on the whole layer even for structured inputs,
+    whose own index is sparse. The first of them skips the index (every head routed), the second checks it
+    (``RECHECK_EVERY`` 2 here), so the call after that routes only the heads it found near-dense. A CUDA
+    graph captured on a routed site reads and queues nothing while capturing and replays the routed path."""
     import torch.nn.functional as F
 
     from minference_fx import routing
@@ -438,6 +439,7 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     g = torch.Generator(device="cuda").manual_seed(0)
     diffuse = [(1.28 * torch.randn(1, h, n, 128, device="cuda", generator=g)).bfloat16() for h in (8, 2, 2)]
     structured = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
+    monkeypatch.setattr(routing, "RECHECK_EVERY", 2)
     site = routing.new_site()
     args = (scale, 0, 0, *plan.op_arguments(), 0, 0.0)
     OP(*diffuse, None, None, *args, site)
@@ -451,6 +453,9 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     assert not torch.equal(unrouted, dense)  # structured inputs alone run (partly) sparse
     routed = OP(q, k, v, None, None, *args, site)
     assert torch.equal(routed, dense)  # the whole layer went to the same SDPA call
+    torch.cuda.synchronize()
+    assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # that call skipped the index
+    assert torch.equal(OP(q, k, v, None, None, *args, site), dense)  # this one checks it, still routed
     torch.cuda.synchronize()
     assert routing.routed_heads(site, 8, q.device) == tuple(h for h in range(8) if near[h])
     torch.testing.assert_close(OP(q, k, v, None, None, *args, site), OP(q, k, v, None, None, *args))
@@ -468,15 +473,19 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # the capture observed nothing
 
 
-def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_and_capture():
+@pytest.mark.parametrize("recheck_every", [1, 8], ids=["index checked", "index skipped"])
+def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_and_capture(monkeypatch, recheck_every):
     """generate's mask on the GPU, one prompt: after diffuse Q/K at 16K (every VS head near-dense) the site
     routes all 8 heads. Under an all-ones mask its next call is cuDNN's causal result exactly; on a left-padded
     row it runs cuDNN without the mask, then the row again in the masked dense walk, and equals masked dense
-    attention (rows that see no key 0); a CUDA graph of that call replays it."""
+    attention (rows that see no key 0); a CUDA graph of that call replays it. So whether the call builds the
+    index (``sparse_on_gpu``) or skips it (``_every_head_routed``)."""
     import torch.nn.functional as F
 
     from minference_fx import routing
     from minference_fx.bench import structured_qkv
+
+    monkeypatch.setattr(routing, "RECHECK_EVERY", recheck_every)
 
     n, pad, scale = 16384, 3000, 128 ** -0.5
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)

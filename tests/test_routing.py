@@ -28,11 +28,11 @@ def test_a_head_is_routed_only_when_it_ran_dense_in_every_batch_row():
     site = routing.new_site()
     assert routing.routed_heads(site, 4, torch.device("cpu")) == ()  # nothing observed yet
     ran_dense = torch.tensor([[True, True, False, True], [True, False, False, True]])
-    routing.observe(site, ran_dense)
+    routing.observe(site, ran_dense, 100)
     assert routing.routed_heads(site, 4, torch.device("cpu")) == (0, 3)
     assert routing.routed_heads(site, 8, torch.device("cpu")) == ()  # another head count: not this decision
     assert routing.routed_heads(routing.NO_SITE, 4, torch.device("cpu")) == ()
-    routing.observe(routing.NO_SITE, ran_dense)
+    routing.observe(routing.NO_SITE, ran_dense, 100)
     assert routing.routed_count() == 2
     assert routing.new_site() != site
 
@@ -42,13 +42,55 @@ def test_only_the_most_recently_observed_sites_are_kept(monkeypatch):
     dense = torch.tensor([[True, False]])
     sites = [routing.new_site() for _ in range(5)]
     for site in sites[:3]:
-        routing.observe(site, dense)
-    routing.observe(sites[0], dense)  # observed again: now the most recent
+        routing.observe(site, dense, 100)
+    routing.observe(sites[0], dense, 100)  # observed again: now the most recent
     for site in sites[3:]:
-        routing.observe(site, dense)
+        routing.observe(site, dense, 100)
     kept = [s for s in sites if routing.routed_heads(s, 2, torch.device("cpu"))]
     assert kept == [sites[0], sites[3], sites[4]]
     assert routing.routed_count() == 3
+
+
+def test_an_all_routed_site_checks_its_index_once_in_a_while_and_when_the_prompt_doubles(monkeypatch):
+    monkeypatch.setattr(routing, "RECHECK_EVERY", 3)
+    cpu = torch.device("cpu")
+    site = routing.new_site()
+    assert routing.index_due(site, 1000, cpu)  # nothing observed yet
+    routing.observe(site, torch.ones(1, 4, dtype=torch.bool), 1000)
+    assert [routing.index_due(site, 1500, cpu) for _ in range(3)] == [False, False, True]
+    routing.observe(site, torch.ones(1, 4, dtype=torch.bool), 1500)
+    assert not routing.index_due(site, 2999, cpu) and routing.index_due(site, 3000, cpu)
+
+
+def test_op_skips_the_index_of_an_all_routed_site_between_checks(monkeypatch):
+    """Every head near-dense at 640 tokens routes all of them: the next seven calls of that length run dense
+    attention with no index built, the eighth builds it again (and still runs dense: routed); a prompt of twice
+    the length builds it at once. A padding mask is still read."""
+    from minference_fx.op import dense_attention
+
+    built = []
+    real_build = reference.build_index
+    monkeypatch.setattr(reference, "build_index", lambda *a, **kw: built.append(a[0].shape[-2]) or real_build(*a, **kw))
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
+    site = routing.new_site()
+    call = lambda qkv, mask=None: OP(*qkv, mask, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+    call(_qkv(640))
+    assert built == [640] and routing.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)
+    q, k, v = _qkv(640, seed=6)
+    mask = _left_padded(640, 200)
+    for i in range(routing.RECHECK_EVERY - 1):
+        masked = i % 2 == 1
+        got = call((q, k, v), mask if masked else None)
+        torch.testing.assert_close(got, dense_attention(q, k, v, mask if masked else None, None, 0.25, 0, 0),
+                                   atol=2e-5, rtol=2e-5)
+        assert bool(got[0, :, :200].any()) is not masked  # rows that see no key are zeros
+    assert built == [640]
+    torch.testing.assert_close(call((q, k, v)), dense_attention(q, k, v, None, None, 0.25, 0, 0), atol=2e-5, rtol=2e-5)
+    assert built == [640, 640]
+    call(_qkv(640))
+    assert built == [640, 640]
+    call(_qkv(1280))
+    assert built == [640, 640, 1280]
 
 
 def test_gpu_path_runs_routed_heads_dense_and_reports_what_their_index_said():
