@@ -482,8 +482,8 @@ def _launch_config(q: torch.Tensor, k: torch.Tensor, length: int) -> str:
 
 def _guard_probe(step, device: torch.device) -> dict:
     """One extra, untimed forward with the guard's and the near-dense counters on (on GPU they need a host
-    sync per call)."""
-    from . import guard_stats
+    sync per call), every site building its index (an all-routed one skips it at most calls)."""
+    from . import guard_stats, routing
     from .kernels import guard
     from .op import NEAR_DENSE_STATS
 
@@ -491,7 +491,8 @@ def _guard_probe(step, device: torch.device) -> dict:
     near_before = dataclasses.replace(NEAR_DENSE_STATS)
     guard.STATS_ON_GPU = True
     try:
-        step()
+        with routing.index_at_every_call():
+            step()
         _sync(device)
     finally:
         guard.STATS_ON_GPU = switch

@@ -29,6 +29,7 @@ or copied, so a captured graph replays the decision of the warm-up calls before 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -102,6 +103,18 @@ def index_due(site: int, length: int, device: torch.device) -> bool:
     if not _capturing(device):
         state.skipped += 1
     return False
+
+
+@contextlib.contextmanager
+def index_at_every_call():
+    """Inside, every call builds its index (``index_due`` always True): for a probe that counts what the index
+    decides, such as the prefill benchmark's guard counters."""
+    global RECHECK_EVERY
+    every, RECHECK_EVERY = RECHECK_EVERY, 1
+    try:
+        yield
+    finally:
+        RECHECK_EVERY = every
 
 
 def observe(site: int, ran_dense: torch.Tensor, length: int) -> None:
