@@ -24,7 +24,10 @@ a few calls longer: slower at worst, never less exact.
 
 No host sync: the host reads a decision only once the copy's event has completed
 (``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read
-or copied, so a captured graph replays the decision of the warm-up calls before it.
+or copied, so a captured graph replays the decision of the warm-up calls before it. A capture must not
+read a newer one even where it could without a CUDA call: it would take a path its warm-up never ran,
+and cuDNN's first call at a shape inside a capture invalidates it
+(``results/bench_prefill_h200_2026-12-02_v29_capture_reads_routing_failed.txt``).
 """
 from __future__ import annotations
 
