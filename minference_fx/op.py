@@ -269,6 +269,8 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     routed = routing.routed_heads(route_site, q.shape[1], q.device) if can_route else ()
     if routed and _split(_layer_plan_with_dense(plan, routed)).all_dense and \
             not routing.index_due(route_site, q.shape[-2], q.device):
+        if not q.is_cuda:  # the CPU's SDPA reads the mask itself
+            return dense_attention(q, k, v, key_mask, None, scale, q_offset, 0)
         return _every_head_routed(q, k, v, key_mask, scale, q_offset)
     if q.is_cuda:
         from .autotune.dispatch import launch_config
@@ -298,14 +300,15 @@ def _sparse_impl(q, k, v, key_mask, doc_ids, scale, q_offset, window, plan: Laye
     return out.to(q.dtype).contiguous()
 
 
-def _every_head_routed(q, k, v, key_mask, scale: float, q_offset: int) -> torch.Tensor:
-    """A layer whose every head is routed, at a call that skips its index (``routing.index_due``): the device's
-    fused SDPA without the mask (``routable`` allows no other), then on the GPU the rows a padding mask hides
-    keys of again, masked, in the kernel's dense walk (the CPU's SDPA reads the mask itself)."""
-    if key_mask is None or not q.is_cuda:
-        return dense_attention(q, k, v, key_mask, None, scale, q_offset, 0)
+def _every_head_routed(q, k, v, key_mask, scale: float, q_offset: int, walk=None) -> torch.Tensor:
+    """A layer whose every head is routed: the device's fused SDPA without the mask (``routable`` allows no
+    other), then the rows a padding mask hides keys of again, masked, in the kernel's dense walk (launch config
+    ``walk``, default this device's). The same launches whether the call built its index or skipped it
+    (``routing.index_due``), so a CUDA graph captured at a skipping call runs only what its warm-up ran."""
     out = dense_attention(q, k, v, None, None, scale, q_offset, 0)
-    return dense_walk(q, k, v, key_mask, None, scale, q_offset, 0, out=out)
+    if key_mask is None:
+        return out
+    return dense_walk(q, k, v, key_mask, None, scale, q_offset, 0, launch=walk, out=out)
 
 
 def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: dict, guard_threshold: float):
@@ -377,9 +380,8 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
     if routed and by_sdpa:
         split = _split(_layer_plan_with_dense(plan, routed))
         if split.all_dense:
-            out = dense_attention(q, k, v, None, None, scale, masks["q_offset"], masks["window"])
-            _padded_rows_again((q, k, v, index, *split.op_args), out, split.dense_heads, padded, masks,
-                               scale=scale, **walk_launch)
+            out = _every_head_routed(q, k, v, masks["key_mask"], scale, masks["q_offset"],
+                                     dense_walk or DEFAULT_ENTRIES["dense_walk"])
             return GpuResult(out, weak, ran_dense)
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:

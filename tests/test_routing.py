@@ -229,6 +229,39 @@ def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_without_it_then
     torch.testing.assert_close(got.out, unrouted, atol=2e-5, rtol=2e-5)
 
 
+def test_an_all_routed_layer_launches_the_same_with_its_index_built_or_skipped(monkeypatch):
+    """A CUDA graph is recorded at the call after a warm-up; with every head routed the warm-up may build the
+    index and the recorded call skip it. Both must then launch the same attention work (the same kernel
+    arguments' shapes and modes), or the capture would meet a kernel variant, or a cuDNN shape, first."""
+    from minference_fx import op
+    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.kernels import attend
+
+    launches = []
+    real = attend.sparse_attention_triton
+
+    def record(*args, **kw):
+        index = args[3]
+        shapes = tuple(t.shape for t in (index.tile_count, index.tile_index, index.col_count, index.col_index))
+        launches.append((shapes, kw.get("forced"), kw.get("key_mask") is not None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attend, "sparse_attention_triton", record)
+    sdpa = []
+    real_dense = op.dense_attention
+    monkeypatch.setattr(op, "dense_attention", lambda q, k, v, key_mask, *a: sdpa.append((q.shape, key_mask)) or real_dense(q, k, v, key_mask, *a))
+    q, k, v = _qkv(640, seed=5)
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 5),) * 4)
+    masks = dict(key_mask=_left_padded(640, 150), doc_ids=None, q_offset=0, window=0)
+    built = op.sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3)).out
+    with_index, sdpa_with_index = launches[:], sdpa[:]
+    launches.clear(), sdpa.clear()
+    skipped = op._every_head_routed(q, k, v, masks["key_mask"], 0.25, 0)
+    assert launches == with_index and len(launches) == 1 and launches[0][1:] == ("only", True)
+    assert sdpa == sdpa_with_index == [(q.shape, None)]
+    torch.testing.assert_close(skipped, built, atol=0, rtol=0)
+
+
 class _TwoLayers(torch.nn.Module):
     def forward(self, q, k, v):
         x = F.scaled_dot_product_attention(q, k, v, is_causal=True)
