@@ -109,6 +109,7 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
     """Find, analyse and rewrite the attention sites of ``gm`` in place."""
     code_before = gm.code
     sites = passes.analyse(gm)
+    unread = passes.unread.run(gm, sites)
     config = options.config
     if config is not None:
         check_config_fits(config, gm, sites, options.head_offset)
@@ -132,7 +133,7 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
     if guard is None:
         guard = config.guard_threshold if config is not None else DEFAULT_GUARD_THRESHOLD
     sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense)
-    report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense)
+    report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread))
     _publish(report)
     return report
 

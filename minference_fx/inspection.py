@@ -20,6 +20,11 @@ class Inspection:
     def rows(self):
         return [row for report in self.reports for row in report.rows]
 
+    @property
+    def unread(self) -> tuple:
+        """Every graph's notes on softmax calls that look like attention but were not read (``Report.unread``)."""
+        return tuple(note for report in self.reports for note in report.unread)
+
     def diff(self) -> str:
         return "\n".join(r.diff() for r in self.reports)
 

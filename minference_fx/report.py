@@ -44,10 +44,12 @@ class Report:
     min_sparse_len: int
     guard_threshold: float = 0.0
     route_dense: bool = True
+    unread: tuple = ()
+    """one line per softmax that looks like attention but no site holds (``passes.unread``): where, and why"""
 
     @staticmethod
     def build(sites: list[AttentionSite], plans: dict, code_before: str, code_after: str, min_sparse_len: int,
-              guard_threshold: float = 0.0, route_dense: bool = True) -> "Report":
+              guard_threshold: float = 0.0, route_dense: bool = True, unread: tuple = ()) -> "Report":
         rows = []
         for i, site in enumerate(sites):
             mask = site.mask_info.describe() if site.mask_info else "?"
@@ -58,7 +60,7 @@ class Report:
                 reason=site.blocker or _rewritten_reason(min_sparse_len),
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
-        return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense)
+        return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense, unread)
 
     @property
     def rewritten(self) -> int:
@@ -79,6 +81,7 @@ class Report:
         widths = [max(len(line[c]) for line in lines) for c in range(len(header) - 1)]
         out = ["  ".join(cell.ljust(w) for cell, w in zip(line[:-1], widths)) + "  " + line[-1] for line in lines]
         out.append(f"{self.rewritten}/{len(self.rows)} attention sites rewritten")
+        out += [f"not read as attention, runs as written: {note}" for note in self.unread]
         if self.rewritten and self.guard_threshold > 0:
             from .kernels.guard import STATS
 

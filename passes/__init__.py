@@ -10,6 +10,7 @@ Order matters and is fixed:
 3. ``gqa``     – look through repeat_kv, after masks so a blocked site keeps its K/V;
 4. ``layout``  – shapes the op can read (after gqa: K/V may have fewer heads now);
 5. ``layers``  – layer index for the config lookup;
+   ``unread``  – softmax calls that look like attention but no site holds, with why (for the report);
 6. ``rewrite`` – last, since it erases the nodes the others read.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 import torch.fx as fx
 
 from ..plan import LayerPlan
-from . import einsum, find, gqa, layers, layout, masks, rewrite, unfuse
+from . import einsum, find, gqa, layers, layout, masks, rewrite, unfuse, unread
 from .site import AttentionSite, MaskInfo, MaskKind
 
 __all__ = ["AttentionSite", "MaskInfo", "MaskKind", "analyse", "apply"]

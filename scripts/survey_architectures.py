@@ -7,7 +7,7 @@ For each tiny random-weight family (``minference_fx.tiny``) and each attention s
 every site is rewritten, the largest |logit difference| of the compiled model at budgets that cover
 every key (sparse from length 0) against the model itself — exact up to float rounding when the
 rewrite is right. The same again for a batch of two with the second prompt left-padded (valid
-positions compared).
+positions compared). Softmax calls that look like attention but that no site holds are named after "not read:".
 """
 from __future__ import annotations
 
@@ -32,10 +32,13 @@ def survey(name: str, attn: str, padded: bool) -> str:
     mask = torch.ones(batch, LENGTH, dtype=torch.long)
     mask[-1, :37] = 0 if padded else 1
     given = dict(attention_mask=mask) if padded else {}
-    rows = inspect(model, ids, use_cache=False, **given).rows
+    inspection = inspect(model, ids, use_cache=False, **given)
+    rows = inspection.rows
     sites = "; ".join(f"L{r.layer} {r.decision} {r.mask}" + ("" if r.decision == "sparse" else f" ({r.reason})")
                       for r in rows)
     line = f"{name:<11} {attn:<6} {'padded' if padded else 'single':<7} {len(rows)} sites: {sites}"
+    if inspection.unread:  # softmax calls that look like attention but no site holds
+        line += " | not read: " + "; ".join(inspection.unread)
     if rows and all(r.decision == "sparse" for r in rows):
         config = default_config(model_identity_from_hf(model.config), pattern=Pattern.VERTICAL_SLASH,
                                 budgets=(1 << 20, 1 << 20), min_sparse_len=0)

@@ -600,6 +600,62 @@ def test_graphs_the_passes_write_nodes_into_compile_once_across_lengths(model):
     assert all(r.decision == "sparse" for r in reports[0].rows), reports[0].rows
 
 
+def _causal_blocked(n):
+    return torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+
+
+def _bmm_attention(q, k, v):
+    b, h, n, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, n, d) for t in (q, k, v))
+    scores = torch.bmm(q3, k3.transpose(1, 2)).masked_fill(_causal_blocked(n), float("-inf"))
+    return torch.bmm(scores.softmax(-1), v3).view(b, h, n, d)
+
+
+def _key_permuted_from_sequence_major(q, k, v):
+    k_by_position = k.transpose(1, 2)  # [B, S, H, D], as a projection's output is laid out
+    scores = q @ k_by_position.permute(0, 2, 3, 1)  # straight to [B, H, D, S]
+    return scores.masked_fill(_causal_blocked(q.shape[-2]), float("-inf")).softmax(-1) @ v
+
+
+def _scores_divide_a_number(q, k, v):
+    scores = (1.0 / (q @ k.transpose(-2, -1))).masked_fill(_causal_blocked(q.shape[-2]), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def _in_place_fill(q, k, v):
+    scores = _scores(q, k)
+    scores.masked_fill_(_causal_blocked(q.shape[-2]), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_bmm_attention, "attention written with bmm on 3-D"),
+    (_key_permuted_from_sequence_major, "the key side of the score product is permute(...)"),
+    (_scores_divide_a_number, "through masked_fill, truediv"),
+    (_in_place_fill, "have other users too (masked_fill_, softmax)"),
+])
+def test_attention_in_a_form_the_pass_does_not_read_is_named_in_the_report_and_runs_as_written(fn, why):
+    q, k, v = _qkv(hkv=4)
+    report = inspect(_SiteCase(fn), q, k, v)
+    assert report.rows == [] and len(report.unread) == 1 and why in report.unread[0], report.unread
+    assert "not read as attention, runs as written: " in str(report) and "test_passes.py:" in report.unread[0]
+    torch._dynamo.reset()
+    out = torch.compile(_SiteCase(fn), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, fn(q, k, v))
+
+
+def _router(q, k, v):
+    weights = F.linear(q, torch.ones(4, q.shape[-1])).softmax(-1)
+    return weights.topk(2, dim=-1).values
+
+
+@pytest.mark.parametrize("kind", ["read", "router"])
+def test_a_softmax_read_as_attention_or_not_attention_at_all_gets_no_note(kind):
+    q, k, v = _qkv(hkv=4)
+    report = inspect(FillTriu() if kind == "read" else _SiteCase(_router), q, k, v)
+    assert report.unread == () and len(report.rows) == (kind == "read")
+
+
 def test_a_mask_from_a_buffer_stays_dense_and_says_so():
     q, k, _ = _qkv(hkv=4)
     v = torch.randn_like(q)
