@@ -6,20 +6,27 @@ operands in either order, [B, S, H, D] operands too. Only attention's einsums ar
 over one shared letter whose result reaches a softmax over its last dim (the scores), or the product of
 softmax weights with values over the weights' last dim. Each becomes permutes and a ``matmul``, the batched
 matmul einsum runs itself, so a site left dense computes what it did.
+
+Reference code that keeps its projections sequence-major turns the key straight from [B, S, H, D] to
+[B, H, D, S] for the scores (``q.transpose(1, 2) @ k.permute(0, 2, 3, 1)``); where those scores reach a
+softmax, that key is written as ``k.transpose(1, 2).transpose(-2, -1)``, the same values in the spelling
+``find`` reads.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 import string
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .find import DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS
+from .find import DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, permutation_of
 from .site import CASTS, add_call, call_arg, in_memory_order, is_call, memory_order
 
 _EINSUM = {torch.einsum, torch.functional.einsum}
+_MATMUL = (torch.matmul, operator.matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +167,37 @@ def _in_traced_strides(graph: fx.Graph, node: fx.Node, new: fx.Node) -> fx.Node:
     return new if memory_order(new.meta["example_value"]) == want else in_memory_order(graph, node, new, want)
 
 
+def _key_straight_from_sequence_major(node) -> bool:
+    """``x.permute(0, 2, 3, 1)`` of a 4-D ``x``."""
+    if permutation_of(node) != (0, 2, 3, 1) or not isinstance(node.args[0], fx.Node):
+        return False
+    value = node.args[0].meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.dim() == 4
+
+
+def _respell_sequence_major_keys(graph: fx.Graph) -> int:
+    """Write each attention score product's ``k.permute(0, 2, 3, 1)`` as ``k.transpose(1, 2).transpose(-2, -1)``."""
+    respelled = 0
+    for node in list(graph.nodes):
+        if not is_call(node, _MATMUL, ("matmul",)) or len(node.args) != 2 or node.kwargs:
+            continue
+        key_t = node.args[1]
+        if not _key_straight_from_sequence_major(key_t) or not _reaches_softmax(node):
+            continue
+        with graph.inserting_before(node):
+            by_head = add_call(graph, node, torch.transpose, key_t.args[0], 1, 2)
+            node.replace_input_with(key_t, add_call(graph, node, torch.transpose, by_head, -2, -1))
+        if not key_t.users:
+            graph.erase_node(key_t)
+        respelled += 1
+    return respelled
+
+
 def run(gm: fx.GraphModule) -> int:
-    """Rewrite every attention einsum; returns how many were rewritten."""
-    graph, rewritten = gm.graph, 0
+    """Rewrite every attention einsum, and respell every sequence-major key of attention scores; returns how
+    many were rewritten."""
+    graph = gm.graph
+    rewritten = _respell_sequence_major_keys(graph)
     for node in list(graph.nodes):
         operands = _operands(node)
         if operands is None:

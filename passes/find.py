@@ -71,15 +71,22 @@ def _single_user(node: fx.Node) -> bool:
     return len(node.users) == 1
 
 
+def permutation_of(node) -> tuple | None:
+    """The dims of a 4-D ``permute`` call (negative ones as positive), or None for any other node."""
+    if not is_call(node, (torch.permute,), ("permute",)) or node.kwargs:
+        return None
+    rest = node.args[1:]
+    perm = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+    return tuple(d % 4 if isinstance(d, int) else d for d in perm)
+
+
 def _transposed_key(node) -> fx.Node | None:
     """k from ``k.transpose(-2, -1)`` (any spelling of the last two dims), ``k.permute(0, 1, 3, 2)`` or ``k.mT``."""
     if is_call(node, (torch.transpose,), ("transpose",)):
         dims = {d % 4 if isinstance(d, int) else d for d in node.args[1:3]}
         return node.args[0] if dims == {2, 3} else None
-    if is_call(node, (torch.permute,), ("permute",)) and not node.kwargs:
-        rest = node.args[1:]
-        perm = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
-        return node.args[0] if tuple(d % 4 if isinstance(d, int) else d for d in perm) == (0, 1, 3, 2) else None
+    if permutation_of(node) == (0, 1, 3, 2):
+        return node.args[0]
     if isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr and tuple(node.args[1:]) == ("mT",):
         return node.args[0]
     return None

@@ -378,6 +378,8 @@ class EinsumAttention(torch.nn.Module):
             s = q @ k.mT
         elif self.key_t == "permute":
             s = q @ k.permute(0, 1, 3, 2)
+        elif self.key_t == "sequence-major":  # [B, S, H, D] q and k, the key turned straight to [B, H, D, S]
+            s = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)
         else:
             s = torch.einsum(self.scores, *((k, q) if self.swap else (q, k)))
         s = (s * 0.25).masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -torch.finfo(s.dtype).max)
@@ -392,6 +394,7 @@ class EinsumAttention(torch.nn.Module):
     ("bjhd,bihd->bhij", "bjhd,bhij->bihd", "", True),
     (None, "bhij,bhjd->bhid", "mT", False),
     (None, "bhij,bhjd->bhid", "permute", False),
+    (None, "bhij,bjhd->bihd", "sequence-major", False),
 ])
 def test_einsum_and_other_key_transposes_are_rewritten_and_exact(scores, values, key_t, swap):
     """Each spelling is found and rewritten as a causal site (it had no report row before); at 96 tokens the
@@ -611,9 +614,8 @@ def _bmm_attention(q, k, v):
     return torch.bmm(scores.softmax(-1), v3).view(b, h, n, d)
 
 
-def _key_permuted_from_sequence_major(q, k, v):
-    k_by_position = k.transpose(1, 2)  # [B, S, H, D], as a projection's output is laid out
-    scores = q @ k_by_position.permute(0, 2, 3, 1)  # straight to [B, H, D, S]
+def _key_transposed_then_copied(q, k, v):
+    scores = q @ k.transpose(-2, -1).contiguous()
     return scores.masked_fill(_causal_blocked(q.shape[-2]), float("-inf")).softmax(-1) @ v
 
 
@@ -630,7 +632,7 @@ def _in_place_fill(q, k, v):
 
 @pytest.mark.parametrize("fn, why", [
     (_bmm_attention, "attention written with bmm on 3-D"),
-    (_key_permuted_from_sequence_major, "the key side of the score product is permute(...)"),
+    (_key_transposed_then_copied, "the key side of the score product is contiguous(...)"),
     (_scores_divide_a_number, "through masked_fill, truediv"),
     (_in_place_fill, "have other users too (masked_fill_, softmax)"),
 ])
