@@ -12,6 +12,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .find import (DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, _op_name, _transposed_key, source_of)
 from .site import CASTS, AttentionSite, call_arg, is_call
@@ -19,6 +20,9 @@ from .site import CASTS, AttentionSite, call_arg, is_call
 _PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.baddbmm, torch.einsum)
 _PRODUCT_METHODS = ("matmul", "bmm", "baddbmm", "__matmul__")
 _THREE_D = (torch.bmm, torch.baddbmm, "bmm", "baddbmm")
+# scores are made by products and elementwise ops; a walk that meets a layer has left them (a classifier's
+# softmax over linear logits is no attention, whatever product lies further up)
+_LAYERS = (torch._C._nn.linear, F.linear, F.layer_norm, F.group_norm, F.embedding, torch.conv1d, torch.conv2d)
 
 
 def _tensor_operand(node: fx.Node):
@@ -31,7 +35,8 @@ def _path_up(softmax: fx.Node) -> list:
     is met within the bound the finder's own walk has (with room for casts)."""
     path, node = [], softmax.args[0] if softmax.args else None
     for _ in range(MAX_SCORE_STEPS + 3):
-        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
+        if (not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args
+                or is_call(node, _LAYERS)):
             return []
         path.append(node)
         if is_call(node, _PRODUCTS, _PRODUCT_METHODS):

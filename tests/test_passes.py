@@ -651,11 +651,19 @@ def _router(q, k, v):
     return weights.topk(2, dim=-1).values
 
 
-@pytest.mark.parametrize("kind", ["read", "router"])
+def _mixture_over_attention_output(q, k, v):
+    """Linear logits over a (dense, bidirectional) attention's output, their softmax weighting a table: a
+    product above the linear and one below the softmax, but no attention scores."""
+    h = (q @ k.transpose(-2, -1)).softmax(-1) @ v  # read as a site (bidirectional: dense)
+    return F.linear(h, torch.ones(8, q.shape[-1])).softmax(-1) @ torch.ones(8, 3)
+
+
+@pytest.mark.parametrize("kind", ["read", "router", "mixture"])
 def test_a_softmax_read_as_attention_or_not_attention_at_all_gets_no_note(kind):
     q, k, v = _qkv(hkv=4)
-    report = inspect(FillTriu() if kind == "read" else _SiteCase(_router), q, k, v)
-    assert report.unread == () and len(report.rows) == (kind == "read")
+    module = {"read": FillTriu(), "router": _SiteCase(_router), "mixture": _SiteCase(_mixture_over_attention_output)}[kind]
+    report = inspect(module, q, k, v)
+    assert report.unread == () and len(report.rows) == (kind != "router")
 
 
 def test_a_mask_from_a_buffer_stays_dense_and_says_so():
