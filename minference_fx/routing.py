@@ -18,9 +18,9 @@ generate's all-ones mask, 0.98x -> 1.04x at 128K (``_v19*``). A padded batch doe
 A site whose every head is routed runs the whole layer through SDPA, and its index then only serves to see
 whether a head has stopped being near-dense. It builds the index at one call in ``RECHECK_EVERY`` (and at
 once when the prompt has grown ``RECHECK_GROWTH``-fold since the call it last checked), and skips it in
-between: on random weights the index cost the all-routed path 8 % of the layer against the op's own dense
-path at 32K (``results/bench_prefill_h200_2026-12-01_v26_*``). A skipped check can only keep a head dense
-a few calls longer: slower at worst, never less exact.
+between. On random weights (every head routed) a checking call costs ~1 % of the model's prefill at 64K-128K
+(+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*``), which the other seven calls
+now save. A skipped check can only keep a head dense a few calls longer: slower at worst, never less exact.
 
 No host sync: the host reads a decision only once the copy's event has completed
 (``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read

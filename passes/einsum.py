@@ -15,18 +15,16 @@ softmax, that key is written as ``k.transpose(1, 2).transpose(-2, -1)``, the sam
 from __future__ import annotations
 
 import dataclasses
-import operator
 import string
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .find import DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, permutation_of
+from .find import DROPOUT_FUNCS, MATMUL_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, permutation_of
 from .site import CASTS, add_call, call_arg, in_memory_order, is_call, memory_order
 
 _EINSUM = {torch.einsum, torch.functional.einsum}
-_MATMUL = (torch.matmul, operator.matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +177,7 @@ def _respell_sequence_major_keys(graph: fx.Graph) -> int:
     """Write each attention score product's ``k.permute(0, 2, 3, 1)`` as ``k.transpose(1, 2).transpose(-2, -1)``."""
     respelled = 0
     for node in list(graph.nodes):
-        if not is_call(node, _MATMUL, ("matmul",)) or len(node.args) != 2 or node.kwargs:
+        if not is_call(node, MATMUL_FUNCS, ("matmul",)) or len(node.args) != 2 or node.kwargs:
             continue
         key_t = node.args[1]
         if not _key_straight_from_sequence_major(key_t) or not _reaches_softmax(node):

@@ -26,7 +26,7 @@ from .site import CASTS, AttentionSite, call_arg, dtype_of, is_call, is_lifted_s
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
-_MATMUL_FUNCS = {torch.matmul, operator.matmul}
+MATMUL_FUNCS = {torch.matmul, operator.matmul}
 DROPOUT_FUNCS = {F.dropout, torch.dropout}
 
 
@@ -72,7 +72,7 @@ def _single_user(node: fx.Node) -> bool:
 
 
 def permutation_of(node) -> tuple | None:
-    """The dims of a 4-D ``permute`` call (negative ones as positive), or None for any other node."""
+    """The dims of a ``permute`` call, negative ones read as a 4-D tensor's, or None for any other node."""
     if not is_call(node, (torch.permute,), ("permute",)) or node.kwargs:
         return None
     rest = node.args[1:]
@@ -80,7 +80,7 @@ def permutation_of(node) -> tuple | None:
     return tuple(d % 4 if isinstance(d, int) else d for d in perm)
 
 
-def _transposed_key(node) -> fx.Node | None:
+def transposed_key(node) -> fx.Node | None:
     """k from ``k.transpose(-2, -1)`` (any spelling of the last two dims), ``k.permute(0, 1, 3, 2)`` or ``k.mT``."""
     if is_call(node, (torch.transpose,), ("transpose",)):
         dims = {d % 4 if isinstance(d, int) else d for d in node.args[1:3]}
@@ -105,7 +105,7 @@ def _is_minus_inf(value) -> bool:
     return isinstance(value, (int, float)) and value <= -1e4
 
 
-def _op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
@@ -142,7 +142,7 @@ def _reaches_matmul(node) -> bool:
     for _ in range(MAX_SCORE_STEPS + 1):
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
             return False
-        if is_call(node, _MATMUL_FUNCS, ("matmul",)):
+        if is_call(node, MATMUL_FUNCS, ("matmul",)):
             return True
         node = _score_operand(node)
     return False
@@ -185,7 +185,7 @@ def _walk_scores(softmax: fx.Node):
     for _ in range(MAX_SCORE_STEPS):
         if not isinstance(scores, fx.Node) or not _single_user(scores):
             return None
-        if is_call(scores, _MATMUL_FUNCS, ("matmul",)):
+        if is_call(scores, MATMUL_FUNCS, ("matmul",)):
             if lifted is not None:
                 if scale != 1.0:  # the op takes one scale value; a product with constants would need new nodes
                     unknown.append("a lifted scale beside constant factors")
@@ -213,7 +213,7 @@ def _walk_scores(softmax: fx.Node):
             else:  # the op takes one scale value; a product of two would need new nodes
                 unknown.append("a second lifted scale")
         else:
-            unknown.append(_op_name(scores))
+            unknown.append(op_name(scores))
         chain.append(scores)
         scores = operand
     return None
@@ -234,7 +234,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     scores, mask, fills, selects, scale, divides, chain, unknown = walked
     chain = [softmax] + chain
     query, key_t = scores.args[0], scores.args[1]
-    key = _transposed_key(key_t)
+    key = transposed_key(key_t)
     if key is None or not _single_user(key_t):
         return None
     chain += [scores, key_t]
@@ -253,7 +253,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     while True:
         if len(probs.users) != 1:
             # the weights escape too (output_attentions): attention still, but the op makes no weights
-            user = next((u for u in probs.users if is_call(u, _MATMUL_FUNCS, ("matmul",)) and u.args[0] is probs), None)
+            user = next((u for u in probs.users if is_call(u, MATMUL_FUNCS, ("matmul",)) and u.args[0] is probs), None)
             if user is None:
                 return None
             blocker = blocker or "the attention weights are used besides the output (output_attentions=True?)"
@@ -270,7 +270,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
                 blocker = blocker or dropout_blocker
             chain.append(user)
             probs = user
-        elif is_call(user, _MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
+        elif is_call(user, MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
             if written_between((query, key), scores, user):
                 blocker = blocker or "q or k is written in place between q·kᵀ and the value product (the op reads both there)"
             return AttentionSite(

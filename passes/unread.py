@@ -8,18 +8,16 @@ the softmax and one taking its weights below it, so a router's softmax (fed by a
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .find import (DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, _op_name, _transposed_key, source_of)
+from .find import DROPOUT_FUNCS, MATMUL_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, op_name, source_of, transposed_key
 from .site import CASTS, AttentionSite, call_arg, is_call
 
-_PRODUCTS = (torch.matmul, operator.matmul, torch.bmm, torch.baddbmm, torch.einsum)
-_PRODUCT_METHODS = ("matmul", "bmm", "baddbmm", "__matmul__")
-_THREE_D = (torch.bmm, torch.baddbmm, "bmm", "baddbmm")
+_THREE_D, _THREE_D_METHODS = (torch.bmm, torch.baddbmm), ("bmm", "baddbmm")
+_PRODUCTS = (*MATMUL_FUNCS, *_THREE_D, torch.einsum)
+_PRODUCT_METHODS = ("matmul", "__matmul__", *_THREE_D_METHODS)
 # scores are made by products and elementwise ops; a walk that meets a layer has left them (a classifier's
 # softmax over linear logits is no attention, whatever product lies further up)
 _LAYERS = (torch._C._nn.linear, F.linear, F.layer_norm, F.group_norm, F.embedding, torch.conv1d, torch.conv2d)
@@ -58,8 +56,8 @@ def _weights_meet_a_product(softmax: fx.Node) -> bool:
 
 def _reason(softmax: fx.Node, path: list) -> str:
     product = path[-1]
-    name = _op_name(product)
-    if is_call(product, _THREE_D[:2], _THREE_D[2:]):
+    name = op_name(product)
+    if is_call(product, _THREE_D, _THREE_D_METHODS):
         return (f"attention written with {name} on 3-D [batch x heads, S, D] operands: the pass reads 4-D "
                 "[B, H, S, D] chains (q @ k.transpose(-2, -1) ... softmax ... @ v) and SDPA")
     if is_call(product, (torch.einsum,)):
@@ -69,13 +67,13 @@ def _reason(softmax: fx.Node, path: list) -> str:
         return f"the softmax runs over dim {dim}, not the key dim (-1)"
     shared = next((n for n in path[:-1] if len(n.users) > 1), None)
     if shared is not None:
-        return (f"the scores after {_op_name(shared)} have other users too ({', '.join(u.name for u in shared.users)}): "
+        return (f"the scores after {op_name(shared)} have other users too ({', '.join(u.name for u in shared.users)}): "
                 "an in-place op on them (masked_fill_, mul_)? the pass reads out-of-place chains")
     key_t = product.args[1] if len(product.args) > 1 else None
-    if isinstance(key_t, fx.Node) and _transposed_key(key_t) is None:
-        return (f"the key side of the score product is {_op_name(key_t)}(...), not k.transpose(-2, -1), "
+    if isinstance(key_t, fx.Node) and transposed_key(key_t) is None:
+        return (f"the key side of the score product is {op_name(key_t)}(...), not k.transpose(-2, -1), "
                 "k.permute(0, 1, 3, 2) or k.mT of a [B, H, S, D] key")
-    ops = ", ".join(_op_name(n) for n in path[:-1]) or "nothing"
+    ops = ", ".join(op_name(n) for n in path[:-1]) or "nothing"
     return (f"the scores reach the softmax through {ops}: not the scale (x or / by a number), mask (+ or "
             "masked_fill with -inf) and casts the pass reads, or not in that order")
 

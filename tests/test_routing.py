@@ -255,7 +255,8 @@ def test_an_all_routed_layer_launches_the_same_with_its_index_built_or_skipped(m
     masks = dict(key_mask=_left_padded(640, 150), doc_ids=None, q_offset=0, window=0)
     built = op.sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3)).out
     with_index, sdpa_with_index = launches[:], sdpa[:]
-    launches.clear(), sdpa.clear()
+    launches.clear()
+    sdpa.clear()
     skipped = op._every_head_routed(q, k, v, masks["key_mask"], 0.25, 0)
     assert launches == with_index and len(launches) == 1 and launches[0][1:] == ("only", True)
     assert sdpa == sdpa_with_index == [(q.shape, None)]
