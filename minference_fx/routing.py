@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import threading
@@ -72,6 +73,9 @@ site that is still called only starts over (nothing routed until its next call),
 _STATES: collections.OrderedDict[int, _SiteState] = collections.OrderedDict()
 _LOCK = threading.Lock()
 _SITE_IDS = itertools.count()
+# set by index_at_every_call for its own thread (a context variable, not RECHECK_EVERY: another thread's
+# model keeps skipping while a probe runs)
+_EVERY_CALL = contextvars.ContextVar("minference_fx_index_at_every_call", default=False)
 
 
 def new_site() -> int:
@@ -101,7 +105,8 @@ def index_due(site: int, length: int, device: torch.device) -> bool:
     ``RECHECK_GROWTH``) at query ``length``; when not, it counts as skipped. A CUDA graph capture counts
     nothing: the graph replays whichever it took."""
     state = _STATES.get(site)
-    if state is None or length >= RECHECK_GROWTH * state.checked_len or state.skipped >= RECHECK_EVERY - 1:
+    if (state is None or _EVERY_CALL.get() or length >= RECHECK_GROWTH * state.checked_len
+            or state.skipped >= RECHECK_EVERY - 1):
         return True
     if not _capturing(device):
         state.skipped += 1
@@ -111,13 +116,12 @@ def index_due(site: int, length: int, device: torch.device) -> bool:
 @contextlib.contextmanager
 def index_at_every_call():
     """Inside, every call builds its index (``index_due`` always True): for a probe that counts what the index
-    decides, such as the prefill benchmark's guard counters."""
-    global RECHECK_EVERY
-    every, RECHECK_EVERY = RECHECK_EVERY, 1
+    decides, such as the prefill benchmark's guard counters. Only this thread's calls: others keep skipping."""
+    token = _EVERY_CALL.set(True)
     try:
         yield
     finally:
-        RECHECK_EVERY = every
+        _EVERY_CALL.reset(token)
 
 
 def observe(site: int, ran_dense: torch.Tensor, length: int) -> None:

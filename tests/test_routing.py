@@ -62,6 +62,22 @@ def test_an_all_routed_site_checks_its_index_once_in_a_while_and_when_the_prompt
     assert not routing.index_due(site, 2999, cpu) and routing.index_due(site, 3000, cpu)
 
 
+def test_index_at_every_call_makes_its_own_threads_calls_check_and_no_others():
+    import threading
+
+    cpu = torch.device("cpu")
+    site = routing.new_site()
+    routing.observe(site, torch.ones(1, 4, dtype=torch.bool), 1000)
+    seen_elsewhere = []
+    with routing.index_at_every_call():
+        assert all(routing.index_due(site, 1000, cpu) for _ in range(2 * routing.RECHECK_EVERY))
+        other = threading.Thread(target=lambda: seen_elsewhere.append(routing.index_due(site, 1000, cpu)))
+        other.start()
+        other.join()
+    assert seen_elsewhere == [False]  # the other thread's call skipped, and counted
+    assert [routing.index_due(site, 1000, cpu) for _ in range(routing.RECHECK_EVERY - 1)][-1]
+
+
 def test_op_skips_the_index_of_an_all_routed_site_between_checks(monkeypatch):
     """Every head near-dense at 640 tokens routes all of them: the next seven calls of that length run dense
     attention with no index built, the eighth builds it again (and still runs dense: routed); a prompt of twice
