@@ -374,15 +374,14 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: dict, guard_thr
         guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
         force = near if force is None else force | near
     ran_dense = force
-    padded = _padded_rows(masks)
-    walk_launch = (dense_walk or DEFAULT_ENTRIES["dense_walk"]).launch()
+    walk = dense_walk or DEFAULT_ENTRIES["dense_walk"]
     by_sdpa = routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:
         split = _split(_layer_plan_with_dense(plan, routed))
         if split.all_dense:
-            out = _every_head_routed(q, k, v, masks["key_mask"], scale, masks["q_offset"],
-                                     dense_walk or DEFAULT_ENTRIES["dense_walk"])
+            out = _every_head_routed(q, k, v, masks["key_mask"], scale, masks["q_offset"], walk)
             return GpuResult(out, weak, ran_dense)
+    padded, walk_launch = _padded_rows(masks), walk.launch()
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:
         # With documents, a window or a padded batch SDPA would read a materialised mask (or run padded rows
