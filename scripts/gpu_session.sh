@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the steps asked for; every step's output lands in $OUT.
 # usage: scripts/gpu_session.sh STEPS   (comma list of: tests, tune, bench, prefill, densepath)
-#   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu (the whole suite took 506-533 s on an H200 in 2026-12-02's runs: near the
+#   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu (the whole suite took 453-533 s on an H200 in 2026-12-02's runs: near the
 #                                   600 s a call may run; --durations shows which tests to split off with TEST_ARGS="-k ...")
 #   TUNE_LENGTHS / TUNE_TIMEOUT     minference-fx autotune into $OUT/autotune, then a second process reads it
 #   TUNE_EXTRA                      autotune arguments of a second shape, tuned into the same cache
