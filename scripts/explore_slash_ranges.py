@@ -9,7 +9,12 @@ tiles our index lists, unaligned 64-key blocks covering the merged ranges, and t
 ratio tiles / blocks bounds what walking unaligned ranges would save in the sparse walk (whose time is spent
 almost wholly on those tiles: results/explore_prefill_profile_smollm2_h200_2026-12-01.txt).
 
-usage: python3 scripts/explore_slash_ranges.py [--length 128k]   (set up as scripts/gpu_smollm2.sh does)
+``--model llama-random`` asks the same of the issue's benchmark model (Llama-3-8B shape, HF's random init,
+random token ids, ``--layers`` of them): whether MInference's unaligned ranges would keep fewer keys than our
+aligned tiles where the diagonals scatter, which decides whether any vertical-slash kernel can beat dense there.
+
+usage: python3 scripts/explore_slash_ranges.py [--length 128k] [--model smollm2|llama-random] [--layers 2]
+       (smollm2: set up as scripts/gpu_smollm2.sh does)
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import argparse
 
 import torch
 
-from minference_fx.bench_prefill import build_smollm2, text_prompt_ids
+from minference_fx.bench_prefill import build_model, build_smollm2, llama3_8b_config, prompt_ids, text_prompt_ids
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels.index import build_index_gpu, vs_estimate
 from minference_fx.kernels.reference import BLOCK, VS_FORCED_DIAGONALS
@@ -44,10 +49,17 @@ def unaligned_cost(diags: torch.Tensor, sq: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--length", type=lambda text: parse_lengths(text)[0], default=131072)
+    parser.add_argument("--model", choices=("smollm2", "llama-random"), default="smollm2")
+    parser.add_argument("--layers", type=int, default=2, help="llama-random only")
     args = parser.parse_args()
     device = torch.device("cuda")
-    model, tokenizer = build_smollm2(args.length, device, torch.bfloat16)
-    ids = text_prompt_ids(tokenizer, args.length, 0, device)
+    if args.model == "smollm2":
+        model, tokenizer = build_smollm2(args.length, device, torch.bfloat16)
+        ids = text_prompt_ids(tokenizer, args.length, 0, device)
+    else:
+        model = build_model(llama3_8b_config(args.layers, args.length), device, torch.bfloat16)
+        ids = prompt_ids(args.length, model.config.vocab_size, 0, device)
+    causal_tiles = ((args.length + BLOCK - 1) // BLOCK + 1) / 2  # a query tile's mean causal row, in tiles
     rows = []
 
     def observe(call) -> None:
@@ -63,15 +75,17 @@ def main() -> None:
         keys = sum(c[1] for c in costs) / len(costs)
         cols = index.col_count[0].float().mean().item()
         rows.append((call.layer, tiles, blocks, keys, cols))
-        print(f"layer {call.layer:2d}: aligned tiles {tiles:7.1f}, unaligned blocks {blocks:7.1f} "
-              f"({tiles / blocks:.2f}x fewer), keys in ranges {keys:8.0f} ({keys / (tiles * BLOCK):.2f} of the tiles' keys), "
-              f"leftover columns {cols:5.1f}", flush=True)
+        print(f"layer {call.layer:2d}: aligned tiles {tiles:7.1f} ({tiles / causal_tiles:.2f} of causal), unaligned blocks "
+              f"{blocks:7.1f} ({tiles / blocks:.2f}x fewer; {blocks / causal_tiles:.2f} of causal), keys in ranges "
+              f"{keys:8.0f} ({keys / (tiles * BLOCK):.2f} of the tiles' keys), leftover columns {cols:5.1f}", flush=True)
 
-    run_observed(model, ids, observe)
+    # the base model: an observed forward keeps every position's logits, 33 GB at 128K for Llama-3's vocabulary
+    run_observed(model.model, ids, observe)
     tiles = sum(r[1] for r in rows) / len(rows)
     blocks = sum(r[2] for r in rows) / len(rows)
-    print(f"mean over {len(rows)} layers at {args.length}: aligned tiles {tiles:.1f}, unaligned blocks {blocks:.1f} "
-          f"-> {tiles / blocks:.2f}x fewer key steps; a causal query tile has {args.length / 128:.0f} tiles on average")
+    print(f"mean over {len(rows)} layers at {args.length} ({args.model}): aligned tiles {tiles:.1f}, unaligned blocks "
+          f"{blocks:.1f} -> {tiles / blocks:.2f}x fewer key steps; a causal query tile has {causal_tiles:.0f} tiles on "
+          f"average (aligned {tiles / causal_tiles:.2f} of it, unaligned {blocks / causal_tiles:.2f})")
 
 
 if __name__ == "__main__":
