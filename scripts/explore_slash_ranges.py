@@ -24,6 +24,7 @@ import torch
 
 from minference_fx.bench_prefill import build_model, build_smollm2, llama3_8b_config, prompt_ids, text_prompt_ids
 from minference_fx.cli import parse_lengths
+from minference_fx.kernels.guard import causal_tiles as causal_tile_pairs
 from minference_fx.kernels.index import build_index_gpu, vs_estimate
 from minference_fx.kernels.reference import BLOCK, VS_FORCED_DIAGONALS
 from minference_fx.observe import run_observed
@@ -59,7 +60,7 @@ def main() -> None:
     else:
         model = build_model(llama3_8b_config(args.layers, args.length), device, torch.bfloat16)
         ids = prompt_ids(args.length, model.config.vocab_size, 0, device)
-    causal_tiles = ((args.length + BLOCK - 1) // BLOCK + 1) / 2  # a query tile's mean causal row, in tiles
+    causal_tiles = causal_tile_pairs(args.length, args.length, 0) / -(-args.length // BLOCK)  # a query tile's mean causal row
     rows = []
 
     def observe(call) -> None:
@@ -79,7 +80,7 @@ def main() -> None:
               f"{blocks:7.1f} ({tiles / blocks:.2f}x fewer; {blocks / causal_tiles:.2f} of causal), keys in ranges "
               f"{keys:8.0f} ({keys / (tiles * BLOCK):.2f} of the tiles' keys), leftover columns {cols:5.1f}", flush=True)
 
-    # the base model: an observed forward keeps every position's logits, 33 GB at 128K for Llama-3's vocabulary
+    # the base model: an observed forward would keep every position's logits (128K x 128,256 in bf16 is 33.6 GB)
     run_observed(model.model, ids, observe)
     tiles = sum(r[1] for r in rows) / len(rows)
     blocks = sum(r[2] for r in rows) / len(rows)
