@@ -21,7 +21,12 @@ logits for the last position only (``logits_to_keep=1``), then the argmax. Varia
   guard) take the kernel's dense walk at every call instead of being routed to cuDNN from the call after
   (``minference_fx.routing``); ``routed_heads`` in each minference cell counts the routed ones;
 * ``minference-ro`` (``--reduce-overhead``): ``options={"mode": "reduce-overhead"}`` (CUDA graphs);
-  ``inductor-ro``: ``torch.compile(model, mode="reduce-overhead")``.
+  ``inductor-ro``: ``torch.compile(model, mode="reduce-overhead")``;
+* ``inductor-noattn``: not a model but a bound. ``torch.compile(model)`` with every attention replaced by
+  ``q + k + v`` (K and V broadcast over the query heads of their group): the projections stay live, the
+  attention costs one fused elementwise pass. Its TTFT is what the rest of the model costs under Inductor,
+  so ``eager / inductor-noattn`` is the most any attention kernel in a compiled model could gain at a length.
+  Its next token means nothing.
 
 For compiled variants the sequence dimension of ``input_ids`` is marked dynamic, so one graph
 should serve every length. ``recompiles`` counts graphs Dynamo compiled after the first call
@@ -57,7 +62,7 @@ LLAMA3_8B = dict(
     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
 )
 VARIANTS = ("eager", "eager-default", "inductor", "inductor-ro", "minference", "minference-noguard", "minference-noroute",
-            "minference-ro")
+            "minference-ro", "inductor-noattn")
 DEFAULT_VARIANTS = ("eager", "inductor", "minference", "minference-noguard")
 _CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
@@ -201,6 +206,30 @@ class Variant:
     compiled: bool
     cuda_graphs: bool = False
     minference_options: Optional[dict] = None
+    restore: Optional[Callable[[], None]] = None
+    """undoes what building the variant changed on the model (its attention implementation)"""
+
+
+NO_ATTENTION = "minference_fx_no_attention"
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An HF attention function that does no attention: ``q + k + v`` per query head, [B, S, H, D] as HF's
+    attention functions return. Keeps Q, K and V live so that no projection is dead code."""
+    b, h, s, d = query.shape
+    group = h // key.shape[1]
+    out = query.view(b, key.shape[1], group, s, d) + (key + value)[:, :, None]
+    return out.view(b, h, s, d).transpose(1, 2), None
+
+
+def _without_attention(model) -> Callable[[], None]:
+    """Switch ``model`` to :func:`_no_attention`; returns what switches it back."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NO_ATTENTION, _no_attention)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(NO_ATTENTION)
+    return lambda: model.set_attn_implementation(before)
 
 
 def make_variant(name: str, model, minference_options: Optional[dict] = None) -> Variant:
@@ -221,6 +250,10 @@ def make_variant(name: str, model, minference_options: Optional[dict] = None) ->
     if name == "inductor-ro":
         return Variant(name, 'torch.compile(model, mode="reduce-overhead")', torch.compile(model, mode="reduce-overhead"),
                        True, True)
+    if name == "inductor-noattn":
+        restore = _without_attention(model)
+        return Variant(name, "torch.compile(model) with every attention replaced by q + k + v (a bound, not a model)",
+                       torch.compile(model), True, restore=restore)
     if name == "minference":
         return minference(extra, f'torch.compile(model, backend="minference"{", options=" + repr(extra) if extra else ""})')
     if name == "minference-noguard":
@@ -236,11 +269,21 @@ def make_variant(name: str, model, minference_options: Optional[dict] = None) ->
 
 
 _DEFAULT_SEMANTIC = "default: every head vertical-slash (1000, 6096)"
+PATTERNS = ("vertical_slash", "a_shape")
+"""what ``pattern`` may give every head with ``budgets``: vertical-slash (columns, diagonals) or A-shape (sink keys,
+local window). A-shape at (1000, 6096) keeps as many keys a row as the default vertical-slash budgets, all in two
+contiguous runs: on random weights, whose slashes scatter over the whole row, it is the speed the default budgets
+would give if the attention had the structure of a trained model's."""
 
 
-def _with_semantic_config(variant: Variant, model, budgets: Optional[tuple], config_path: Optional[str]) -> Variant:
+def _semantic_name(budgets, pattern: str) -> str:
+    return f"every head {pattern.replace('_', '-')} {list(budgets)}"
+
+
+def _with_semantic_config(variant: Variant, model, budgets: Optional[tuple], config_path: Optional[str],
+                          pattern: str = "vertical_slash") -> Variant:
     """``variant`` (a minference one) compiled with a semantic config: the JSON at ``config_path``, or every head
-    vertical-slash with ``budgets`` (columns, diagonals) and this GPU's tuned crossover. Other variants as they are."""
+    ``pattern`` with ``budgets`` and this GPU's tuned crossover. Other variants as they are."""
     if not variant.name.startswith("minference"):
         return variant
     if config_path is not None:
@@ -248,9 +291,9 @@ def _with_semantic_config(variant: Variant, model, budgets: Optional[tuple], con
     else:
         from .config import default_config, model_identity_from_hf
 
-        semantic = default_config(model_identity_from_hf(model.config), budgets=tuple(budgets))
+        semantic = default_config(model_identity_from_hf(model.config), pattern=pattern, budgets=tuple(budgets))
         options = {"min_sparse_len": -1, **(variant.minference_options or {}), "config": semantic}
-        said = f"every head vertical-slash {tuple(budgets)}, tuned crossover"
+        said = f"every head {pattern.replace('_', '-')} {tuple(budgets)}, tuned crossover"
     # mode= cannot go beside options= in torch.compile; reduce-overhead travels in the options already
     compiled = torch.compile(model, backend="minference", options=options)
     return dataclasses.replace(variant, fn=compiled, minference_options=options,
@@ -441,7 +484,8 @@ def warm_up_compiler(device: torch.device) -> None:
 # ---------------------------------------------------------------- one variant, in this process
 
 
-def _minference_summary(reports, model, device, dtype, lengths, budgets: Optional[tuple] = None) -> dict:
+def _minference_summary(reports, model, device, dtype, lengths, budgets: Optional[tuple] = None,
+                        pattern: str = "vertical_slash") -> dict:
     from collections import Counter
 
     from .autotune.dispatch import tuned_min_sparse_len
@@ -454,7 +498,7 @@ def _minference_summary(reports, model, device, dtype, lengths, budgets: Optiona
     q = torch.empty(1, cfg.num_attention_heads, 1, head_dim, device=device, dtype=dtype)
     k = torch.empty(1, cfg.num_key_value_heads, 1, head_dim, device=device, dtype=dtype)
     # the plan every head runs (--budgets) sets the crossover of a device that has none tuned
-    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),)) if budgets else None
+    plan = LayerPlan((HeadPlan(Pattern(pattern), *budgets),)) if budgets else None
     resolved = tuned_min_sparse_len(q, k, plan) if option is not None and option < 0 else option
     sparse_lengths = [n for n in lengths if resolved is not None and n >= resolved]
     return {
@@ -526,19 +570,32 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
                 on_cell: Optional[Callable[[Cell], None]] = None,
                 make_prompt: Optional[Callable[[int, int], torch.Tensor]] = None,
                 budgets: Optional[tuple] = None, config_path: Optional[str] = None,
-                prompts: PromptBatch = PromptBatch()) -> tuple[list, VariantSummary]:
+                prompts: PromptBatch = PromptBatch(), pattern: str = "vertical_slash") -> tuple[list, VariantSummary]:
+    from .backend import recent_reports
+
+    torch._dynamo.reset()
+    routing.reset()  # one variant's routing decisions never reach the next (in-process runs)
+    reports_before = {id(r) for r in recent_reports()}
+    variant = make_variant(name, model, minference_options)
+    try:
+        return _run(variant, model, name, lengths, reps=reps, warmup=warmup, seed=seed, guard_probe=guard_probe,
+                    profile=profile, on_cell=on_cell, make_prompt=make_prompt, budgets=budgets,
+                    config_path=config_path, prompts=prompts, pattern=pattern, reports_before=reports_before)
+    finally:
+        if variant.restore:  # in-process runs: the next variant gets the model as it was
+            variant.restore()
+
+
+def _run(variant: Variant, model, name: str, lengths, *, reps, warmup, seed, guard_probe, profile, on_cell,
+         make_prompt, budgets, config_path, prompts, pattern, reports_before) -> tuple[list, VariantSummary]:
     from .backend import recent_reports
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = model.config.vocab_size
     last = _last_logits_kwarg(model)
-    torch._dynamo.reset()
-    routing.reset()  # one variant's routing decisions never reach the next (in-process runs)
-    reports_before = {id(r) for r in recent_reports()}
-    variant = make_variant(name, model, minference_options)
     if budgets is not None or config_path is not None:
-        variant = _with_semantic_config(variant, model, budgets, config_path)
+        variant = _with_semantic_config(variant, model, budgets, config_path, pattern)
     summary = VariantSummary(name, variant.description, variant.compiled)
     graphs0, breaks0 = _counter("stats", "unique_graphs"), _counter("graph_break")
     skips0 = _counter("inductor", "cudagraph_skips")
@@ -617,7 +674,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
         summary.cudagraph_skips = _counter("inductor", "cudagraph_skips") - skips0
     if name.startswith("minference"):
         reports = [r for r in recent_reports() if id(r) not in reports_before]
-        summary.minference = _minference_summary(reports, model, device, dtype, lengths, budgets)
+        summary.minference = _minference_summary(reports, model, device, dtype, lengths, budgets, pattern)
         for cell in cells:
             cell.path = summary.minference["path"].get(str(cell.length))
             cell.launch = summary.minference["launch"].get(str(cell.length))
@@ -666,7 +723,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                   out=None, append: bool = False, command: Optional[str] = None,
                   model_name: str = "llama3-8b-random", budgets: Optional[tuple] = None,
                   config_path: Optional[str] = None, attention_mask: bool = False, batch: int = 1,
-                  pad_fraction: float = 0.0) -> PrefillResult:
+                  pad_fraction: float = 0.0, pattern: str = "vertical_slash") -> PrefillResult:
     """Time to first token of every variant at every length; a table via ``.table()``, JSON via ``out``.
 
     ``out`` is rewritten after every finished variant (every cell in-process), so a run cut
@@ -676,7 +733,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     ``model_name="smollm2"`` runs SmolLM2-135M-Instruct's real weights (all 30 layers, YaRN to the
     longest length) on Austen's prose instead; ``layers`` and ``config_overrides`` do not apply.
     The minference variants run MInference's default budgets unless ``budgets`` (columns, diagonals: every
-    head vertical-slash with those, this GPU's tuned crossover) or ``config_path`` (a semantic config JSON) says.
+    head vertical-slash with those, this GPU's tuned crossover; ``pattern="a_shape"``: every head A-shape with
+    ``budgets`` as (sink, window), see :data:`PATTERNS`) or ``config_path`` (a semantic config JSON) says.
     ``attention_mask``: every forward also gets an all-ones ``attention_mask``, as ``generate`` passes one.
     ``batch`` prompts of each length in one forward; ``pad_fraction`` > 0 left-pads them to unequal lengths
     (:class:`PromptBatch`), with the mask and position ids ``generate`` would pass. TTFT is the whole batch's.
@@ -686,6 +744,10 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         raise ValueError("give budgets or a semantic config, not both")
     if budgets is not None and (len(budgets) != 2 or min(budgets) < 1):
         raise ValueError(f"budgets must be two positive ints (columns, diagonals), got {budgets!r}")
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown pattern {pattern!r}; known: {', '.join(PATTERNS)}")
+    if pattern != "vertical_slash" and budgets is None:
+        raise ValueError(f"pattern {pattern!r} needs budgets: the default ones are vertical-slash budgets")
     if config_path is not None:
         config_path = os.path.abspath(config_path)  # the variants' processes may run elsewhere
         if not os.path.isfile(config_path):
@@ -717,7 +779,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "dtype": str(dtype).removeprefix("torch."), "lengths": lengths, "variants_requested": variants,
         "reps": reps, "warmup": warmup, "seed": seed, "isolated_processes": isolate, "cold_caches": cold_caches and isolate,
         "minference_options": minference_options or {},
-        "semantic_config": config_path or (f"every head vertical-slash {list(budgets)}" if budgets else _DEFAULT_SEMANTIC),
+        "semantic_config": config_path or (_semantic_name(budgets, pattern) if budgets else _DEFAULT_SEMANTIC),
         "use_cache": False, "logits": "last position only",
         "attention_mask": prompts.describe(), "batch": batch,
         "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
@@ -743,7 +805,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                 lengths=lengths, layers=layers, device=str(device), dtype=str(dtype).removeprefix("torch."), reps=reps,
                 warmup=warmup, seed=seed, config_overrides=config_overrides, minference_options=minference_options,
                 guard_probe=guard_probe, model_name=model_name, budgets=budgets, config_path=config_path,
-                attention_mask=attention_mask, batch=batch, pad_fraction=pad_fraction), cold_caches, out)
+                attention_mask=attention_mask, batch=batch, pad_fraction=pad_fraction, pattern=pattern),
+                cold_caches, out)
             result.cells += part.cells
             result.variants += part.variants
             for key, value in part.meta.items():  # environment, model size: the same in every process
@@ -778,7 +841,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
             _, done = run_variant(model, name, lengths, reps=reps, warmup=warmup, seed=seed,
                                   minference_options=minference_options, guard_probe=guard_probe, on_cell=on_cell,
                                   make_prompt=make_prompt, budgets=budgets, config_path=config_path,
-                                  prompts=prompts)
+                                  prompts=prompts, pattern=pattern)
             result.variants[result.variants.index(summary)] = done
         except Exception as exc:  # e.g. a compile that fails outright
             summary.error = f"{type(exc).__name__}: {exc}"[:500]
@@ -871,7 +934,8 @@ def _child_main(spec_path: str) -> int:
                   guard_probe=spec["guard_probe"], isolate=False, out=spec["out"],
                   model_name=spec.get("model_name", "llama3-8b-random"), budgets=spec.get("budgets"),
                   config_path=spec.get("config_path"), attention_mask=spec.get("attention_mask", False),
-                  batch=spec.get("batch", 1), pad_fraction=spec.get("pad_fraction", 0.0))
+                  batch=spec.get("batch", 1), pad_fraction=spec.get("pad_fraction", 0.0),
+                  pattern=spec.get("pattern", "vertical_slash"))
     return 0
 
 

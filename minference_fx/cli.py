@@ -97,14 +97,15 @@ def _bench(args) -> int:
             out=args.out, append=args.append, command=command, model_name=args.model,
             budgets=tuple(args.budgets) if args.budgets else None, config_path=args.config,
             minference_options=None if args.guard_threshold is None else {"guard_threshold": args.guard_threshold},
-            attention_mask=args.attention_mask, batch=args.batch, pad_fraction=args.pad_fraction)
+            attention_mask=args.attention_mask, batch=args.batch, pad_fraction=args.pad_fraction,
+            pattern=args.pattern)
         print(result.table())
         if args.out:
             print(f"wrote {args.out}")
         return 0
     if args.what == "kernels":
-        if args.config:
-            sys.exit("bench kernels: --config is for prefill; give --budgets")
+        if args.config or args.pattern != "vertical_slash":
+            sys.exit("bench kernels: --config and --pattern are for prefill; give --budgets")
         rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets or (1000, 6096)),
                                    baselines=tuple(args.baselines.split(",")) if args.baselines else ())
         print(bench.format_kernel_rows(rows))
@@ -274,6 +275,8 @@ def main(argv=None) -> int:
     b.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help="vertical columns and slash diagonals of every head (default: MInference's 1000 6096)")
     b.add_argument("--config", default=None, help="prefill: semantic config JSON for the minference variants (instead of --budgets)")
+    b.add_argument("--pattern", default="vertical_slash", choices=["vertical_slash", "a_shape"],
+                   help="prefill, with --budgets: every head this pattern; a_shape reads the budgets as (sink, window)")
     b.add_argument("--guard-threshold", type=float, default=None,
                    help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
@@ -285,7 +288,8 @@ def main(argv=None) -> int:
                         "when it has one)")
     b.add_argument("--variants", default="eager,inductor,minference,minference-noguard",
                    help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
-                        "minference-noguard, minference-noroute, minference-ro")
+                        "minference-noguard, minference-noroute, minference-ro, inductor-noattn (a bound: attention "
+                        "replaced by q + k + v)")
     b.add_argument("--reduce-overhead", action="store_true", help="prefill: also minference with mode=reduce-overhead")
     b.add_argument("--reps", type=_positive_int, default=3, help="prefill: timed forwards per cell (median), after one warm-up")
     b.add_argument("--in-process", action="store_true",

@@ -173,6 +173,53 @@ def test_budgets_reach_the_minference_variants(tmp_path):
                          append=True)
 
 
+def test_a_shape_budgets_reach_the_minference_variants(tmp_path):
+    """--pattern a_shape --budgets S W: every head A-shape (sink S, window W); the guard checks none of them
+    (it checks vertical-slash heads), and the results name the pattern."""
+    out = tmp_path / "prefill.json"
+    result = bp.bench_prefill(LENGTHS[-1:], layers=1, variants=("minference",), isolate=False, reps=1,
+                              config_overrides=TINY, minference_options=OPTIONS, out=out, budgets=(16, 48),
+                              pattern="a_shape")
+    data = json.loads(out.read_text())
+    assert data["semantic_config"] == "every head a-shape [16, 48]"
+    cell = _cells(data)[(LENGTHS[-1], "minference")]
+    assert cell["status"] == "ok" and cell["path"] == "sparse" and cell["finite"]
+    assert cell["guard"]["heads_checked"] == 0
+    mf = _variant(data, "minference")
+    assert "a-shape (16, 48)" in mf["description"]
+    assert list(mf["minference"]["plans"]) and all("a_shape" in plan for plan in mf["minference"]["plans"])
+    assert "every head a-shape [16, 48]" in result.table()
+    with pytest.raises(ValueError, match="needs budgets"):
+        bp.bench_prefill(LENGTHS[:1], pattern="a_shape")
+    with pytest.raises(ValueError, match="unknown pattern"):
+        bp.bench_prefill(LENGTHS[:1], budgets=(16, 48), pattern="block_sparse")
+
+
+def test_no_attention_adds_q_k_v_per_group():
+    q, k, v = torch.randn(2, 4, 5, 3), torch.randn(2, 2, 5, 3), torch.randn(2, 2, 5, 3)
+    out, weights = bp._no_attention(None, q, k, v, None, scaling=0.5)
+    assert weights is None and out.shape == (2, 5, 4, 3)  # [B, S, H, D], as HF's attention functions return
+    for h in range(4):  # query heads 0-1 share KV head 0, 2-3 KV head 1
+        torch.testing.assert_close(out[:, :, h], (q[:, h] + k[:, h // 2] + v[:, h // 2]))
+
+
+@pytest.mark.slow
+def test_the_no_attention_bound_compiles_without_attention_and_restores_the_model():
+    """inductor-noattn: no attention op in the compiled graph, and the model runs SDPA again afterwards (an
+    in-process run's next variant must not time the bound)."""
+    model = bp.build_model(bp.llama3_8b_config(layers=2, max_len=256, **TINY), "cpu", torch.float32)
+    ids = bp.prompt_ids(LENGTHS[0], TINY["vocab_size"], 0, "cpu")
+    with torch.inference_mode():
+        dense = model(input_ids=ids, use_cache=False).logits
+    cells, summary = bp.run_variant(model, "inductor-noattn", LENGTHS[:2], reps=1)
+    assert [c.status for c in cells] == ["ok", "ok"] and all(c.finite for c in cells)
+    assert summary.recompiles == 0 and "bound" in summary.description
+    assert not any("scaled_dot_product" in k for k in summary.attention_kernels), summary.attention_kernels
+    assert model.config._attn_implementation == "sdpa"
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, dense)
+
+
 @pytest.mark.slow
 def test_inductor_and_reduce_overhead(tmp_path):
     out = tmp_path / "prefill.json"
@@ -261,6 +308,9 @@ def test_cli_wiring(monkeypatch, capsys):
     assert seen["attention_mask"] is True and seen["batch"] == 1 and seen["pad_fraction"] == 0.0
     assert cli.main(["bench", "prefill", "--batch", "4", "--pad-fraction", "0.25"]) == 0
     assert seen["batch"] == 4 and seen["pad_fraction"] == 0.25
+    assert seen["pattern"] == "vertical_slash"
+    assert cli.main(["bench", "prefill", "--budgets", "1000", "6096", "--pattern", "a_shape"]) == 0
+    assert seen["pattern"] == "a_shape" and seen["budgets"] == (1000, 6096)
 
 
 @pytest.mark.gpu
