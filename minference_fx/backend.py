@@ -91,7 +91,7 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
         raise ConfigMismatchError(sorted(set(problems), key=problems.index))
 
 
-def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config):
+def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config, int64_indexing: bool = True):
     if inner == Inner.EAGER:
         return gm.forward
     if inner == Inner.AOT_EAGER:
@@ -101,8 +101,11 @@ def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config):
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    from .indexing import int64_for_dynamic_sizes
+
     patches = {**list_mode_options(mode or "default"), **inductor_config}
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+    with int64_for_dynamic_sizes(int64_indexing):
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
 def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
@@ -171,4 +174,4 @@ def minference_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options
         from . import precompile
 
         precompile.start(n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SPARSE_OP)
-    return _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config)
+    return _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config, opts.int64_indexing)

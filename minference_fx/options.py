@@ -59,8 +59,13 @@ class BackendOptions:
     SDPA at its next call instead of the kernel's dense walk (``minference_fx.routing``); False: the index
     of each call alone decides"""
 
+    int64_indexing: bool = True
+    """Inductor indexes the kernels whose sizes grow with the prompt with int64 from the first compile
+    (``minference_fx.indexing``), so a prompt past 2**31 elements of an activation does not recompile the
+    graph; False: Inductor's own choice (int32 while the first prompt's sizes fit, a recompile past them)"""
+
     _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold",
-              "autotune", "precompile", "route_dense")
+              "autotune", "precompile", "route_dense", "int64_indexing")
     AUTOTUNE_POLICIES = ("off", "on-miss")
 
     @classmethod
@@ -86,7 +91,7 @@ class BackendOptions:
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
-        for flag in ("precompile", "route_dense"):
+        for flag in ("precompile", "route_dense", "int64_indexing"):
             if not isinstance(options.get(flag, True), bool):
                 problems.append(f"{flag}={options[flag]!r}; expected True or False")
         if options.get("mode") is not None and options["mode"] not in _INDUCTOR_MODES:
@@ -114,4 +119,5 @@ class BackendOptions:
             autotune=options.get("autotune", "off"),
             precompile=options.get("precompile", True),
             route_dense=options.get("route_dense", True),
+            int64_indexing=options.get("int64_indexing", True),
         )

@@ -559,3 +559,29 @@ def test_einsum_attention_and_a_view_of_the_sdpa_output_through_inductor_match_e
     assert [r.decision for r in rows] == ["sparse", "sparse"], rows
     for a, b in zip(got, want):
         assert _rel(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("int64_indexing", [True, False])
+def test_a_prompt_past_2_31_activation_elements_recompiles_only_without_int64_indexing(int64_indexing):
+    """Inductor indexes with int32 while the first prompt's sizes fit and guards on it; an MLP 2**20 wide passes
+    2**31 elements between 1024 and 2304 tokens. With int64_indexing the longer prompt reuses the graph (and
+    matches eager); without it, Inductor's guard recompiles."""
+    from torch._dynamo.utils import counters
+
+    from minference_fx import bench_prefill as bp
+
+    cfg = bp.llama3_8b_config(layers=1, max_len=4096, hidden_size=64, intermediate_size=2 ** 20, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=128)
+    model = bp.build_model(cfg, "cuda", torch.bfloat16)
+    compiled = torch.compile(model, backend="minference", options={"int64_indexing": int64_indexing})
+    graphs = []
+    with torch.inference_mode():
+        for seq in (1024, 2304):
+            ids = bp.prompt_ids(seq, 128, 0, "cuda")
+            torch._dynamo.mark_dynamic(ids, 1)
+            got = compiled(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+            graphs.append(counters["stats"]["unique_graphs"])
+        dense = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+    assert 2304 * 2 ** 20 > 2 ** 31 - 1 >= 1024 * 2 ** 20
+    assert graphs[1] - graphs[0] == (0 if int64_indexing else 1), graphs
+    assert torch.isfinite(got).all() and _rel(got, dense) < 2e-2
