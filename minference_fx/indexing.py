@@ -12,6 +12,10 @@ common case, not the corner.
 while it compiles one graph: those kernels index with int64 and nothing is guarded on the width. Sizes
 without symbols keep Inductor's own answer. int64 indexing is always correct (Inductor says so where it
 guards); it costs some integer arithmetic in the length-dependent kernels, measured in the same results.
+
+Inductor's FX graph cache does not see the patch, so while inside, ``torch.compiler.config.cache_key_tag``
+(part of that cache's key) also names it: a graph compiled with int32 indices and its guard, by an earlier
+minference-fx or with ``int64_indexing=False``, is never loaded in place of this one.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import contextlib
 import importlib
 import threading
 from typing import Callable, Iterator
+
+import torch
 
 # the modules that call Inductor's 32-bit test by a name imported from torch._inductor.utils (torch 2.11)
 _CALLERS = ("torch._inductor.codegen.simd", "torch._inductor.codegen.triton_utils")
@@ -39,6 +45,8 @@ def wide_when_symbolic(fits: Callable) -> Callable:
 _lock = threading.Lock()
 _holders = 0  # compiles inside the context now (threads may compile at once); the last one out restores
 _originals: list = []
+_saved_tag: list = []
+TAG = "minference_fx.indexing:int64-for-symbolic-sizes"
 
 
 def _callers() -> list | None:
@@ -69,6 +77,9 @@ def int64_for_dynamic_sizes(enabled: bool = True) -> Iterator[bool]:
             _originals[:] = [getattr(m, _NAME) for m in modules]
             for module, fits in zip(modules, _originals):
                 setattr(module, _NAME, wide_when_symbolic(fits))
+            tag = torch.compiler.config.cache_key_tag
+            _saved_tag[:] = [tag]
+            torch.compiler.config.cache_key_tag = f"{tag};{TAG}" if tag else TAG
         _holders += 1
     try:
         yield True
@@ -78,3 +89,4 @@ def int64_for_dynamic_sizes(enabled: bool = True) -> Iterator[bool]:
             if _holders == 0:
                 for module, fits in zip(modules, _originals):
                     setattr(module, _NAME, fits)
+                torch.compiler.config.cache_key_tag = _saved_tag[0]

@@ -3,6 +3,7 @@ import importlib
 import threading
 
 import sympy
+import torch
 
 from minference_fx import indexing
 from minference_fx.options import BackendOptions
@@ -20,7 +21,8 @@ def test_symbolic_sizes_are_wide_inside_and_inductors_test_is_back_outside():
         inside = _tests()
         assert all(t is not b for t, b in zip(inside, before))
         assert not any(t(14336 * s0) for t in inside) and not any(t(s0) for t in inside)
-    assert _tests() == before
+        assert torch.compiler.config.cache_key_tag == indexing.TAG  # Inductor's FX graph cache keys on it
+    assert _tests() == before and torch.compiler.config.cache_key_tag == ""
 
 
 def test_sizes_without_symbols_keep_inductors_answer():
@@ -33,7 +35,14 @@ def test_sizes_without_symbols_keep_inductors_answer():
 def test_disabled_leaves_inductor_alone():
     before = _tests()
     with indexing.int64_for_dynamic_sizes(False) as patched:
-        assert not patched and _tests() == before
+        assert not patched and _tests() == before and torch.compiler.config.cache_key_tag == ""
+
+
+def test_a_users_cache_key_tag_is_kept_beside_ours():
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        with indexing.int64_for_dynamic_sizes():
+            assert torch.compiler.config.cache_key_tag == f"mine;{indexing.TAG}"
+        assert torch.compiler.config.cache_key_tag == "mine"
 
 
 def test_overlapping_compiles_restore_only_when_the_last_leaves():
