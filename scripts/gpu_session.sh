@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install, then the steps asked for; every step's output lands in $OUT.
 # usage: scripts/gpu_session.sh STEPS   (comma list of: tests, tune, bench, prefill, densepath)
-#   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu (the whole suite took 453-533 s on an H200 in 2026-12-02's runs: near the
-#                                   600 s a call may run; --durations shows which tests to split off with TEST_ARGS="-k ...")
+#   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu (the whole suite took 453-533 s on an H200 in 2026-12-02's runs, before the
+#                                   2**31 indexing test's 50 s: past the 600 s a call may run with it; split it, e.g.
+#                                   TEST_ARGS="-k 'not fuzz'" then TEST_ARGS="-k fuzz"; --durations shows the slowest)
 #   TUNE_LENGTHS / TUNE_TIMEOUT     minference-fx autotune into $OUT/autotune, then a second process reads it
 #   TUNE_EXTRA                      autotune arguments of a second shape, tuned into the same cache
 #   BENCH_LENGTHS / BENCH_TIMEOUT / BENCH_ARGS    minference-fx bench kernels
