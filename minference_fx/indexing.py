@@ -11,7 +11,8 @@ common case, not the corner.
 :func:`int64_for_dynamic_sizes` makes Inductor answer "does not fit" for every size with a free symbol
 while it compiles one graph: those kernels index with int64 and nothing is guarded on the width. Sizes
 without symbols keep Inductor's own answer. int64 indexing is always correct (Inductor says so where it
-guards); it costs some integer arithmetic in the length-dependent kernels, measured in the same results.
+guards); it costs some integer arithmetic in the length-dependent kernels: +0.9-1.6 % time to first token
+on the 8-layer Llama-3-8B shape at 32K-256K, within the spread between two runs (same results).
 
 Inductor's FX graph cache does not see the patch, so while inside, ``torch.compiler.config.cache_key_tag``
 (part of that cache's key) also names it: a graph compiled with int32 indices and its guard, by an earlier
