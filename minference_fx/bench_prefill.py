@@ -276,8 +276,8 @@ contiguous runs: on random weights, whose slashes scatter over the whole row, it
 would give if the attention had the structure of a trained model's."""
 
 
-def _semantic_name(budgets, pattern: str) -> str:
-    return f"every head {pattern.replace('_', '-')} {list(budgets)}"
+def _every_head(pattern: str, budgets) -> str:
+    return f"every head {pattern.replace('_', '-')} {budgets}"
 
 
 def _with_semantic_config(variant: Variant, model, budgets: Optional[tuple], config_path: Optional[str],
@@ -293,7 +293,7 @@ def _with_semantic_config(variant: Variant, model, budgets: Optional[tuple], con
 
         semantic = default_config(model_identity_from_hf(model.config), pattern=pattern, budgets=tuple(budgets))
         options = {"min_sparse_len": -1, **(variant.minference_options or {}), "config": semantic}
-        said = f"every head {pattern.replace('_', '-')} {tuple(budgets)}, tuned crossover"
+        said = f"{_every_head(pattern, tuple(budgets))}, tuned crossover"
     # mode= cannot go beside options= in torch.compile; reduce-overhead travels in the options already
     compiled = torch.compile(model, backend="minference", options=options)
     return dataclasses.replace(variant, fn=compiled, minference_options=options,
@@ -779,7 +779,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "dtype": str(dtype).removeprefix("torch."), "lengths": lengths, "variants_requested": variants,
         "reps": reps, "warmup": warmup, "seed": seed, "isolated_processes": isolate, "cold_caches": cold_caches and isolate,
         "minference_options": minference_options or {},
-        "semantic_config": config_path or (_semantic_name(budgets, pattern) if budgets else _DEFAULT_SEMANTIC),
+        "semantic_config": config_path or (_every_head(pattern, list(budgets)) if budgets else _DEFAULT_SEMANTIC),
         "use_cache": False, "logits": "last position only",
         "attention_mask": prompts.describe(), "batch": batch,
         "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
