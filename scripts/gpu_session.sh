@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: install, then the steps asked for; every step's output lands in $OUT.
 # usage: scripts/gpu_session.sh STEPS   (comma list of: tests, tune, bench, prefill, densepath)
-#   TEST_TIMEOUT / TEST_ARGS        pytest -m gpu (the whole suite took 453-533 s on an H200 in 2026-12-02's runs, before the
-#                                   2**31 indexing test's 50 s: past the 600 s a call may run with it; split it, e.g.
-#                                   TEST_ARGS="-k 'not fuzz'" then TEST_ARGS="-k fuzz"; --durations shows the slowest)
+#   TEST_TIMEOUT / TEST_ARGS / TEST_K   pytest -m gpu (the whole suite took 453-533 s on an H200 in 2026-12-02's runs, before
+#                                   the 2**31 indexing test's 50 s: past the 600 s a call may run with it; split it with
+#                                   TEST_K (one -k expression, spaces kept): TEST_K="not fuzz", then TEST_K=fuzz;
+#                                   TEST_ARGS is split on spaces, so it cannot carry such an expression)
 #   TUNE_LENGTHS / TUNE_TIMEOUT     minference-fx autotune into $OUT/autotune, then a second process reads it
 #   TUNE_EXTRA                      autotune arguments of a second shape, tuned into the same cache
 #   BENCH_LENGTHS / BENCH_TIMEOUT / BENCH_ARGS    minference-fx bench kernels
@@ -19,7 +20,7 @@ mkdir -p autotune configs; python3 -m pip install -q --no-deps --no-build-isolat
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } | tee "$OUT/gpu.txt"
 if [[ $steps == *,tests,* ]]; then
-  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -v -m gpu -p no:cacheprovider --import-mode=importlib --durations=12 tests -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -v -m gpu -p no:cacheprovider --import-mode=importlib --durations=12 tests -s ${TEST_ARGS:-} ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/gpu_tests.txt"
 fi
 if [[ $steps == *,tune,* ]]; then
   tl=${TUNE_LENGTHS:-32k,128k}
