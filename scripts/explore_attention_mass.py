@@ -57,6 +57,10 @@ def mass_profile(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int, keys
     return {name: torch.stack(values).cpu() for name, values in out.items()}
 
 
+def default_plan(heads: int) -> LayerPlan:
+    return LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, COLUMNS, DIAGONALS) for _ in range(heads)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("llama-random", "smollm2"), default="llama-random")
@@ -66,7 +70,6 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run at a short length (Triton interpreted)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    plan_of = lambda heads: LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, COLUMNS, DIAGONALS) for _ in range(heads)))
     for length in args.lengths:
         if args.model == "smollm2":
             model, tokenizer = build_smollm2(length, device, torch.bfloat16)
@@ -78,7 +81,7 @@ def main() -> None:
 
         def observe(call) -> None:
             profile = mass_profile(call.q, call.k, call.scale, args.rows, KEYS)
-            recall = head_recall(call.q, call.k, plan_of(call.q.shape[1]), scale=call.scale, rows=args.rows)
+            recall = head_recall(call.q, call.k, default_plan(call.q.shape[1]), scale=call.scale, rows=args.rows)
             layers.append((profile, recall))
             print(f"{args.model} {length:7d} layer {call.layer:2d}: top-{KEYS} mass {profile['top'].mean():.3f} "
                   f"(heads {profile['top'].min():.3f}-{profile['top'].max():.3f}); keys for 90 % "
@@ -86,11 +89,14 @@ def main() -> None:
                   f"{recall.recall.mean():.3f} at physical density {recall.density.mean():.3f}", flush=True)
 
         run_observed(model.model, ids, observe)  # the base model: no logits for every position
-        mean = lambda pick: sum(pick(layer).mean().item() for layer in layers) / len(layers)
+        def mean(values) -> float:  # over layers of the per-head means
+            return sum(v.mean().item() for v in values) / len(layers)
+
         print(f"== {args.model} at {length} ({len(layers)} layers, last {args.rows} rows, mean over heads): "
-              f"top-{KEYS} mass {mean(lambda l: l[0]['top']):.3f}; keys for 90 % {mean(lambda l: l[0]['need90']):.3f} "
-              f"and for 95 % {mean(lambda l: l[0]['need95']):.3f} of the row; index recall "
-              f"{mean(lambda l: l[1].recall):.3f} at density {mean(lambda l: l[1].density):.3f}", flush=True)
+              f"top-{KEYS} mass {mean(p['top'] for p, _ in layers):.3f}; keys for 90 % "
+              f"{mean(p['need90'] for p, _ in layers):.3f} and for 95 % {mean(p['need95'] for p, _ in layers):.3f} "
+              f"of the row; index recall {mean(r.recall for _, r in layers):.3f} at density "
+              f"{mean(r.density for _, r in layers):.3f}", flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
