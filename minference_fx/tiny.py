@@ -47,6 +47,11 @@ FAMILIES = {
     "falcon": TinyFamily("FalconConfig", "FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2},
                          drop=("num_key_value_heads",)),
     "gpt2": TinyFamily("GPT2Config", "GPT2LMHeadModel", drop=("num_key_value_heads",)),  # sizes via attribute_map
+    # GPT-2's eager path with its scores upcast, from baddbmm on [B·H, S, D] views (the Stanford CRFM models)
+    "gpt2_upcast": TinyFamily("GPT2Config", "GPT2LMHeadModel", {"reorder_and_upcast_attn": True},
+                              drop=("num_key_value_heads",)),
+    "gpt_neox_japanese": TinyFamily("GPTNeoXJapaneseConfig", "GPTNeoXJapaneseForCausalLM",
+                                    {"intermediate_multiple_size": 2}, drop=("num_key_value_heads", "intermediate_size")),
 }
 
 

@@ -5,6 +5,7 @@ Order matters and is fixed:
 0. ``unfuse``  – open ``nn.MultiheadAttention``'s fused call into projections + SDPA where it is causal
    self-attention (with ``einsum``, the passes that edit the graph before the rewrite; they compute the same);
    ``einsum``  – write attention's einsums as the matmul chain ``find`` reads (it computes the same);
+   ``bmm``     – write attention on 3-D [B·H, S, D] views of 4-D tensors as that chain too;
 1. ``find``    – every SDPA call and manual matmul→softmax→matmul chain;
 2. ``masks``   – what each mask means (unknown → the site stays dense);
 3. ``gqa``     – look through repeat_kv, after masks so a blocked site keeps its K/V;
@@ -20,16 +21,17 @@ from typing import Callable
 import torch.fx as fx
 
 from ..plan import LayerPlan
-from . import einsum, find, gqa, layers, layout, masks, rewrite, unfuse, unread
+from . import bmm, einsum, find, gqa, layers, layout, masks, rewrite, unfuse, unread
 from .site import AttentionSite, MaskInfo, MaskKind
 
 __all__ = ["AttentionSite", "MaskInfo", "MaskKind", "analyse", "apply"]
 
 
 def analyse(gm: fx.GraphModule) -> list[AttentionSite]:
-    """Sites with everything the passes learned; the graph is untouched but for ``unfuse`` and ``einsum``."""
+    """Sites with everything the passes learned; the graph is untouched but for ``unfuse``, ``einsum`` and ``bmm``."""
     unfuse.run(gm)
     einsum.run(gm)
+    bmm.run(gm)
     sites = find.run(gm)
     for step in (masks.run, gqa.run, layout.run, layers.run):
         sites = step(sites)

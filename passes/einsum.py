@@ -102,7 +102,7 @@ def _softmax_over_last(node) -> bool:
     return is_call(node, SOFTMAX_FUNCS, ("softmax",)) and call_arg(node, 1, "dim", None) in (-1, 3)
 
 
-def _reaches_softmax(node: fx.Node) -> bool:
+def reaches_softmax(node: fx.Node) -> bool:
     """Whether ``node`` flows through single users (scale, mask) into a softmax over its last dim."""
     for _ in range(MAX_SCORE_STEPS + 1):
         if len(node.users) != 1:
@@ -180,7 +180,7 @@ def _respell_sequence_major_keys(graph: fx.Graph) -> int:
         if not is_call(node, MATMUL_FUNCS, ("matmul",)) or len(node.args) != 2 or node.kwargs:
             continue
         key_t = node.args[1]
-        if not _key_straight_from_sequence_major(key_t) or not _reaches_softmax(node):
+        if not _key_straight_from_sequence_major(key_t) or not reaches_softmax(node):
             continue
         with graph.inserting_before(node):
             by_head = add_call(graph, node, torch.transpose, key_t.args[0], 1, 2)
@@ -208,7 +208,7 @@ def run(gm: fx.GraphModule) -> int:
         if p is None or not p.well_formed() or not _same_contracted_size(p, *values):
             continue
         with graph.inserting_before(node):
-            new = _scores(graph, node, p, left, right) if _reaches_softmax(node) else None
+            new = _scores(graph, node, p, left, right) if reaches_softmax(node) else None
             if new is None:
                 new = _value_product(graph, node, p, left, right)
             if new is not None:

@@ -219,6 +219,22 @@ def _walk_scores(softmax: fx.Node):
     return None
 
 
+def _exact_upcast_of(x) -> fx.Node | None:
+    """y from ``y.float()`` (any cast to fp32) of a 16-bit float ``y``, else None."""
+    if not is_call(x, (), CASTS) or not isinstance(x.args[0], fx.Node):
+        return None
+    return x.args[0] if dtype_of(x.args[0]) in (torch.float16, torch.bfloat16) and dtype_of(x) == torch.float32 else None
+
+
+def _below_exact_upcasts(query: fx.Node, key: fx.Node) -> tuple:
+    """q and k from below their casts to fp32 when both are 16-bit floats of one dtype (GPT-2's
+    ``reorder_and_upcast_attn``): a product of two such numbers is exact in fp32, which the op accumulates q·kᵀ
+    in, so it computes the same scores from q and k in their own dtype, and v's dtype is theirs again. A site
+    left dense keeps the casts: the graph is not changed here."""
+    q, k = _exact_upcast_of(query), _exact_upcast_of(key)
+    return (q, k) if q is not None and k is not None and dtype_of(q) == dtype_of(k) else (query, key)
+
+
 def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     """Walk up and down from a softmax over the last dim; None when it is not attention.
 
@@ -237,6 +253,7 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     key = transposed_key(key_t)
     if key is None or not _single_user(key_t):
         return None
+    query, key = _below_exact_upcasts(query, key)
     chain += [scores, key_t]
     blocker = ""
     if unknown:

@@ -33,18 +33,29 @@ _META_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack")
 def add_call(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node:
     """A call node with ``like``'s module path and source, and its fake value (the passes read shapes): for
     passes that write nodes into the graph before ``find`` reads it."""
-    node = graph.call_function(target, args, kwargs)
+    return _traced(graph.call_function(target, args, kwargs), like)
+
+
+def add_call_like(graph: fx.Graph, like: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """A call of ``like``'s function or tensor method on other arguments, with its meta and fake value."""
+    return _traced(graph.create_node(like.op, like.target, args, kwargs), like)
+
+
+def _traced(node: fx.Node, like: fx.Node) -> fx.Node:
     for key in _META_KEYS:
         if key in like.meta:
             node.meta[key] = like.meta[key]
-    arg_values, kwarg_values = fx.node.map_arg((args, kwargs), lambda n: n.meta["example_value"])
+    arg_values, kwarg_values = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
     modes = []
     fx.node.map_aggregate((arg_values, kwarg_values), lambda v: modes.append(v.fake_mode) if isinstance(v, FakeTensor) else v)
     # the graph's own fake mode (the one its example values live in), not whatever tracing context is active;
     # the Python dispatcher lets ops on symbolic sizes keep them symbolic (without it every size would be guarded
     # to its traced value, and each new prompt length would compile again)
     with modes[0], enable_python_dispatcher():
-        node.meta["example_value"] = target(*arg_values, **kwarg_values)
+        if node.op == "call_method":
+            node.meta["example_value"] = getattr(arg_values[0], node.target)(*arg_values[1:], **kwarg_values)
+        else:
+            node.meta["example_value"] = node.target(*arg_values, **kwarg_values)
     return node
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from . import bmm
 from .find import DROPOUT_FUNCS, MATMUL_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, op_name, source_of, transposed_key
 from .site import CASTS, AttentionSite, call_arg, is_call
 
@@ -58,8 +59,10 @@ def _reason(softmax: fx.Node, path: list) -> str:
     product = path[-1]
     name = op_name(product)
     if is_call(product, _THREE_D, _THREE_D_METHODS):
-        return (f"attention written with {name} on 3-D [batch x heads, S, D] operands: the pass reads 4-D "
-                "[B, H, S, D] chains (q @ k.transpose(-2, -1) ... softmax ... @ v) and SDPA")
+        return bmm.why_not_rewritten(product) or (
+            f"attention written with {name} on 3-D [B·H, S, D] operands, its scores reaching the softmax through "
+            "ops the pass does not carry to 4-D (it reads bmm(q, kᵀ) ... softmax ... bmm(·, v) with a scale, a "
+            "mask, casts and dropout between)")
     if is_call(product, (torch.einsum,)):
         return "an einsum the pass does not read as a per-head q·kᵀ (its subscripts are not 'bhqd,bhkd->bhqk' or a spelling of it)"
     dim = call_arg(softmax, 1, "dim", None)

@@ -41,13 +41,14 @@ def test_covering_budgets_equal_dense(family, attn, pattern):
 
 
 MORE_CASES = [("qwen3", "sdpa"), ("gemma3", "eager"), ("phi3", "sdpa"), ("gpt2", "eager"), ("gpt2", "sdpa"),
-              ("falcon", "eager")]
+              ("falcon", "eager"), ("gpt2_upcast", "eager"), ("gpt_neox_japanese", "eager")]
 
 
 @pytest.mark.parametrize("family,attn", MORE_CASES)
 def test_more_architectures_rewritten_and_exact_at_covering_budgets(family, attn):
     """Other HF families, both attention spellings among them: GPT-2 eager casts with ``.type()``, Falcon eager
-    divides in place (``/=``), Gemma 3 alternates sliding-window layers, Qwen 3 normalises q and k."""
+    divides in place (``/=``), Gemma 3 alternates sliding-window layers, Qwen 3 normalises q and k; GPT-2 with
+    ``reorder_and_upcast_attn`` and GPT-NeoX-Japanese compute the scores with ``baddbmm`` on [B·H, S, D] views."""
     model = tiny_model(family, attn)
     ids = torch.randint(0, 128, (1, 150))
     report = inspect(model, ids, use_cache=False)
@@ -82,7 +83,8 @@ def test_small_budgets_are_finite_and_differ(family):
     assert (sparse - dense).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gpt2", "sdpa"), ("gpt2", "eager"), ("gemma3", "sdpa")])
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gpt2", "sdpa"), ("gpt2", "eager"), ("gemma3", "sdpa"),
+                                         ("gpt_neox_japanese", "eager")])
 def test_batch_two_left_padding_matches_eager(family, attn):
     """GPT-2 views its attention_mask to [B, S] first; Gemma 3 pads sliding-window layers."""
     model = tiny_model(family, attn)

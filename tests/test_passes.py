@@ -437,6 +437,37 @@ def test_a_cast_of_the_scores_before_the_softmax_is_read_when_it_widens(dtype, c
     torch.testing.assert_close(out, model(q, k, v), rtol=tol, atol=tol)
 
 
+class UpcastScores(torch.nn.Module):
+    """GPT-2's ``reorder_and_upcast_attn`` in 4-D: q and k cast to fp32 for the scores, the weights cast back to
+    v's dtype; ``mixed`` upcasts only q (k is fp32 already), so the op could not read both in one dtype."""
+
+    def __init__(self, mixed: bool = False):
+        super().__init__()
+        self.mixed = mixed
+
+    def forward(self, q, k, v):
+        n = q.shape[2]
+        k = k.float() if self.mixed else k
+        scores = q.float() @ k.float().transpose(-2, -1) * q.shape[-1] ** -0.5
+        scores = scores + torch.nn.Transformer.generate_square_subsequent_mask(n)
+        return F.softmax(scores, dim=-1).type(v.dtype) @ v
+
+
+@pytest.mark.parametrize("dtype, mixed, decision", [(torch.float16, False, "sparse"), (torch.bfloat16, False, "sparse"),
+                                                    (torch.float32, False, "sparse"), (torch.float16, True, "dense")])
+def test_scores_of_q_and_k_upcast_to_fp32_are_read_in_their_own_dtype(dtype, mixed, decision):
+    """Products of 16-bit floats are exact in the fp32 the op accumulates in, so it reads q and k below the
+    casts and the weights' cast back to v's dtype narrows nothing (it stayed dense: "cast to float16 before the
+    value product"); with k already fp32 the casts stay and so does the site."""
+    q, k, v = (t.to(dtype) for t in _qkv(hkv=4))
+    model = UpcastScores(mixed)
+    row = _only_row(inspect(model, q, k, v))
+    assert row.decision == decision, row.reason
+    out = torch.compile(model, backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, model(q, k, v), rtol=tol, atol=tol)
+
+
 def _value_product_d_before_i(q, k, v):
     p = torch.einsum("bhid,bhjd->bhij", q, k).masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1),
                                                          float("-inf")).softmax(-1)
@@ -581,10 +612,11 @@ class TorchMHA(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("model", [lambda: EinsumAttention("bhid,bhjd->bhij", "bhij,bhjd->bhid"), TorchMHA],
-                         ids=["einsum", "multihead-attention"])
+@pytest.mark.parametrize("model", [lambda: EinsumAttention("bhid,bhjd->bhij", "bhij,bhjd->bhid"), TorchMHA,
+                                   lambda: _SiteCase(functools.partial(_bmm_chain, product="baddbmm"))],
+                         ids=["einsum", "multihead-attention", "baddbmm"])
 def test_graphs_the_passes_write_nodes_into_compile_once_across_lengths(model):
-    """The einsum and unfuse passes add nodes whose fake values are computed on symbolic sizes; without the
+    """The einsum, bmm and unfuse passes add nodes whose fake values are computed on symbolic sizes; without the
     Python dispatcher those sizes were guarded to their traced values, and every new length compiled again."""
     from tiny_models import reports_since
 
@@ -607,11 +639,75 @@ def _causal_blocked(n):
     return torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
 
 
-def _bmm_attention(q, k, v):
+def _bmm_mask_over_merged_heads(q, k, v):
     b, h, n, d = q.shape
     q3, k3, v3 = (t.reshape(b * h, n, d) for t in (q, k, v))
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(n).expand(b * h, n, n)
+    return torch.bmm((torch.bmm(q3, k3.transpose(1, 2)) + mask).softmax(-1), v3).view(b, h, n, d)
+
+
+def _bmm_of_heads_concatenated(q, k, v):
+    b, h, n, d = q.shape
+    q3, k3, v3 = (torch.cat([t[:, i] for i in range(h)]) for t in (q, k, v))  # [H·B, S, D], no reshape to read
     scores = torch.bmm(q3, k3.transpose(1, 2)).masked_fill(_causal_blocked(n), float("-inf"))
-    return torch.bmm(scores.softmax(-1), v3).view(b, h, n, d)
+    return torch.bmm(scores.softmax(-1), v3)
+
+
+def _bmm_chain(q, k, v, product="bmm", key_t="transpose", merge="reshape"):
+    """Attention on [B·H, S, D] views: ``bmm`` with a masked_fill, or ``baddbmm`` (beta 0, the scale as alpha)
+    with an additive triangle and a softmax over dim 2; kᵀ taken after the merge or merged from a 4-D kᵀ."""
+    b, h, n, d = q.shape
+
+    def merged(t):
+        return t.flatten(0, 1) if merge == "flatten" else t.reshape(b * h, t.shape[2], t.shape[3])
+
+    q3, v3 = merged(q), merged(v)
+    k_t = {"transpose": merged(k).transpose(1, 2), "mT": merged(k).mT, "before": merged(k.transpose(-2, -1))}[key_t]
+    if product == "bmm":
+        scores = (torch.bmm(q3, k_t) * d ** -0.5).masked_fill(_causal_blocked(n), float("-inf"))
+        weights = scores.softmax(-1)
+    else:
+        scores = torch.baddbmm(torch.empty(b * h, n, n), q3, k_t, beta=0.0, alpha=d ** -0.5)
+        weights = F.softmax(scores + torch.nn.Transformer.generate_square_subsequent_mask(n), dim=2)
+    return torch.bmm(weights, v3).view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
+
+
+@pytest.mark.parametrize("product, key_t, merge", [("bmm", "transpose", "reshape"), ("bmm", "mT", "flatten"),
+                                                   ("baddbmm", "before", "reshape"), ("baddbmm", "transpose", "flatten")])
+def test_attention_on_merged_heads_is_read_as_4d_and_exact(product, key_t, merge):
+    """The 3-D chain is written on the [B, H, S, D] tensors its operands are reshapes of (it stayed dense, "not
+    read as attention"); at 96 tokens the default budgets cover every key, so the output equals eager's, and the
+    [B, S, H·D] view of the flattened output still works."""
+    fn = functools.partial(_bmm_chain, product=product, key_t=key_t, merge=merge)
+    q, k, v = _qkv(b=2, hkv=4)
+    report = inspect(_SiteCase(fn), q, k, v)
+    assert report.unread == () and [(r.decision, r.mask) for r in report.rows] == [("sparse", "causal")], report
+    torch._dynamo.reset()
+    out = torch.compile(_SiteCase(fn), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, fn(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def _bmm_then_split(q, k, v, term="zeros"):
+    """GPT-NeoX-Japanese's spelling: the scores from ``baddbmm`` (beta 1 on zeros, or beta 1 on a [Q, KV]
+    triangle), viewed back as [B, H, Q, KV] for a 4-D mask, softmax and value product."""
+    b, h, n, d = q.shape
+    q3, k3 = q.reshape(b * h, n, d), k.reshape(b * h, n, d)
+    base = torch.zeros(b * h, n, n) if term == "zeros" else torch.nn.Transformer.generate_square_subsequent_mask(n)
+    scores = torch.baddbmm(base, q3, k3.transpose(1, 2), beta=1.0, alpha=d ** -0.5).view(b, h, n, -1)
+    if term == "zeros":
+        scores = scores.masked_fill(_causal_blocked(n), float("-inf"))
+    return F.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("term", ["zeros", "triangle"])
+def test_scores_from_merged_heads_viewed_back_as_4d_are_read_and_exact(term):
+    fn = functools.partial(_bmm_then_split, term=term)
+    q, k, v = _qkv(b=2, hkv=4)
+    report = inspect(_SiteCase(fn), q, k, v)
+    assert [(r.decision, r.mask) for r in report.rows] == [("sparse", "causal")], report
+    torch._dynamo.reset()
+    out = torch.compile(_SiteCase(fn), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, fn(q, k, v), rtol=1e-5, atol=1e-5)
 
 
 def _key_transposed_then_copied(q, k, v):
@@ -631,7 +727,8 @@ def _in_place_fill(q, k, v):
 
 
 @pytest.mark.parametrize("fn, why", [
-    (_bmm_attention, "attention written with bmm on 3-D"),
+    (_bmm_mask_over_merged_heads, "attention written with bmm: add takes an operand over the merged [B·H] axis"),
+    (_bmm_of_heads_concatenated, "on 3-D [B·H, S, D] operands that are not each a reshape of a 4-D"),
     (_key_transposed_then_copied, "the key side of the score product is contiguous(...)"),
     (_scores_divide_a_number, "through masked_fill, truediv"),
     (_in_place_fill, "have other users too (masked_fill_, softmax)"),
