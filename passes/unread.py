@@ -61,8 +61,8 @@ def _reason(softmax: fx.Node, path: list) -> str:
     if is_call(product, _THREE_D, _THREE_D_METHODS):
         return bmm.why_not_rewritten(product) or (
             f"attention written with {name} on 3-D [B·H, S, D] operands, its scores reaching the softmax through "
-            "ops the pass does not carry to 4-D (it reads bmm(q, kᵀ) ... softmax ... bmm(·, v) with a scale, a "
-            "mask, casts and dropout between)")
+            "ops the pass does not carry to 4-D (it reads bmm(q, kᵀ) ... softmax ... bmm(·, v), or the scores "
+            "viewed back to [B, H, Q, KV], with a scale, a mask, casts and dropout between)")
     if is_call(product, (torch.einsum,)):
         return "an einsum the pass does not read as a per-head q·kᵀ (its subscripts are not 'bhqd,bhkd->bhqk' or a spelling of it)"
     dim = call_arg(softmax, 1, "dim", None)
