@@ -5,6 +5,7 @@ Order matters and is fixed:
 0. ``unfuse``  – open ``nn.MultiheadAttention``'s fused call into projections + SDPA where it is causal
    self-attention (with ``einsum``, the passes that edit the graph before the rewrite; they compute the same);
    ``einsum``  – write attention's einsums as the matmul chain ``find`` reads (it computes the same);
+   ``inplace`` – write in-place ops on the scores (``masked_fill_``, ``mul_``) out of place where nothing else sees them;
    ``bmm``     – write attention on 3-D [B·H, S, D] views of 4-D tensors as that chain too;
 1. ``find``    – every SDPA call and manual matmul→softmax→matmul chain;
 2. ``masks``   – what each mask means (unknown → the site stays dense);
@@ -21,16 +22,17 @@ from typing import Callable
 import torch.fx as fx
 
 from ..plan import LayerPlan
-from . import bmm, einsum, find, gqa, layers, layout, masks, rewrite, unfuse, unread
+from . import bmm, einsum, find, gqa, inplace, layers, layout, masks, rewrite, unfuse, unread
 from .site import AttentionSite, MaskInfo, MaskKind
 
 __all__ = ["AttentionSite", "MaskInfo", "MaskKind", "analyse", "apply"]
 
 
 def analyse(gm: fx.GraphModule) -> list[AttentionSite]:
-    """Sites with everything the passes learned; the graph is untouched but for ``unfuse``, ``einsum`` and ``bmm``."""
+    """Sites with everything the passes learned; the graph is untouched but for ``unfuse``, ``einsum``, ``inplace`` and ``bmm``."""
     unfuse.run(gm)
     einsum.run(gm)
+    inplace.run(gm)
     bmm.run(gm)
     sites = find.run(gm)
     for step in (masks.run, gqa.run, layout.run, layers.run):

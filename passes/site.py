@@ -36,9 +36,10 @@ def add_call(graph: fx.Graph, like: fx.Node, target, *args, **kwargs) -> fx.Node
     return _traced(graph.call_function(target, args, kwargs), like)
 
 
-def add_call_like(graph: fx.Graph, like: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
-    """A call of ``like``'s function or tensor method on other arguments, with its meta and fake value."""
-    return _traced(graph.create_node(like.op, like.target, args, kwargs), like)
+def add_call_like(graph: fx.Graph, like: fx.Node, args: tuple, kwargs: dict, target=None) -> fx.Node:
+    """A call of ``like``'s function or tensor method (or ``target``, of the same kind) on other arguments, with
+    its meta and fake value."""
+    return _traced(graph.create_node(like.op, target or like.target, args, kwargs), like)
 
 
 def _traced(node: fx.Node, like: fx.Node) -> fx.Node:

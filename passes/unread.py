@@ -68,10 +68,11 @@ def _reason(softmax: fx.Node, path: list) -> str:
     dim = call_arg(softmax, 1, "dim", None)
     if dim not in (-1, 3):
         return f"the softmax runs over dim {dim}, not the key dim (-1)"
-    shared = next((n for n in path[:-1] if len(n.users) > 1), None)
+    shared = next((n for n in path if len(n.users) > 1), None)
     if shared is not None:
         return (f"the scores after {op_name(shared)} have other users too ({', '.join(u.name for u in shared.users)}): "
-                "an in-place op on them (masked_fill_, mul_)? the pass reads out-of-place chains")
+                "the pass reads a chain whose scores nothing else reads (an in-place op on them is read only where "
+                "no view of them is taken before it)")
     key_t = product.args[1] if len(product.args) > 1 else None
     if isinstance(key_t, fx.Node) and transposed_key(key_t) is None:
         return (f"the key side of the score product is {op_name(key_t)}(...), not k.transpose(-2, -1), "

@@ -726,12 +726,47 @@ def _in_place_fill(q, k, v):
     return scores.softmax(-1) @ v
 
 
+def _in_place_scale_and_fill(q, k, v):
+    scores = q @ k.transpose(-2, -1)
+    scores *= q.shape[-1] ** -0.5
+    return scores.mul_(1.0).masked_fill_(_causal_blocked(q.shape[-2]), float("-inf")).softmax(-1) @ v
+
+
+def _in_place_fill_on_merged_heads(q, k, v):
+    b, h, n, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, n, d) for t in (q, k, v))
+    scores = torch.bmm(q3, k3.transpose(1, 2))
+    scores.masked_fill_(_causal_blocked(n), float("-inf"))
+    return torch.bmm(scores.softmax(-1), v3).view(b, h, n, d)
+
+
+@pytest.mark.parametrize("fn", [_in_place_fill, _in_place_scale_and_fill, _in_place_fill_on_merged_heads])
+def test_scores_written_in_place_are_read_and_exact(fn):
+    """``scores.masked_fill_(...)`` leaves a node nobody uses and a softmax reading ``scores``: written out of place
+    (nothing else sees the scores), the chain is read (it was "not read as attention")."""
+    q, k, v = _qkv(hkv=4)
+    report = inspect(_SiteCase(fn), q, k, v)
+    assert report.unread == () and [(r.decision, r.mask) for r in report.rows] == [("sparse", "causal")], report
+    torch._dynamo.reset()
+    out = torch.compile(_SiteCase(fn), backend="minference", options={"inner": "eager", "min_sparse_len": 0})(q, k, v)
+    torch.testing.assert_close(out, fn(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def _in_place_fill_after_a_view(q, k, v):
+    """A view of the scores taken before the write sees it (exp of the filled last key is 0 but in the last row):
+    left as written."""
+    scores = _scores(q, k)
+    last_key = scores[..., -1:]
+    scores.masked_fill_(_causal_blocked(q.shape[-2]), float("-inf"))
+    return scores.softmax(-1) @ v + last_key.exp()
+
+
 @pytest.mark.parametrize("fn, why", [
     (_bmm_mask_over_merged_heads, "attention written with bmm: add takes an operand over the merged [B·H] axis"),
     (_bmm_of_heads_concatenated, "on 3-D [B·H, S, D] operands that are not each a reshape of a 4-D"),
     (_key_transposed_then_copied, "the key side of the score product is contiguous(...)"),
     (_scores_divide_a_number, "through masked_fill, truediv"),
-    (_in_place_fill, "have other users too (masked_fill_, softmax)"),
+    (_in_place_fill_after_a_view, "have other users too (last_key, masked_fill_, softmax)"),
 ])
 def test_attention_in_a_form_the_pass_does_not_read_is_named_in_the_report_and_runs_as_written(fn, why):
     q, k, v = _qkv(hkv=4)
