@@ -613,10 +613,11 @@ class TorchMHA(torch.nn.Module):
 
 
 @pytest.mark.parametrize("model", [lambda: EinsumAttention("bhid,bhjd->bhij", "bhij,bhjd->bhid"), TorchMHA,
-                                   lambda: _SiteCase(functools.partial(_bmm_chain, product="baddbmm"))],
-                         ids=["einsum", "multihead-attention", "baddbmm"])
+                                   lambda: _SiteCase(functools.partial(_bmm_chain, product="baddbmm")),
+                                   lambda: _SiteCase(_in_place_scale_and_fill)],
+                         ids=["einsum", "multihead-attention", "baddbmm", "in-place"])
 def test_graphs_the_passes_write_nodes_into_compile_once_across_lengths(model):
-    """The einsum, bmm and unfuse passes add nodes whose fake values are computed on symbolic sizes; without the
+    """The einsum, bmm, inplace and unfuse passes add nodes whose fake values are computed on symbolic sizes; without the
     Python dispatcher those sizes were guarded to their traced values, and every new length compiled again."""
     from tiny_models import reports_since
 
