@@ -35,9 +35,9 @@ def analyse(gm: fx.GraphModule) -> list[AttentionSite]:
     inplace.run(gm)
     bmm.run(gm)
     sites = find.run(gm)
-    for step in (masks.run, gqa.run, layout.run, layers.run):
+    for step in (masks.run, gqa.run, layout.run):
         sites = step(sites)
-    return sites
+    return layers.run(sites, layers.module_tree(gm))
 
 
 def apply(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,

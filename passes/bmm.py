@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .einsum import reaches_softmax
 from .find import DROPOUT_FUNCS, MAX_SCORE_STEPS, SOFTMAX_FUNCS, op_name, transposed_key
-from .site import CASTS, add_call, add_call_like, call_arg, is_call, is_lifted_scalar, shape_of
+from .site import CASTS, add_call, add_call_like, call_arg, is_call, is_mT, is_lifted_scalar, shape_of
 
 _BMM, _BADDBMM = (torch.bmm,), (torch.baddbmm,)
 _MERGES, _MERGE_METHODS = (torch.reshape, torch.flatten), ("reshape", "view", "flatten")
@@ -87,7 +87,7 @@ def _key_of_transposed(node) -> fx.Node | None:
         dims = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
         swapped = tuple(d % 3 if isinstance(d, int) else d for d in dims) == (0, 2, 1)
         return _heads_merged(node.args[0]) if swapped else None
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr and tuple(node.args[1:]) == ("mT",):
+    if is_mT(node):
         return _heads_merged(node.args[0])
     merged = _heads_merged(node)
     return transposed_key(merged) if merged is not None else None

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import CASTS, AttentionSite, call_arg, dtype_of, is_call, is_lifted_scalar, written_between
+from .site import CASTS, AttentionSite, call_arg, dtype_of, is_call, is_mT, is_lifted_scalar, written_between
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -87,7 +87,7 @@ def transposed_key(node) -> fx.Node | None:
         return node.args[0] if dims == {2, 3} else None
     if permutation_of(node) == (0, 1, 3, 2):
         return node.args[0]
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr and tuple(node.args[1:]) == ("mT",):
+    if is_mT(node):
         return node.args[0]
     return None
 

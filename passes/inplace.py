@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .find import MATMUL_FUNCS, MAX_SCORE_STEPS
-from .site import add_call_like, is_alias, is_call
+from .site import add_call_like, is_call, is_view_of_input, may_share_memory, written_args, writes_in_place
 
 _OUT_OF_PLACE = {"masked_fill_": "masked_fill", "mul_": "mul", "div_": "div", "add_": "add"}
 _IN_PLACE_OPERATORS = (operator.imul, operator.itruediv, operator.iadd)
@@ -35,16 +35,17 @@ def _scores(x) -> bool:
 
 
 def _only_name(x: fx.Node, later: set) -> bool:
-    """Whether a write into ``x`` changes nothing the graph reads under another name: no view of ``x`` taken
-    before the write (one taken after reads the written value, and is moved to the out-of-place result)."""
-    if x.op not in ("call_function", "call_method") or is_alias(x):
+    """Whether a write into ``x`` changes nothing the graph reads under another name: ``x`` is no view of an
+    input, and no view of ``x`` is taken before the write (one taken after reads the written value, and is moved
+    to the out-of-place result). Views are what torch's fake tensors say shares ``x``'s memory."""
+    if x.op not in ("call_function", "call_method") or is_view_of_input(x) and x.target not in _IN_PLACE_OPERATORS:
         return False
-    if any(is_alias(user) and user not in later for user in x.users):
+    if any(user not in later and x not in (written_args(user) or ()) and may_share_memory(user, x) for user in x.users):
         return False
     if x.op == "call_function" and x.target in _IN_PLACE_OPERATORS:  # x is its first argument, written
         source = x.args[0]
         return isinstance(source, fx.Node) and len(source.users) == 1 and _only_name(source, later)
-    return not (x.op == "call_method" and x.target.endswith("_") and not x.target.endswith("__"))
+    return not writes_in_place(x)
 
 
 def _after(node: fx.Node) -> set:

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .site import CASTS, AttentionSite, MaskInfo, MaskKind, call_arg, dtype_of, is_alias, shape_of, written_to
+from .site import CASTS, AttentionSite, MaskInfo, MaskKind, call_arg, dtype_of, may_share_memory, shape_of, writers
 
 # An offset is (fx node holding a SymInt or None, int constant)
 _Off = tuple
@@ -132,8 +132,15 @@ def _shift(off: _Off, delta) -> Optional[_Off]:
 
 
 class _Evaluator:
-    def __init__(self):
+    def __init__(self, writes: list):
         self.memo: dict[fx.Node, Any] = {}
+        self.writes = writes
+        """(node, what it may write into) for the graph's writing nodes (:func:`site.writers`)"""
+
+    def _mutated(self, n: fx.Node) -> bool:
+        """Whether some node writes into ``n``'s memory: an in-place op (or an ``out=``) on it or on any view
+        of it, or on what it is a view of, as torch's fake tensors share storage."""
+        return any(writer is not n and may_share_memory(w, n) for writer, written in self.writes for w in written)
 
     def value(self, x):
         if isinstance(x, fx.Node):
@@ -197,7 +204,7 @@ class _Evaluator:
         """``v`` unless the tensor it describes is written in place later (the rewrite would miss the write), or
         ``n`` broadcasts an operand along an axis the operand's value varies on (``causal[..., :1, :] & m`` would
         repeat one query row's mask): the abstract values record what an entry depends on, not extents."""
-        if _mutated(n):
+        if self._mutated(n):
             return _Unknown(f"{n.name} is modified in place")
         if n.target == "unsqueeze" and isinstance(v, _Axis) and isinstance(self.memo.get(n.args[0]), _Range):
             return v  # a 1-D range stood up as [S, 1]: its axis moved, it was not broadcast (see _passthrough)
@@ -323,6 +330,8 @@ class _Evaluator:
                 return _axis(index.index(slice(None)) - len(index), src.offset, n)
             if all(isinstance(i, slice) for i in index):
                 return self._range_slice(n, src, index)
+            if len(index) == 2 and len(shape_of(n.args[0]) or ()) == 2:
+                return self._range_gather(n, src, index)
             return _Unknown(f"index {index} of a range at {n.name}")
         if isinstance(src, _Tensor) and len(index) == 2 and len(shape_of(n.args[0]) or ()) == 2:  # a [B, S] table
             batch, pos = (self.value(i) for i in index)
@@ -336,6 +345,18 @@ class _Evaluator:
         if isinstance(src, _Tensor):
             return src.derived(n)  # another tensor the pass does not read (a slice, a row): the op gets this node
         return _Unknown(f"indexing at {n.name}")
+
+    def _range_gather(self, n, src: _Range, index: tuple):
+        """``positions[batch_idx, pos_idx]`` of a [B, S] table whose rows are all ``arange + offset`` (position
+        ids built in the graph, then gathered at the query and key indices): row b holds the same value at column
+        p, ``p + offset``, so the gather is the index ``pos_idx`` moved by the range's offset."""
+        batch, pos = (self.value(i) for i in index)
+        if not (isinstance(batch, _Axis) and batch.dim == 0) or not isinstance(pos, _Axis):
+            return _Unknown(f"index ({', '.join(map(str, index))}) of a range at {n.name}")
+        base, const = src.offset
+        off = pos.offset if base is None else _shift(pos.offset, base)
+        off = _shift(off, const) if off is not None else None
+        return _Axis(pos.dim, off) if off is not None else _Unknown(f"two symbolic offsets at {n.name}")
 
     def _range_slice(self, n, src: _Range, index: tuple):
         """``positions[..., a:]``: still "arange + offset", from ``a`` on; other dims' slices keep the values
@@ -478,21 +499,6 @@ def _size_node(made: fx.Node, size) -> Optional[fx.Node]:
     found = []
     fx.node.map_arg((made.args, made.kwargs), lambda a: found.append(a) if _is_symbolic_scalar(a) else None)
     return next((a for a in found if statically_known_true(a.meta["example_value"] == size)), None)
-
-
-def _mutated(n: fx.Node) -> bool:
-    """Whether a later node writes into ``n``'s storage: an in-place op (or an ``out=``) on it or on a view of it,
-    however many views deep."""
-    work, seen = [n], {n}
-    while work:
-        node = work.pop()
-        for user in node.users:
-            if written_to(user) is node:
-                return True
-            if user.args and user.args[0] is node and is_alias(user) and user not in seen:
-                seen.add(user)
-                work.append(user)
-    return False
 
 
 def _broadcasts(target) -> bool:
@@ -653,7 +659,7 @@ def _mask_info(preds: frozenset) -> MaskInfo:
                     key_mask_start=_as_offset(key_start), doc_ids=doc, doc_ids_start=_as_offset(doc_start))
 
 
-def analyse(site: AttentionSite) -> MaskInfo:
+def analyse(site: AttentionSite, writes: Optional[list] = None) -> MaskInfo:
     if site.mask is None:
         if site.is_causal:
             return MaskInfo(MaskKind.CAUSAL)  # SDPA's is_causal is aligned top-left
@@ -665,7 +671,7 @@ def analyse(site: AttentionSite) -> MaskInfo:
     # same for every head (nn.TransformerEncoderLayer expands its [Q, KV] mask to [B, H, Q, KV])
     if shape is None or len(shape) not in (2, 4):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1 or H, Q, KV] or [Q, KV]")
-    value = _Evaluator().value(site.mask)
+    value = _Evaluator(writers(site.node.graph) if writes is None else writes).value(site.mask)
     if isinstance(value, _Unknown):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask construction not understood ({value.reason})")
     additive = isinstance(value, _Additive)
@@ -713,8 +719,9 @@ def _dtype_mismatch(site: AttentionSite, value) -> Optional[str]:
 
 def run(sites: list[AttentionSite]) -> list[AttentionSite]:
     out = []
+    writes = writers(sites[0].node.graph) if sites else []
     for site in sites:
-        info = analyse(site)
+        info = analyse(site, writes)
         site = dataclasses.replace(site, mask_info=info)
         if info.kind == MaskKind.UNKNOWN:
             site = site.blocked(f"unknown mask: {info.reason}")

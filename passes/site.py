@@ -6,6 +6,7 @@ Each pass adds to a site with ``dataclasses.replace``; nothing is stashed in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from enum import Enum
@@ -15,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 # An offset into positions: an int, or an fx node holding a SymInt (past length)
@@ -100,44 +102,118 @@ def is_lifted_scalar(x) -> bool:
 
 _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ifloordiv, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
-# ops whose output may share their input's storage, so a write through them edits the input too (as methods and
-# as torch functions; the split family returns views read through getitem)
-_VIEW_NAMES = ("view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose", "permute",
-               "t", "narrow", "select", "as_strided", "contiguous", "flatten", "unflatten", "detach", "diagonal",
-               "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "split", "split_with_sizes", "chunk",
-               "tensor_split", "unbind", "hsplit", "vsplit", "dsplit", "view_as_real", "view_as_complex", "real", "imag")
+"""Python's statements that write into their first operand when it is a tensor (``x[i] = y``, ``x += y``)."""
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double")
 """Tensor methods that convert a dtype (``bool`` besides, for masks)."""
-# a conversion to the dtype a tensor already has returns the tensor itself
-ALIASING_OPS = {*_VIEW_NAMES, *CASTS, "bool", operator.getitem,
-                *(getattr(torch, name) for name in _VIEW_NAMES if hasattr(torch, name))}
-_VIEW_ATTRIBUTES = ("T", "mT", "H", "mH", "real", "imag")
+# Python builtins Dynamo puts in graphs that never write a tensor
+_READ_ONLY_BUILTINS = {getattr, len, isinstance, operator.getitem, *(getattr(operator, name) for name in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "and_", "or_", "xor", "invert",
+    "lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge", "not_", "matmul"))}
+
+UNKNOWN = None
+"""What :func:`written_args` returns when torch cannot say what an op writes: every tensor argument may be."""
+
+
+def _storages(node) -> Optional[set]:
+    """The storages ``node``'s traced value lives in (a tuple of tensors: each one's); an empty set for a value
+    that is no tensor (a size, a number); None when the node carries no traced value (unknown)."""
+    if not isinstance(node, fx.Node):
+        return set()
+    if "example_value" not in node.meta:
+        return None
+    values, found = node.meta["example_value"], set()
+    for value in (values if isinstance(values, (tuple, list)) else (values,)):
+        if isinstance(value, torch.Tensor):
+            found.add(StorageWeakRef(value.untyped_storage()))
+    return found
+
+
+def may_share_memory(a, b) -> bool:
+    """Whether the tensors of ``a`` and ``b`` may share memory, as torch computed them while tracing: Dynamo runs
+    every op on fake tensors, whose views share their base's (fake) storage, so ``x.mT``, ``x.view(...)`` or a
+    cast to ``x``'s own dtype share ``x``'s. A node with no traced value may share anything."""
+    storages_a, storages_b = _storages(a), _storages(b)
+    if storages_a == set() or storages_b == set():
+        return False
+    if storages_a is None or storages_b is None:
+        return True
+    return bool(storages_a & storages_b)
+
+
+def is_view_of_input(node: fx.Node) -> bool:
+    """Whether ``node``'s value may share memory with one of its arguments (a view, a no-op cast)."""
+    return any(may_share_memory(node, a) for a in node.all_input_nodes)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_schemas(name: str) -> list:
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    if packet is None or not hasattr(packet, "overloads"):
+        return []
+    return [getattr(packet, overload)._schema for overload in packet.overloads()]
+
+
+def _op_name(node: fx.Node) -> str:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def written_args(node: fx.Node):
+    """The argument nodes ``node`` writes into, decided by torch: the aten schema of the op (an argument marked
+    ``Tensor(a!)``), its ``out=``, an ``inplace=True`` of a functional, Python's in-place statements. A tensor
+    method with no aten op of its name follows torch's naming rule (a trailing ``_`` writes ``self``). Returns
+    :data:`UNKNOWN` for a function torch has no schema for."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    written = [node.kwargs["out"]] if isinstance(node.kwargs.get("out"), fx.Node) else []
+    if node.target in _IN_PLACE_OPERATORS:
+        return written + list(node.args[:1])
+    if node.op == "call_function" and node.target in _READ_ONLY_BUILTINS:
+        return written
+    if node.kwargs.get("inplace") is True:
+        return written + list(node.args[:1])
+    name = _op_name(node)
+    if isinstance(node.target, torch._ops.OpOverload):
+        schemas = [node.target._schema]
+    elif isinstance(node.target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(node.target, overload)._schema for overload in node.target.overloads()]
+    else:
+        schemas = _aten_schemas(name)
+    if not schemas:
+        if node.op == "call_method":
+            return written + (list(node.args[:1]) if name.endswith("_") and not name.endswith("__") else [])
+        return written if written or not node.all_input_nodes else UNKNOWN
+    for schema in schemas:
+        for position, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            if argument.name in node.kwargs:
+                written.append(node.kwargs[argument.name])
+            elif not argument.kwarg_only and position < len(node.args):
+                written.append(node.args[position])
+    return [w for w in written if isinstance(w, fx.Node)]
 
 
 def writes_in_place(node: fx.Node) -> bool:
-    """Whether ``node`` writes into its first argument: ``x[i] = y``, ``x += y``, a method or torch function
-    ending in one ``_`` (``operator.and_`` does not)."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.target in _IN_PLACE_OPERATORS:
-        return True
-    name = getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", "") not in (
-        "_operator", "operator")
+    """Whether ``node`` writes into any of its arguments (or may: :data:`UNKNOWN` counts)."""
+    written = written_args(node)
+    return written is UNKNOWN or bool(written)
 
 
-def written_to(node: fx.Node):
-    """The tensor ``node`` writes into: its first argument for an in-place op, its ``out=``; else None."""
-    if "out" in node.kwargs:
-        return node.kwargs["out"]
-    return node.args[0] if node.args and writes_in_place(node) else None
+def writes_into(node: fx.Node, tensors) -> bool:
+    """Whether ``node`` may write into the memory of any of ``tensors``."""
+    written = written_args(node)
+    if written is UNKNOWN:
+        written = node.all_input_nodes
+    return any(may_share_memory(w, t) for w in written for t in tensors)
 
 
-def is_alias(node: fx.Node) -> bool:
-    """Whether ``node`` may be a view of its first argument (``x.mT`` is a ``getattr`` call)."""
-    if node.op == "call_function" and node.target is getattr:
-        return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
-    return node.op in ("call_function", "call_method") and node.target in ALIASING_OPS
+def is_mT(node) -> bool:
+    """Whether ``node`` is ``x.mT``: a ``getattr`` call on one torch release, ``torch.ops.aten.mT`` on another."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
+        return False
+    if node.target is getattr:
+        return tuple(node.args[1:]) == ("mT",)
+    return node.target in (torch.ops.aten.mT, torch.ops.aten.mT.default)
 
 
 def is_call(node, funcs=(), methods=()) -> bool:
@@ -149,24 +225,26 @@ def is_call(node, funcs=(), methods=()) -> bool:
     return node.op == "call_method" and node.target in methods
 
 
-def storage_root(node):
-    """What ``node`` may be a view of, through any chain of views (itself when none)."""
-    while isinstance(node, fx.Node) and is_alias(node) and node.args:
-        node = node.args[0]
-    return node
-
-
 def written_between(tensors, start: fx.Node, end: fx.Node) -> bool:
-    """Whether a node after ``start`` and before ``end`` writes in place into any of ``tensors`` (or a view of
-    one, or what one is a view of)."""
-    roots = {storage_root(t) for t in tensors}
+    """Whether a node after ``start`` and before ``end`` may write into the memory of any of ``tensors``."""
     node = start.next
     while node is not end and node.op != "root":
-        target = written_to(node)
-        if target is not None and storage_root(target) in roots:
+        if writes_into(node, tensors):
             return True
         node = node.next
     return False
+
+
+def writers(graph: fx.Graph) -> list:
+    """(node, the argument nodes it may write into) for every node of ``graph`` that may write into one."""
+    found = []
+    for node in graph.nodes:
+        written = written_args(node)
+        if written is UNKNOWN:
+            found.append((node, node.all_input_nodes))
+        elif written:
+            found.append((node, written))
+    return found
 
 
 def call_arg(node: fx.Node, index: int, name: str, default=None):

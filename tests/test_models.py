@@ -12,7 +12,8 @@ CASES = [(f, a) for f in ("llama", "qwen2", "mistral") for a in ("sdpa", "eager"
 
 
 def _compile(model, config, inner="aot_eager", **extra):
-    return torch.compile(model, backend="minference", options={"config": config, "inner": inner, **extra})
+    """Compiled with ``verify``: each graph's first call is also checked site by site against the traced model."""
+    return torch.compile(model, backend="minference", options={"config": config, "inner": inner, "verify": True, **extra})
 
 
 @pytest.mark.parametrize("family,attn", CASES)
@@ -128,7 +129,7 @@ def test_sliding_cache_chunks_read_keys_from_the_window_start_with_padding(attn)
     # dynamic=True lifts self.scaling to a graph input: SDPA takes it as scale=, eager attention multiplies by it
     model = tiny_model("mistral", attn)
     compiled = torch.compile(model, backend="minference", dynamic=True,
-                             options={"config": covering_config(model), "inner": "aot_eager"})
+                             options={"config": covering_config(model), "inner": "aot_eager", "verify": True})
     want, got, reports, valid = sliding_cache_chunks(model, compiled, 100, 60, ((0, 40), (40, 70), (70, 100)))
     rows = [r for rep in reports for r in rep.rows]
     assert rows and all(r.decision == "sparse" for r in rows), rows
@@ -145,7 +146,7 @@ def test_sliding_window_generate_keeps_later_prompts_sparse():
     prompts = [torch.randint(0, 128, (1, n)) for n in (40, 57, 91)]
     with torch.no_grad():
         eager_tokens = [model.generate(ids, max_new_tokens=4, do_sample=False) for ids in prompts]
-    model.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager"})
+    model.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager", "verify": True})
     before = recent_reports()
     with torch.no_grad():
         for ids, want in zip(prompts, eager_tokens):
@@ -184,7 +185,7 @@ def test_generate_matches_eager_and_lengths_do_not_recompile():
     prompts = [torch.randint(0, 128, (1, n)) for n in (40, 57, 91, 120)]
     with torch.no_grad():
         eager_tokens = [model.generate(ids, max_new_tokens=4, do_sample=False) for ids in prompts]
-    model.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager"})
+    model.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager", "verify": True})
     counts = torch._dynamo.utils.counters
     counts.clear()
     reports_before = recent_reports()
@@ -203,7 +204,7 @@ def test_generate_matches_eager_and_lengths_do_not_recompile():
 def test_three_prompt_lengths_compile_once_with_dynamic_shapes():
     model = tiny_model("llama")
     compiled = torch.compile(model, backend="minference", dynamic=True,
-                             options={"config": covering_config(model), "inner": "aot_eager"})
+                             options={"config": covering_config(model), "inner": "aot_eager", "verify": True})
     counts = torch._dynamo.utils.counters
     counts.clear()
     with torch.no_grad():
@@ -252,7 +253,7 @@ def test_layers_compiled_one_by_one_refuse_a_config_of_several():
     layer, so each would run layer 0's plan: the config is refused, as a whole model of one layer would be."""
     model = tiny_model("llama")
     for layer in model.model.layers:
-        layer.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager"})
+        layer.compile(backend="minference", options={"config": covering_config(model), "inner": "aot_eager", "verify": True})
     with torch.no_grad(), pytest.raises(Exception, match="config is for 2 layers, the model has 1"):
         model(torch.randint(0, 128, (1, 100)), use_cache=False)
 

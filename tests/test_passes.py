@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from minference_fx import inspect
 from minference_fx.backend import recent_reports
-from minference_fx.passes.layers import layer_from_module_stack
+from minference_fx.passes.layers import ModuleTree
 
 
 def _qkv(b=1, hq=4, hkv=2, s=96, d=16, seed=0):
@@ -1023,13 +1023,35 @@ def test_the_cli_names_a_bad_config_or_length_in_one_line(tmp_path, capsys):
     assert "expected a positive integer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path,layer", [
-    ("L['self'].model.layers[3].self_attn", 3),
-    ("model.layers.11.self_attn", 11),
-    ("L['self'].encoder", None),
+@pytest.mark.parametrize("root,path,components", [
+    ("L['self']", "L['self'].model.layers[3].self_attn", ("model", "layers", "3", "self_attn")),
+    ("L['args'][0]", "L['args'][0].model.layers.11.self_attn", ("model", "layers", "11", "self_attn")),
+    ("L['self']", "L['self'].stages[0]['blocks'][1].attn", ("stages", "0", "blocks", "1", "attn")),
+    ("L['self']", "L['self'].encoder", None),            # no module of the tree there
+    ("L['self']", "L['other'].model.layers.3", None),    # another root
+    ("L['self']", "L['self'].model.layers[3](x)", None),  # not a module path
 ])
-def test_layer_index_from_module_path(path, layer):
-    assert layer_from_module_stack({"x": (path, object)}) == layer
+def test_module_path_is_read_against_the_modules_the_inputs_come_from(root, path, components):
+    tree = ModuleTree(root, frozenset({("model", "layers", "3"), ("model", "layers", "11"), ("model", "layers", "11", "self_attn"),
+                                       ("stages", "0", "blocks", "1")}))
+    assert tree.path_of(path) == components
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_hf_layers_are_read_from_their_module_paths(family, use_cache):
+    """Each HF decoder layer's site gets its own index from its module path (not from call order), on every
+    supported torch: Dynamo renders the root as L['self'] on one release and L['args'][0] on another."""
+    from tiny_models import tiny_model
+    from minference_fx import passes
+
+    graphs = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(tiny_model(family).eval(), backend=lambda gm, _: graphs.append(gm) or gm.forward)(
+            torch.randint(0, 128, (1, 16)), use_cache=use_cache)
+    sites = passes.analyse(graphs[0])
+    assert [(s.layer, s.layer_from) for s in sites] == [(0, "module path"), (1, "module path")]
 
 
 def test_backend_resolves_by_name_in_a_fresh_process():

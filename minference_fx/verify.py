@@ -1,0 +1,134 @@
+"""Self-check: ``options={"verify": True}``.
+
+The first call of each compiled graph also runs two eager copies of it: the graph as Dynamo traced it, before
+any pass touched it, and the graph as rewritten, with every sparse op on its exact dense path (the same mask,
+offsets, GQA and layout the passes derived, without the sparse approximation). Each rewritten site's output is
+compared with the traced attention's output on the same call, and the graph's outputs with the traced graph's;
+the first that differs beyond a dtype-aware tolerance raises :class:`VerifyError` naming the site. So a pass
+that misreads a mask or a layout on a new model or release fails loudly on the first call instead of running
+wrong. Cost: the first call of each graph runs the model about twice more, eagerly, and holds every site's
+output of the traced run until the comparison (one attention output per layer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from . import op  # noqa: F401  (registers the op this module recognises)
+
+SPARSE_OP = torch.ops.minference.sparse_attention.default
+_MIN_SPARSE_LEN_ARG = 11  # position of min_sparse_len in the op's arguments
+# (absolute, relative to the largest reference entry) per dtype: the dense path and the traced attention add in
+# different orders, and a wrong mask or layout moves outputs by far more than this
+_TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 3e-2)}
+
+
+class VerifyError(RuntimeError):
+    """The rewritten graph computes something other than the traced one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteCheck:
+    label: str
+    """how the report names the site ("layer 3 (modeling_llama.py:412)")"""
+    traced: str
+    """the attention output's node name in the traced copy"""
+    rewritten: str
+    """the sparse op's node name in the rewritten copy"""
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph (node names kept), to run after the passes or Inductor edit ``gm``."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def tolerance(dtype: torch.dtype) -> tuple:
+    return _TOLERANCE.get(dtype, _TOLERANCE[torch.float32])
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Why ``got`` is not ``want`` within the dtype's tolerance, or ""."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} where the traced graph has {tuple(want.shape)}"
+    if not want.is_floating_point():
+        return "" if torch.equal(got, want) else "different values"
+    absolute, relative = tolerance(want.dtype)
+    got, want = got.float(), want.float()
+    if not torch.equal(got.isnan(), want.isnan()):
+        return "NaN where the traced graph has none" if got.isnan().any() else "no NaN where the traced graph has one"
+    finite = want.isfinite() & got.isfinite()
+    if not torch.equal(got[~finite], want[~finite]):
+        return "different infinities"
+    if not finite.any():
+        return ""
+    error = (got[finite] - want[finite]).abs().max().item()
+    bound = absolute + relative * want[finite].abs().max().item()
+    return f"max abs error {error:.3g} > tolerance {bound:.3g}" if error > bound else ""
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph eagerly, keeping the values of the named nodes; the sparse op runs its exact dense path."""
+
+    def __init__(self, gm: fx.GraphModule, keep: set):
+        super().__init__(gm)
+        self.keep, self.kept = keep, {}
+
+    def run_node(self, n: fx.Node):
+        value = super().run_node(n)
+        if n.name in self.keep:
+            self.kept[n.name] = value
+        return value
+
+    def call_function(self, target, args, kwargs):
+        if target is SPARSE_OP:
+            args = tuple(sys.maxsize if i == _MIN_SPARSE_LEN_ARG else a for i, a in enumerate(args))
+        return super().call_function(target, args, kwargs)
+
+
+def _tensors(value) -> list:
+    return [v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def check(traced: fx.GraphModule, rewritten: fx.GraphModule, sites: list, inputs: list) -> None:
+    """Run both copies on ``inputs``; raise :class:`VerifyError` at the first site (or output) that differs."""
+    with torch.no_grad():
+        want = _Recorder(traced, {s.traced for s in sites})
+        want_out = want.run(*inputs)
+        got = _Recorder(rewritten, {s.rewritten for s in sites})
+        got_out = got.run(*inputs)
+    for site in sites:
+        if site.traced not in want.kept:
+            continue  # a site a pass wrote before the rewrite (unfuse, einsum, bmm): checked at the outputs
+        why = mismatch(got.kept[site.rewritten], want.kept[site.traced])
+        if why:
+            raise VerifyError(f"minference verify: attention site {site.label} differs from the traced model: {why}. "
+                              "The pass misread this site; compile without backend='minference' for this model "
+                              "and report it (the inspection report says what was read)")
+    for i, (g, w) in enumerate(zip(_tensors(got_out), _tensors(want_out))):
+        why = mismatch(g, w)
+        if why:
+            labels = ", ".join(s.label for s in sites) or "none"
+            raise VerifyError(f"minference verify: graph output {i} differs from the traced model: {why} "
+                              f"(rewritten sites: {labels})")
+
+
+def checked(compiled: Callable, traced: fx.GraphModule, rewritten: fx.GraphModule, sites: list) -> Callable:
+    """``compiled``, whose first call is checked first (:func:`check`)."""
+    boxed = getattr(compiled, "_boxed_call", False)  # Dynamo then hands the inputs as one list, which it may clear
+    pending = [True]
+
+    def run(*args):
+        if pending:
+            pending.clear()
+            check(traced, rewritten, sites, list(args[0] if boxed else args))
+        return compiled(*args)
+
+    if boxed:
+        run._boxed_call = True
+    return run
