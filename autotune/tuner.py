@@ -25,7 +25,7 @@ Timer = Callable[[Callable[[], object]], float]
 # Dense is exact, and the tuner's win overstates the model's: its structured inputs leave no head
 # near-dense (real weights leave some, and those run SDPA on top), and in a model the op's host work
 # queues behind the rest of the layer's. SmolLM2's shape at 32K won by 1.06x here and ran 0.67x of HF
-# eager in the model (results/bench_prefill_smollm2_h200_2026-12-01_v15_table_v14.txt), so sparse must
+# eager in the model (git show 6fb579a:results/bench_prefill_smollm2_h200_2026-12-01_v15_table_v14.txt), so sparse must
 # be this much faster (a fraction of its own time) before the crossover leaves dense.
 CROSSOVER_MARGIN = 0.5
 # Lengths the crossover is measured at. Dense SDPA past 64K costs seconds per call and is

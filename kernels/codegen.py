@@ -2,7 +2,7 @@
 
 A kernel edit that looks free can tip ptxas into serialising the wgmma pipeline (its advisory C7515) or into
 more registers: two scalar ops on the A-shape sinks did that once, and the sparse walk ran 14% slower at 128K
-on the H200 (``results/autotune_warmup_h200_2026-12-01_v13.txt``). Triton compiles to PTX on any machine and
+on the H200 (``git show 6fb579a:results/autotune_warmup_h200_2026-12-01_v13.txt``). Triton compiles to PTX on any machine and
 ships ptxas, so this check costs seconds of CPU instead of a GPU session: a stand-in driver names the target,
 the kernel is compiled as the op would launch it, and the launch, which needs a GPU, is not made.
 """

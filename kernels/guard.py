@@ -25,7 +25,7 @@ from .reference import BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allo
 # A head whose index keeps this share of its causal key tiles (leftover columns counted as tiles of
 # BLOCK) runs dense: at most 1/0.9 = 1.11x the tiles, at 1.24x the speed per tile (the dense walk against the
 # sparse walk on the same diffuse heads at 128K on an H200, 263.7 ms for every tile vs 326.5 ms for 99.8 % of
-# them: results/explore_dense_h200_2026-11-30_v4.txt), and exact. Random-weight models (diffuse attention)
+# them: git show 6fb579a:results/explore_dense_h200_2026-11-30_v4.txt), and exact. Random-weight models (diffuse attention)
 # land here; real heads rarely do.
 NEAR_DENSE_SHARE = 0.9
 

@@ -5,7 +5,7 @@ that (``torch._inductor.codegen.simd.SIMDScheduling.can_use_32bit_indexing``). T
 sequence length, so the first prompt past ``2**31 / width`` elements recompiles the whole graph with
 int64 indices: for Llama-3-8B (MLP width 14336) the guard is ``14336 * n <= 2**31 - 1``, broken from
 149,797 tokens on (measured on an H200: one recompile at 256K, 20-30 s, for this backend and for Inductor
-compiling the same model with its attention replaced; ``results/README.md``). Long prompts are what this backend is for, so a recompile there is the
+compiling the same model with its attention replaced; BENCHMARKS.md, section 4). Long prompts are what this backend is for, so a recompile there is the
 common case, not the corner.
 
 :func:`int64_for_dynamic_sizes` makes Inductor answer "does not fit" for every size with a free symbol

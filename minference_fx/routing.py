@@ -3,23 +3,23 @@
 Which heads run dense at a call (a near-dense index, or the quality guard) is decided on the device,
 after the index is built; the host cannot know it without a sync, so on the GPU those heads go
 through the kernel's dense walk, which is slower than cuDNN on the same work (0.93x of it inside a
-Llama-shaped model at 128K on an H200, ``results/explore_prefill_profile_h200_2026-12-01.txt``).
+Llama-shaped model at 128K on an H200, ``git show 6fb579a:results/explore_prefill_profile_h200_2026-12-01.txt``).
 Each rewritten site therefore remembers the heads that ran dense at its previous call, read back
 by an asynchronous copy into pinned memory, and its next call sends them to SDPA instead. A head
 routed this way runs dense whatever its index says, so routing can only add keys: it changes speed,
 never costs accuracy. The index is still built for routed heads, so a head that stops being
 near-dense is routed back at the call after. Measured on random weights (every head near-dense), 8
 layers of the Llama-3-8B shape: 0.98x -> 1.04x HF eager at 128K; at 256K the dense walk keeps up with
-cuDNN and routing changes nothing (``results/bench_prefill_h200_2026-12-01_v15*``, ``_v16_256k*``).
+cuDNN and routing changes nothing (``results/bench_prefill_h200_2026-12-01_v15*``, ``_v16_256k*`` in git history at 6fb579a).
 Under a padding mask (``generate`` always passes one) a call of one batch row routes too: routed heads
 run SDPA without the mask, and the row again masked if the mask hides keys (``op.routable``); with
-generate's all-ones mask, 0.98x -> 1.04x at 128K (``_v19*``). A padded batch does not route.
+generate's all-ones mask, 0.98x -> 1.04x at 128K (``results/bench_prefill_h200_2026-12-01_v19*``, BENCHMARKS.md). A padded batch does not route.
 
 A site whose every head is routed runs the whole layer through SDPA, and its index then only serves to see
 whether a head has stopped being near-dense. It builds the index at one call in ``RECHECK_EVERY`` (and at
 once when the prompt has grown ``RECHECK_GROWTH``-fold since the call it last checked), and skips it in
 between. On random weights (every head routed) a checking call costs ~1 % of the model's prefill at 64K-128K
-(+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*``), which the other seven calls
+(+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*`` at 6fb579a), which the other seven calls
 now save. A skipped check can only keep a head dense a few calls longer: slower at worst, never less exact.
 
 No host sync: the host reads a decision only once the copy's event has completed
@@ -27,7 +27,7 @@ No host sync: the host reads a decision only once the copy's event has completed
 or copied, so a captured graph replays the decision of the warm-up calls before it. A capture must not
 read a newer one even where it could without a CUDA call: it would take a path its warm-up never ran,
 and cuDNN's first call at a shape inside a capture invalidates it
-(``results/bench_prefill_h200_2026-12-02_v29_capture_reads_routing_failed.txt``).
+(``git show 6fb579a:results/bench_prefill_h200_2026-12-02_v29_capture_reads_routing_failed.txt``).
 """
 from __future__ import annotations
 

@@ -299,7 +299,7 @@ def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_
     """ptxas's report for sm_90a, taken on this CPU (kernels.codegen): at the shipped H200 table's 32K and 128K
     configs the sparse walk, with and without a padding mask, neither serialises its wgmma pipeline nor spills.
     An edit of two scalar ops once tipped the unmasked walk into both C7515 and 240 registers (from 222): 14%
-    slower at 128K, found only by a GPU re-tune (results/autotune_warmup_h200_2026-12-01_v13.txt)."""
+    slower at 128K, found only by a GPU re-tune (git show 6fb579a:results/autotune_warmup_h200_2026-12-01_v13.txt)."""
     import json
     import os
     import subprocess
