@@ -17,6 +17,10 @@ from .config import (
 from .inspection import inspect
 from .op import sparse_attention
 from .plan import HeadPlan, LayerPlan, Pattern
+from .verify import VerifyError
+from .versions import warn_if_untested
+
+warn_if_untested()  # once: Python imports a module once
 
 
 def guard_stats():
@@ -34,6 +38,7 @@ __all__ = [
     "LayerPlan",
     "Pattern",
     "SemanticConfig",
+    "VerifyError",
     "default_config",
     "guard_stats",
     "import_minference_best_pattern",
