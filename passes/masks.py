@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from . import mask_values
 from .site import CASTS, AttentionSite, MaskInfo, MaskKind, call_arg, dtype_of, may_share_memory, shape_of, writers
 
 # An offset is (fx node holding a SymInt or None, int constant)
@@ -720,8 +721,13 @@ def _dtype_mismatch(site: AttentionSite, value) -> Optional[str]:
 def run(sites: list[AttentionSite]) -> list[AttentionSite]:
     out = []
     writes = writers(sites[0].node.graph) if sites else []
+    checked: dict = {}  # layers share one mask: run its subgraph once
     for site in sites:
         info = analyse(site, writes)
+        key = (site.mask, info, site.mask_fills, site.mask_selects, site.query, site.key)
+        if key not in checked:
+            checked[key] = mask_values.check(site, info, writes)
+        info = checked[key]
         site = dataclasses.replace(site, mask_info=info)
         if info.kind == MaskKind.UNKNOWN:
             site = site.blocked(f"unknown mask: {info.reason}")
