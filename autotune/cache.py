@@ -13,11 +13,16 @@ nothing here benchmarks.
 Writers take a lock file, re-read and merge, then replace the file atomically,
 so two processes tuning at once lose nothing and a reader never sees half a
 file. A file that is not valid JSON or not this schema is ignored with one
-warning and replaced by the next write.
+warning and replaced by the next write. A cache that cannot be read at all (a
+directory of the file's name, a cache directory that is a file, a symlink loop,
+no permission) is ignored with one warning too, and one that cannot be written
+is warned about and left alone: a forward pass then runs on the shipped tables
+and defaults, never fails on the cache.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -58,7 +63,7 @@ class TuneEntry:
 DEFAULT_ENTRY = TuneEntry()
 # What an untuned lookup launches, per kernel. The dense walk runs only heads that read no list, so
 # its programs may own two index query tiles: 128 rows of 64-key steps with 4 warps were its best on an
-# H200 at 32K and 128K at d128 (results/explore_dense_h200_2026-11-30.txt, _v2 to _v4, and the re-tunes of
+# H200 at 32K and 128K at d128 (results/explore_dense_h200_2026-11-30.txt, _v2 to _v4 at commit 6fb579a, and the re-tunes of
 # kernels d72d3989 and ba0c0a7c; at d64 those re-tunes chose 64 rows, the last with 128-key steps).
 DEFAULT_ENTRIES = {"sparse_attention": DEFAULT_ENTRY, "dense_walk": TuneEntry(128, 64, 4, 2)}
 
@@ -133,7 +138,7 @@ class Table:
     def from_json(cls, text: str) -> "Table":
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, an over-long int, nesting past the stack
             raise ForeignFile(f"not valid JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise ForeignFile(f"schema is not {SCHEMA!r}")
@@ -183,42 +188,120 @@ def cache_path() -> Path:
 _warned: set = set()
 
 
-def read_table(path) -> Table:
-    """The table in ``path``; empty when the file is missing, foreign or corrupt (then warned about once)."""
-    path = Path(path)
+def _warn_once(memo_key, message: str, *args) -> None:
+    if memo_key not in _warned:
+        _warned.add(memo_key)
+        log.warning(message, *args)
+
+
+def _os_error(e: OSError) -> tuple:
+    """What identifies an OSError across calls (its text names the path, which the key holds already)."""
+    return type(e).__name__, e.errno
+
+
+def _read(path: Path) -> tuple[Table, Optional[str]]:
+    """The table in ``path`` and, when it was ignored, why (None: read, or missing)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return Table()
+        return Table(), None
     except UnicodeDecodeError:
         text = ""  # binary garbage: report it like bad JSON
+    except OSError as e:
+        # a directory of the file's name, a cache directory that is a file, a symlink loop, no permission
+        why = f"cannot read it ({e})"
+        _warn_once((str(path), "read", *_os_error(e)),
+                   "ignoring the autotune cache %s: %s; using the shipped tables and defaults", path, why)
+        return Table(), why
     try:
-        return Table.from_json(text)
+        return Table.from_json(text), None
     except ForeignFile as e:
-        st = path.stat()
+        try:
+            st = path.stat()
+            version = (st.st_mtime_ns, st.st_size)
+        except OSError:  # gone or changed since the read
+            version = None
         # once per version of the file: a file broken again after a rewrite is news
-        if (str(path), st.st_mtime_ns, st.st_size) not in _warned:
-            _warned.add((str(path), st.st_mtime_ns, st.st_size))
-            log.warning("ignoring the autotune cache %s: %s; the next tuning run rewrites it", path, e)
-        return Table()
+        _warn_once((str(path), *version) if version else (str(path), "foreign", str(e)),
+                   "ignoring the autotune cache %s: %s; the next tuning run rewrites it", path, e)
+        return Table(), str(e)
 
 
-def write(configs: Optional[dict] = None, crossovers: Optional[dict] = None, path=None) -> Path:
-    """Merge these records into the user cache file (or ``path``), atomically and under a lock."""
+def read_table(path) -> Table:
+    """The table in ``path``; empty when the file is missing, or unreadable, foreign or corrupt (then warned
+    about once)."""
+    return _read(Path(path))[0]
+
+
+def write(configs: Optional[dict] = None, crossovers: Optional[dict] = None, path=None) -> Optional[Path]:
+    """Merge these records into the user cache file (or ``path``), atomically and under a lock.
+
+    Returns the path written, or None when the cache location cannot take a file (see :func:`unwritable`):
+    then nothing is stored and one warning says why, so a forward that tunes on a miss runs on what it has.
+    An error while the new file replaces the old one (a full disk) raises, and the old file stands."""
     path = Path(path) if path is not None else cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     update = Table(dict(configs or {}), dict(crossovers or {}))
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    try:
+        lock = _locked(path)
+    except OSError as e:
+        return _not_written(path, e)
+    with lock:
         # re-read under the lock: another process may have written since we last looked
-        table = read_table(path).merged(update)
-        _replace(path, table.to_json())
+        text = read_table(path).merged(update).to_json()
+        try:
+            fd, tmp = _temporary(path)
+        except OSError as e:  # a directory that takes no new file
+            return _not_written(path, e)
+        _replace(path, fd, tmp, text)
     forget()
     return path
 
 
-def _replace(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def unwritable(path=None) -> Optional[str]:
+    """Why the user cache file (or ``path``) cannot be written, or None when it can (its directory is made
+    then): the directory cannot be made or is a file, the lock file cannot be opened or locked, a directory has
+    the file's name, or the directory takes no new file."""
+    path = Path(path) if path is not None else cache_path()
+    try:
+        with _locked(path):
+            fd, tmp = _temporary(path)
+            os.close(fd)
+            Path(tmp).unlink()
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _not_written(path: Path, e: OSError) -> None:
+    _warn_once((str(path), "write", *_os_error(e)), "cannot write the autotune cache %s (%s); nothing was stored "
+               "(point %s at a writable directory)", path, e, ENV_DIR)
+    return None
+
+
+def _locked(path: Path):
+    """The lock file of ``path``, open and locked (closing it unlocks); OSError when the location cannot take
+    the cache file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # "File exists" would not say what is wrong with it
+        os.stat(path.parent)  # a symlink loop or a dangling link raises its own error here
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
+    if path.is_dir():  # os.replace would fail on it only after the lock and the temporary file
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    lock = open(path.with_name(path.name + ".lock"), "a")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def _temporary(path: Path) -> tuple[int, str]:
+    return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+
+
+def _replace(path: Path, fd: int, tmp: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -324,15 +407,17 @@ def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SP
 
 
 def describe(path=None) -> str:
-    """The user cache and the shipped tables as text, one record a line."""
+    """The user cache and the shipped tables as text, one record a line (a table ignored says why)."""
     path = Path(path) if path is not None else cache_path()
-    blocks = [_describe_table(f"user cache {path}", read_table(path))]
-    blocks += [_describe_table(f"shipped table {p.name}", read_table(p)) for p in shipped_paths()]
+    blocks = [_describe_table(f"user cache {path}", *_read(path))]
+    blocks += [_describe_table(f"shipped table {p.name}", *_read(p)) for p in shipped_paths()]
     return "\n".join(blocks)
 
 
-def _describe_table(title: str, table: Table) -> str:
+def _describe_table(title: str, table: Table, ignored: Optional[str] = None) -> str:
     lines = [title + ":"]
+    if ignored is not None:
+        return lines[0] + f" empty (ignored: {ignored})"
     if not table:
         return lines[0] + " empty"
     for k in sorted(table.configs):

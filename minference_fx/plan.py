@@ -45,8 +45,10 @@ class HeadPlan:
 
     def __post_init__(self):
         object.__setattr__(self, "pattern", Pattern(self.pattern))
-        if self.budget_a < 0 or self.budget_b < 0:
-            raise ValueError(f"budgets must be >= 0, got {self.budget_a}, {self.budget_b} for {self.pattern.value}")
+        negative = [f"{name} = {b}" for name, b in (("budget_a", self.budget_a), ("budget_b", self.budget_b)) if b < 0]
+        if negative:
+            raise ValueError(f"budgets must be >= 0, got {' and '.join(negative)} (budgets {self.budget_a}, "
+                             f"{self.budget_b}) for {self.pattern.value}")
         if max(self.budget_a, self.budget_b) > MAX_BUDGET:
             raise ValueError(f"budgets must be <= {MAX_BUDGET} (the kernels hold them as int32), got "
                              f"{self.budget_a}, {self.budget_b} for {self.pattern.value}")
@@ -80,4 +82,11 @@ class LayerPlan:
         if unknown:
             raise ValueError(f"unknown pattern code(s) (head, code) {unknown}; the codes are "
                              f"{ {code: pattern.value for code, pattern in PATTERN_FROM_CODE.items()} }")
-        return LayerPlan(tuple(HeadPlan(PATTERN_FROM_CODE[int(p)], int(a), int(b)) for p, a, b in zip(patterns, budget_a, budget_b)))
+        heads = []
+        for h, (p, a, b) in enumerate(zip(patterns, budget_a, budget_b)):
+            try:
+                heads.append(HeadPlan(PATTERN_FROM_CODE[int(p)], int(a), int(b)))
+            except ValueError as e:
+                # a HeadPlan does not know its place: name the head so a plan of 32 heads says which one is bad
+                raise ValueError(f"head {h} of the plan: {e}") from None
+        return LayerPlan(tuple(heads))
