@@ -76,8 +76,8 @@ def tune_key(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: in
 # can save on any GPU: a head reading more than an eighth of the prompt's keys per row (a quarter of a causal
 # row's mean) saves too little to pay for its index and the heads real weights leave near-dense. On the H200
 # the default budgets (1000 + 6096 keys a row) lost to dense SDPA at 16K alone (87 % of the mean causal row,
-# results/autotune_warmup_h200_2026-12-01_v10.txt), and at 32K (43 %) in SmolLM2 end to end, 0.67x of HF
-# eager (results/bench_prefill_smollm2_h200_2026-12-01_v15_table_v14.txt); they won at 64K (22 %), 1.56x.
+# results/autotune_warmup_h200_2026-12-01_v14.txt), and at 32K (43 %) in SmolLM2 end to end, 0.67x of HF
+# eager (git show 6fb579a:results/bench_prefill_smollm2_h200_2026-12-01_v15_table_v14.txt); they won at 64K (22 %), 1.56x.
 UNTUNED_LENGTH_PER_KEY = 8
 
 

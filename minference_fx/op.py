@@ -206,7 +206,7 @@ def _launch_by_rows(args: tuple, masks: dict, padded, force: torch.Tensor, force
     these); with ``padded`` rows (:func:`_padded_rows`), two: the rows whose keys are all valid without the
     mask, which would cost the walk its unmasked fast path on every tile (SmolLM2 at 128K: 1.81x HF eager with
     generate's all-ones mask before this split, 2.26x without a mask:
-    ``results/bench_prefill_smollm2_h200_2026-12-01_v12*``, ``_v10*``), then the padded rows with it. Each leaves the other's rows
+    ``results/bench_prefill_smollm2_h200_2026-12-01_v12*``, ``_v10*`` at 6fb579a), then the padded rows with it. Each leaves the other's rows
     alone, so every pair runs once, as the mask says. Returns the output."""
     from .kernels.attend import sparse_attention_triton
 
@@ -245,6 +245,11 @@ def sparse_attention(
         # none is): no CUDA work of that thread can then overlap a graph capture that follows this call
         precompile.wait()
     plan = _layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
+    if q.numel() == 0:
+        # nothing to attend for: an empty batch or no query rows. The output is as empty as q; the index, the
+        # guard and the kernels are never asked about a call with no rows (the reference's index and the guard
+        # failed on them)
+        return q.new_empty(q.shape)
     if min_sparse_len < 0:
         from .autotune.dispatch import tuned_min_sparse_len
 
@@ -513,6 +518,29 @@ def _dense_heads_by_sdpa(q, k, v, out, dense_heads: tuple, kv_heads: tuple, scal
     dense = dense_attention(q.index_select(1, heads), k.index_select(1, kv_heads), v.index_select(1, kv_heads),
                             masks["key_mask"], masks["doc_ids"], scale, masks["q_offset"], masks["window"])
     out.index_copy_(1, heads.long(), dense)
+
+
+_TENSOR_ARGS = ("q", "k", "v", "key_mask", "doc_ids")
+
+
+def _inference_only_message(needs_grad) -> str:
+    return (f"minference::sparse_attention is inference-only (it has no backward), but {', '.join(needs_grad)} "
+            "require grad with grad mode on; call it under torch.inference_mode() or torch.no_grad(), or pass "
+            "detached tensors (torch.compile with the minference backend leaves such sites dense by itself)")
+
+
+def _refuse_autograd(ctx, inputs, output):
+    # runs at the call (autograd only calls it when grad mode is on and an input requires grad), so the error
+    # comes where the op is used, not at a later .backward()
+    needs_grad = [name for name, x in zip(_TENSOR_ARGS, inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    raise RuntimeError(_inference_only_message(needs_grad or ["inputs"]))
+
+
+def _no_backward(ctx, grad):  # unreachable: _refuse_autograd raised at the call
+    raise RuntimeError(_inference_only_message(["inputs"]))
+
+
+sparse_attention.register_autograd(_no_backward, setup_context=_refuse_autograd)
 
 
 @sparse_attention.register_fake
