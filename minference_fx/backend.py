@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from . import passes
+from . import passes, verify
 from .config import DEFAULT_DEFAULTS, ConfigMismatchError, SemanticConfig
 from .options import BackendOptions, Inner
 from .plan import HeadPlan, LayerPlan, Pattern
@@ -62,33 +62,57 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
     rewritten. A graph whose sites all stay dense uses no plan, so its layer count is not held against it: a
     graph break in the decoder stack (HF's sdpa with output_attentions=True, a hook) hands the backend graphs
     of a few layers that read the mask as an input. Layers numbered by call order (each layer compiled on its
-    own) are still refused: they would all run layer 0's plan."""
+    own) are still refused: they would all run layer 0's plan.
+
+    The config's fingerprint (``model_identity_from_hf``: model type, vocabulary, hidden size and the shape)
+    is checked against the transformers model the graph's parameters come from, looked up through Dynamo's
+    traced frame (``config.traced_model_identities``); a config made for another model is refused as
+    ``load_config(path, model=...)`` refuses it, in every graph (the fingerprint does not depend on which
+    layers a graph holds), and it is accepted when any transformers model on the parameters' path matches
+    (a config searched on a multimodal model's language model). Where no such model is found (a plain module
+    or function, no transformers, a Dynamo whose frame API moved) the graph's layer count, head counts, GQA
+    group and head dim below are all that can be compared, and are.
+
+    Each problem is a ``Mismatch`` of its layer, so the message says one sentence per kind of problem with
+    the layers it holds at, not one per layer."""
+    from .config import Mismatch, traced_model_identities
+
     model = config.model
     problems = []
+    if model.fingerprint:
+        traced = traced_model_identities(gm)
+        if traced and model.fingerprint not in {t.fingerprint for t in traced}:
+            this = traced[0]
+            problems.append(Mismatch(
+                f"config fingerprint {model.fingerprint} ({model.name or 'unnamed'}) differs from the model's "
+                f"{this.fingerprint} ({this.name or 'unnamed'}, {this.num_layers} layers, {this.num_q_heads}/"
+                f"{this.num_kv_heads} heads of {this.head_dim}): the config was made for another model"))
     live = [s for s in sites if not s.blocker]
     layers = _model_layer_count(gm, sites)
     if live and layers and layers != model.num_layers:
-        problems.append(f"config is for {model.num_layers} layers, the model has {layers}")
+        problems.append(Mismatch(f"config is for {model.num_layers} layers, the model has {layers}"))
     for site in live:
         if site.layer is None:
             continue
         if site.layer_from == passes.layers.AMBIGUOUS:
-            problems.append(f"{site.source or site.node.name}: its module path has several list indices "
-                            f"({passes.layers.module_path(site.node.meta.get('nn_module_stack'))}), so which config layer it is is not known")
+            path = passes.layers.module_path(site.node.meta.get("nn_module_stack"))
+            problems.append(Mismatch("its module path has several list indices, so which config layer it is is "
+                                     "not known", site=path or site.source or site.node.name))
             continue
         hq, hkv, dim = _head_count(site)
-        where = f"layer {site.layer} ({site.source or site.node.name})"
+        where = {"layer": site.layer, "site": site.source or site.node.name}
         if head_offset is None and hq != model.num_q_heads:
-            problems.append(f"{where}: {hq} query heads, config has {model.num_q_heads} (for one tensor-parallel "
-                            "rank's share of the heads, give options={'head_offset': its first head})")
+            problems.append(Mismatch(f"{hq} query heads, config has {model.num_q_heads} (for one tensor-parallel "
+                                     "rank's share of the heads, give options={'head_offset': its first head})", **where))
         elif head_offset is not None and head_offset + hq > model.num_q_heads:
-            problems.append(f"{where}: query heads {head_offset}..{head_offset + hq - 1} exceed the config's {model.num_q_heads}")
+            problems.append(Mismatch(f"query heads {head_offset}..{head_offset + hq - 1} exceed the config's "
+                                     f"{model.num_q_heads}", **where))
         if hq // hkv != model.num_q_heads // model.num_kv_heads:
-            problems.append(f"{where}: GQA group {hq // hkv}, config has {model.num_q_heads // model.num_kv_heads}")
+            problems.append(Mismatch(f"GQA group {hq // hkv}, config has {model.num_q_heads // model.num_kv_heads}", **where))
         if dim != model.head_dim:
-            problems.append(f"{where}: head dim {dim}, config has {model.head_dim}")
+            problems.append(Mismatch(f"head dim {dim}, config has {model.head_dim}", **where))
     if problems:
-        raise ConfigMismatchError(sorted(set(problems), key=problems.index))
+        raise ConfigMismatchError(problems)
 
 
 def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config, int64_indexing: bool = True):
@@ -110,8 +134,14 @@ def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config, int6
 
 def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
     """Find, analyse and rewrite the attention sites of ``gm`` in place."""
+    return _rewrite(gm, options)[0]
+
+
+def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[verify.SiteCheck]]:
+    """The report, and for each rewritten site what ``verify`` compares (node names before and after)."""
     code_before = gm.code
     sites = passes.analyse(gm)
+    traced_names = [site.node.name for site in sites]
     unread = passes.unread.run(gm, sites)
     config = options.config
     if config is not None:
@@ -138,7 +168,9 @@ def rewrite_graph(gm: fx.GraphModule, options: BackendOptions) -> Report:
     sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense)
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread))
     _publish(report)
-    return report
+    checks = [verify.SiteCheck(f"{i} (layer {site.layer}, {site.source or traced})", traced, site.node.name)
+              for i, (site, traced) in enumerate(zip(sites, traced_names)) if not site.blocker]
+    return report, checks
 
 
 def _publish(report: Report) -> None:
@@ -169,9 +201,12 @@ def minference_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options
         from .autotune import dispatch
 
         dispatch.set_on_miss(True)
-    report = rewrite_graph(gm, opts)
+    traced = verify.snapshot(gm) if opts.verify else None
+    report, checks = _rewrite(gm, opts)
     if opts.precompile and report.rewritten:
         from . import precompile
 
         precompile.start(n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SPARSE_OP)
-    return _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config, opts.int64_indexing)
+    rewritten = verify.snapshot(gm) if opts.verify else None  # Inductor edits gm in place
+    compiled = _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config, opts.int64_indexing)
+    return verify.checked(compiled, traced, rewritten, checks) if opts.verify else compiled

@@ -48,7 +48,10 @@ def _inspect(args) -> int:
     print(result)
     if args.diff:
         print()
-        print(result.diff())
+        print(result.diff() if result.rewritten else "no diff: no attention site was rewritten, the graph runs as traced")
+    if not result.rewritten:  # the model would run dense: say so last too, where a long table cannot hide it
+        print(result.summary(one_line=True), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -159,7 +162,13 @@ def _autotune(args) -> int:
     from .autotune import cache
 
     if args.show:
-        print(cache.describe())
+        try:
+            # an unreadable or foreign table is described as ignored, with why; this catches what is left
+            # (no home directory to find the cache in, a package directory that cannot be listed)
+            text = cache.describe()
+        except (OSError, RuntimeError) as e:
+            sys.exit(f"minference-fx autotune --show: cannot list the autotune tables: {e}")
+        print(text)
         return 0
     from .autotune.tuner import warm_up
 
@@ -171,6 +180,10 @@ def _autotune(args) -> int:
         head_dim, gqa, kv_heads = shape.head_dim, shape.group, shape.num_kv_heads
     if head_dim is None or gqa is None:
         sys.exit("minference-fx autotune: give --head-dim and --gqa, or --model <HF config.json or directory>")
+    problem = cache.unwritable()
+    if problem is not None:  # before minutes of timing whose results would go nowhere
+        sys.exit(f"minference-fx autotune: cannot write the autotune cache {cache.cache_path()}: {problem} "
+                 f"(point {cache.ENV_DIR} at a writable directory)")
     try:
         report = warm_up(parse_lengths(args.lengths), head_dim, gqa, args.dtype, progress=not args.quiet,
                          num_kv_heads=kv_heads or 8)

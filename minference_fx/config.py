@@ -70,14 +70,89 @@ class ConfigError(ValueError):
         return f"{head}: {len(self.problems)} problems:{self._joiner}" + self._joiner.join(self.problems)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One way a config does not fit one attention site, or (``layer`` None, ``site`` "") the whole model.
+
+    ``text`` says it without naming the site, so that the same problem at every layer of a 30-layer model is
+    one line of :class:`ConfigMismatchError`'s message ("layers 0-29 (30 sites): ...") rather than 30.
+    """
+
+    text: str
+    layer: int | None = None
+    site: str = ""
+    """the site's source line or module path (shown for a lone site, and as the example of a group)"""
+
+    def __str__(self) -> str:
+        where = "" if self.layer is None else f"layer {self.layer}"
+        if self.site:
+            where = f"{where} ({self.site})" if where else self.site
+        return f"{where}: {self.text}" if where else self.text
+
+
+def _layer_ranges(layers) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "layers 0-2, 5, 7-8"; [4] -> "layer 4"; long lists cut after a few ranges."""
+    layers = sorted(set(layers))
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    ranges = []
+    for layer in layers:
+        if ranges and layer == ranges[-1][1] + 1:
+            ranges[-1][1] = layer
+        else:
+            ranges.append([layer, layer])
+    shown = [f"{a}-{b}" if b > a else f"{a}" for a, b in ranges]
+    if len(shown) > 6:
+        shown = shown[:5] + [f"... ({len(layers)} layers)"]
+    return "layers " + ", ".join(shown)
+
+
 class ConfigMismatchError(ConfigError):
-    """The config is valid but was made for a different model."""
+    """The config is valid but was made for a different model.
+
+    ``problems`` lists each mismatch as a string, per site; the message groups those that are the same
+    problem at several sites (:class:`Mismatch`) into one line with a count and the layers, so a config
+    for the wrong model reads as a few lines whatever the model's depth.
+    """
 
     _headline = "semantic config does not fit the model"
+    _max_lines = 6
+
+    def __init__(self, problems, *, source=None):
+        if isinstance(problems, (str, Mismatch)):
+            problems = [problems]
+        # one entry per distinct mismatch, in the order found
+        self.mismatches = list(dict.fromkeys(p if isinstance(p, Mismatch) else Mismatch(str(p)) for p in problems))
+        super().__init__([str(m) for m in self.mismatches], source=source)
+
+    def groups(self) -> list[tuple[str, list[Mismatch]]]:
+        """(text, the mismatches that say it), in the order first found."""
+        by_text: dict[str, list[Mismatch]] = {}
+        for m in self.mismatches:
+            by_text.setdefault(m.text, []).append(m)
+        return list(by_text.items())
+
+    @staticmethod
+    def _group_line(text: str, group: list[Mismatch]) -> str:
+        if len(group) == 1:
+            return str(group[0])
+        layers = [m.layer for m in group if m.layer is not None]
+        where = f"{len(group)} sites"
+        if layers:
+            where = f"{_layer_ranges(layers)} ({where})"
+        elif group[0].site:
+            where += f", e.g. {group[0].site}"
+        return f"{where}: {text}"
 
     def _format(self) -> str:
         head = self._headline + (f" ({self.source})" if self.source else "")
-        return f"{head}: " + "; ".join(self.problems)
+        lines = [self._group_line(text, group) for text, group in self.groups()]
+        if len(lines) == 1:
+            return f"{head}: {lines[0]}"
+        count = len(lines)
+        if count > self._max_lines:
+            lines = lines[: self._max_lines - 1] + [f"... and {count - self._max_lines + 1} more"]
+        return f"{head}: {count} problems:{self._joiner}" + self._joiner.join(lines)
 
 
 class ConfigIndexError(ConfigError, IndexError):
@@ -753,6 +828,101 @@ def model_identity_from_hf(hf_config) -> ModelIdentity:
     key = dict(fields, model_type=model_type, vocab_size=getattr(cfg, "vocab_size", None), hidden_size=hidden)
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return ModelIdentity(**fields, name=model_type, fingerprint=fingerprint)
+
+
+_MISSING = object()
+
+
+def _source_name(source) -> str:
+    name = getattr(source, "name", None)
+    return name() if callable(name) else str(name)
+
+
+def _resolve_source(source, parent, frame_locals: dict, frame_globals: dict):
+    """The value of one step of a Dynamo source chain (``L['self']._modules['model']`` ...), given its base's
+    value; ``_MISSING`` for a kind of step this does not follow."""
+    kind = type(source).__name__
+    if kind == "LocalSource":
+        return frame_locals.get(source.local_name, _MISSING)
+    if kind == "GlobalSource":
+        return frame_globals.get(source.global_name, _MISSING)
+    if parent is _MISSING:
+        return _MISSING
+    if kind.endswith(("NNModuleSource", "ParamBufferSource")):  # a tag on the same object
+        return parent
+    if kind == "AttrSource":
+        value = parent
+        for part in source.member.split("."):
+            value = getattr(value, part, _MISSING)
+            if value is _MISSING:
+                break
+        return value
+    if kind in ("GetItemSource", "DictGetItemSource") and not getattr(source, "index_is_slice", False):
+        index = source.index
+        if isinstance(index, (str, int)) and not isinstance(index, bool):
+            try:
+                return parent[index]
+            except Exception:
+                return _MISSING
+    return _MISSING
+
+
+def traced_model_identities(gm) -> list[ModelIdentity]:
+    """Identities of the transformers models whose parameters the Dynamo graph ``gm`` reads, outermost first,
+    for a backend to check a config's fingerprint against; empty where they cannot be told.
+
+    A graph holds only tensors (no model config, no model type), so the fingerprint of
+    :func:`model_identity_from_hf` cannot be computed from it. Dynamo keeps with each parameter input the
+    source it came from in the traced frame (``L['self']._modules['model']...``); during a backend call that
+    frame is Dynamo's current one, so the modules on those paths can be looked up, and every
+    ``transformers.PreTrainedModel`` among them gives its identity. Empty when transformers is not imported,
+    the graph reads no parameters (a function given tensors), or Dynamo's private frame API has moved: then the
+    backend has only the graph's layers, heads and head dim to compare (``backend.check_config_fits``).
+    """
+    import sys
+
+    import torch
+
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None)
+    if pretrained is None:
+        return []
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        root = InstructionTranslator.current_tx().output.root_tx
+        frame_locals, frame_globals = dict(root.f_locals), dict(root.f_globals)
+    except Exception:  # not inside a Dynamo trace, or a torch whose Dynamo keeps its frame elsewhere
+        return []
+    values: dict[str, Any] = {}
+    models: dict[int, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        chain, source = [], getattr(node.meta.get("grapharg"), "source", None)
+        while source is not None and len(chain) < 64:
+            chain.append(source)
+            source = getattr(source, "base", None)
+        value = _MISSING
+        for step in reversed(chain):  # from the frame's local inwards
+            try:
+                name = _source_name(step)
+            except Exception:
+                break
+            if name not in values:
+                values[name] = _resolve_source(step, value, frame_locals, frame_globals)
+            value = values[name]
+            if value is _MISSING or isinstance(value, torch.Tensor):  # the parameter itself: no module below
+                break
+            if isinstance(value, pretrained):
+                models.setdefault(id(value), value)
+    identities = []
+    for model in models.values():
+        try:
+            identities.append(model_identity_from_hf(model.config))
+        except Exception:  # a config without the sizes (not a causal LM): nothing to compare
+            continue
+    return list(dict.fromkeys(identities))  # a causal LM and its base model share one config
 
 
 def check_fits(config, model: ModelIdentity) -> None:

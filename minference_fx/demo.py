@@ -1,8 +1,11 @@
 """``minference-fx demo``: SmolLM2 finds a needle in a long Austen prompt through the sparse backend.
 
-What it shows, in order: what the backend rewrote (the inspection table), the
-answer of the dense and of the sparse model, the physical density of each
-layer's sparse index, and dense vs sparse prefill time.
+What it shows, in order: what the backend rewrote (the inspection table, under
+its summary line), the answer of the dense and of the sparse model, the physical
+density of each layer's sparse index, and dense vs sparse prefill time. Each long
+step prints a line as it starts and its time as it ends. When the backend
+rewrites no attention site it stops there, with a one-line reason and exit
+status 1: a "sparse" run would be the dense model again.
 
 The config is the shipped one searched for SmolLM2 (``configs/``, matched by the
 model's fingerprint), sparse from a quarter of the prompt so the short CPU prompt
@@ -17,8 +20,11 @@ the CPU timings show the overhead of the index, not a speed-up.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import re
+import sys
 import time
 from typing import Callable, Optional
 
@@ -39,6 +45,19 @@ ANSWER_TOKENS = 8
 
 CPU_LENGTH = 2048  # ~1 min per sparse prefill on 2 CPU cores with the reference op
 GPU_LENGTH = 8000  # inside SmolLM2's native 8K context
+
+
+class NothingRewritten(RuntimeError):
+    """The backend left every attention site dense: the "sparse" run would be the dense model again."""
+
+
+@contextlib.contextmanager
+def _step(progress: Callable[[str], None], name: str, detail: str = ""):
+    """"name detail ..." as a long step starts and "name: 12.3 s" as it ends (nothing more if it fails)."""
+    progress(f"{name} {detail} ..." if detail else f"{name} ...")
+    start = time.perf_counter()
+    yield
+    progress(f"{name}: {time.perf_counter() - start:.1f} s")
 
 
 def _words(text: str) -> str:
@@ -76,6 +95,8 @@ class DemoResult:
     layers: list[LayerRow]
     guard: dict
     inspection: str
+    rewrite_summary: str = ""
+    """the inspection's summary line ("minference: 30 of 30 attention sites rewritten")"""
 
     @property
     def dense_pass(self) -> bool:
@@ -87,7 +108,8 @@ class DemoResult:
 
     def summary(self) -> str:
         density = sum(r.density for r in self.layers) / max(1, len(self.layers))
-        lines = [
+        lines = [self.rewrite_summary] if self.rewrite_summary else []
+        lines += [
             f"answer (sparse): {self.sparse_answer.strip()!r}  -> {'found' if self.sparse_pass else 'MISSED'} {self.expected!r}",
             f"answer (dense):  {self.dense_answer.strip()!r}  -> {'found' if self.dense_pass else 'MISSED'} {self.expected!r}",
             f"prefill of {self.length} tokens on {self.device} ({self.dtype}): dense {self.dense_prefill_s:.2f} s, "
@@ -145,9 +167,24 @@ def timed_prefill(run, ids, *, warm_up: bool = False) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
+def _rewritten_since(before: list, what: str) -> None:
+    """Raise NothingRewritten when the backend reports published after ``before`` rewrote no site."""
+    from .backend import recent_reports
+    from .report import summarize
+
+    new = [rep for rep in recent_reports() if not any(rep is old for old in before)]
+    if new and not sum(rep.rewritten for rep in new):
+        rows = [row for rep in new for row in rep.rows]
+        raise NothingRewritten(f"{what}: {summarize(rows, tuple(n for rep in new for n in rep.unread), one_line=True)}")
+
+
 def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, config_path=None, inner: Optional[str] = None,
-             progress: Callable[[str], None] = print) -> DemoResult:
+             progress: Callable[[str], None] = functools.partial(print, flush=True)) -> DemoResult:
+    """Each long step says when it starts and how long it took (through ``progress``). Raises NothingRewritten
+    as soon as the inspection (or the compile) finds no site rewritten: there would be nothing sparse to show.
+    """
     from .assets import austen_text, load_smollm2, smollm2_yarn_factor
+    from .backend import recent_reports
     from .inspection import inspect
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -156,11 +193,11 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
     dtype = torch.bfloat16 if on_gpu else torch.float32
     inner = inner or ("inductor" if on_gpu else "eager")
     yarn = smollm2_yarn_factor(length)
-    progress(f"loading SmolLM2-135M-Instruct ({dtype}, {dev}{f', YaRN x{yarn:g} for >8K' if yarn > 1 else ''}) "
-             "and Jane Austen's novels")
-    model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
-    model.to(dev)
-    ids = build_prompt(tok, austen_text(), length).to(dev)
+    with _step(progress, "loading", f"SmolLM2-135M-Instruct ({dtype}, {dev}{f', YaRN x{yarn:g} for >8K' if yarn > 1 else ''}) "
+               "and Jane Austen's novels"):
+        model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
+        model.to(dev)
+        ids = build_prompt(tok, austen_text(), length).to(dev)
     config_path = config_path or evaluate.shipped_config_for(model, longest=length)
     if config_path:
         config = load_config(config_path, model=model_identity_from_hf(model.config))
@@ -176,46 +213,56 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
                        f"tokens (scaled to the {length}-token prompt)")
     options = {"config": config, "inner": inner}
 
-    progress(f"config: {config_name}\n\ninspection (what the backend rewrites):")
-    inspection = str(inspect(model, ids[:, :128], use_cache=False, options={**options, "inner": "eager"}))
-    progress(inspection)
+    progress(f"config: {config_name}\n")
+    with _step(progress, "inspection", "(what the backend rewrites, traced on 128 tokens)"):
+        found = inspect(model, ids[:, :128], use_cache=False, options={**options, "inner": "eager"})
+    inspection = str(found)
+    progress(inspection + "\n")
+    if not found.rewritten:  # before minutes of prefills that would compare the dense model with itself
+        raise NothingRewritten(found.summary(one_line=True))
 
-    progress(f"\ndense prefill of {length} tokens ...")
-    evaluate.greedy_answer(model, ids[:, :64], new_tokens=1)  # warm-up: first-call allocations
-    out, dense_s = timed_prefill(model, ids, warm_up=on_gpu)
-    dense_answer = tok.decode(evaluate.decode_greedy(model, out, new_tokens=ANSWER_TOKENS))
-    del out
+    with _step(progress, "dense prefill", f"of {length} tokens and its {ANSWER_TOKENS}-token answer"):
+        evaluate.greedy_answer(model, ids[:, :64], new_tokens=1)  # warm-up: first-call allocations
+        out, dense_s = timed_prefill(model, ids, warm_up=on_gpu)
+        dense_answer = tok.decode(evaluate.decode_greedy(model, out, new_tokens=ANSWER_TOKENS))
+        del out
 
-    progress(f"compiling with backend='minference' (inner={inner}) ...")
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="minference", options=options)
-    # A short warm-up with a symbolic length compiles once for every length, so the timed prefill is no
-    # recompile.
-    warm = ids[:, :64].clone()
-    torch._dynamo.mark_dynamic(warm, 1)
-    _, compile_s = timed_prefill(compiled, warm)
-    progress("sparse prefill ...")
+    with _step(progress, "compile", f"with backend='minference' (inner={inner}; a 64-token call, dynamic length)"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="minference", options=options)
+        # A short warm-up with a symbolic length compiles once for every length, so the timed prefill is no
+        # recompile.
+        warm = ids[:, :64].clone()
+        torch._dynamo.mark_dynamic(warm, 1)
+        reports = recent_reports()
+        _, compile_s = timed_prefill(compiled, warm)
+        _rewritten_since(reports, "the compiled model")
     from . import guard_stats
 
-    before = dataclasses.asdict(guard_stats())
-    out, sparse_s = timed_prefill(compiled, ids, warm_up=on_gpu)
-    after = dataclasses.asdict(guard_stats())
-    sparse_answer = tok.decode(evaluate.decode_greedy(model, out, new_tokens=ANSWER_TOKENS))
-    del out
+    with _step(progress, "sparse prefill", f"of {length} tokens and its {ANSWER_TOKENS}-token answer"):
+        before = dataclasses.asdict(guard_stats())
+        out, sparse_s = timed_prefill(compiled, ids, warm_up=on_gpu)
+        after = dataclasses.asdict(guard_stats())
+        sparse_answer = tok.decode(evaluate.decode_greedy(model, out, new_tokens=ANSWER_TOKENS))
+        del out
 
-    progress("density per layer (from each layer's online index on the prompt's Q/K) ...")
-    heads = evaluate.index_recall(model, ids, config, rows=64)
+    with _step(progress, "density", "per layer (from each layer's online index on the prompt's Q/K)"):
+        heads = evaluate.index_recall(model, ids, config, rows=64)
     layers = []
     for layer, density in evaluate.layer_density(heads).items():
         rec = [h.recall for h in heads if h.layer == layer]
         layers.append(LayerRow(layer, density, sum(rec) / len(rec)))
     return DemoResult(str(dev), str(dtype).replace("torch.", ""), length, config_name, EXPECTED, dense_answer,
                       sparse_answer, dense_s, sparse_s, compile_s, layers,
-                      {k: after[k] - before[k] for k in after}, inspection)
+                      {k: after[k] - before[k] for k in after}, inspection, found.summary().splitlines()[0])
 
 
 def main(length=None, device=None, config_path=None, inner=None) -> int:
-    result = run_demo(length, device=device, config_path=config_path, inner=inner)
+    try:
+        result = run_demo(length, device=device, config_path=config_path, inner=inner)
+    except NothingRewritten as e:  # one line, last: the reason there is no sparse run to show
+        print(f"minference-fx demo: nothing to show, {e}", file=sys.stderr)
+        return 1
     print("\n" + result.layer_table())
     print("\n" + result.summary())
     return 0 if result.sparse_pass or not result.dense_pass else 1

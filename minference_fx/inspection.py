@@ -7,7 +7,7 @@ import torch
 
 from .backend import rewrite_graph
 from .options import BackendOptions
-from .report import Report
+from .report import Report, summarize
 
 
 @dataclasses.dataclass
@@ -25,12 +25,23 @@ class Inspection:
         """Every graph's notes on softmax calls that look like attention but were not read (``Report.unread``)."""
         return tuple(note for report in self.reports for note in report.unread)
 
+    @property
+    def rewritten(self) -> int:
+        """Sites rewritten to the sparse op, over every graph; 0: the model runs dense."""
+        return sum(r.rewritten for r in self.reports)
+
+    def summary(self, *, one_line: bool = False) -> str:
+        """First line: "minference: 30 of 30 attention sites rewritten", "... only 28 of 30 ...", or "... 0 of 30
+        attention sites rewritten: the model runs dense"; then the most common reasons why sites stayed dense,
+        with counts (``one_line``: all on one line)."""
+        return summarize(self.rows, self.unread, one_line=one_line)
+
     def diff(self) -> str:
         return "\n".join(r.diff() for r in self.reports)
 
     def __str__(self) -> str:
         graphs = f"{len(self.reports)} graph(s)"
-        return graphs + "\n" + "\n\n".join(r.table() for r in self.reports)
+        return self.summary() + "\n\n" + graphs + "\n" + "\n\n".join(r.table() for r in self.reports)
 
 
 def inspect(model, *args, options=None, **kwargs) -> Inspection:

@@ -64,8 +64,12 @@ class BackendOptions:
     (``minference_fx.indexing``), so a prompt past 2**31 elements of an activation does not recompile the
     graph; False: Inductor's own choice (int32 while the first prompt's sizes fit, a recompile past them)"""
 
+    verify: bool = False
+    """self-check (``minference_fx.verify``): each graph's first call also runs the traced graph and the rewritten
+    one on the op's exact dense path, eagerly, and raises naming the first site whose output differs"""
+
     _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold",
-              "autotune", "precompile", "route_dense", "int64_indexing")
+              "autotune", "precompile", "route_dense", "int64_indexing", "verify")
     AUTOTUNE_POLICIES = ("off", "on-miss")
 
     @classmethod
@@ -91,7 +95,7 @@ class BackendOptions:
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
-        for flag in ("precompile", "route_dense", "int64_indexing"):
+        for flag in ("precompile", "route_dense", "int64_indexing", "verify"):
             if not isinstance(options.get(flag, True), bool):
                 problems.append(f"{flag}={options[flag]!r}; expected True or False")
         if options.get("mode") is not None and options["mode"] not in _INDUCTOR_MODES:
@@ -120,4 +124,5 @@ class BackendOptions:
             precompile=options.get("precompile", True),
             route_dense=options.get("route_dense", True),
             int64_indexing=options.get("int64_indexing", True),
+            verify=options.get("verify", False),
         )

@@ -36,6 +36,38 @@ def _rewritten_reason(min_sparse_len: int) -> str:
     return f"rewritten; dense below {min_sparse_len} query tokens"
 
 
+def _clip(text: str, width: int = 160) -> str:
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
+
+
+def summarize(rows, unread=(), *, reasons: int = 3, one_line: bool = False) -> str:
+    """What ``rows`` (of one graph or of all a call's graphs) come to, first line first:
+    "minference: 30 of 30 attention sites rewritten", "... only 28 of 30 ...", "... 0 of 30 attention sites
+    rewritten: the model runs dense", "... no attention site found: the model runs dense"; then the most
+    common reasons the dense sites stayed dense, with counts, and the softmax calls not read as attention.
+    ``one_line`` joins it all into one line (for an error message)."""
+    total = len(rows)
+    done = sum(r.decision == "sparse" for r in rows)
+    if not total:
+        head = "minference: no attention site found: the model runs dense"
+    elif done == total:
+        head = f"minference: {done} of {total} attention sites rewritten"
+    elif done:
+        head = f"minference: only {done} of {total} attention sites rewritten; the other {total - done} run dense"
+    else:
+        head = f"minference: 0 of {total} attention sites rewritten: the model runs dense"
+    why = Counter(r.reason for r in rows if r.decision != "sparse").most_common()
+    lines = [f"{n} of {total}: {_clip(reason)}" for reason, n in why[:reasons]]
+    if len(why) > reasons:
+        lines.append(f"{sum(n for _, n in why[reasons:])} more for {len(why) - reasons} other reason(s): see the table")
+    if unread:
+        lines.append(f"{len(unread)} softmax call(s) look like attention but were not read: {_clip(unread[0])}"
+                     + (" (more in the table)" if len(unread) > 1 else ""))
+    if one_line:
+        return head + "".join(f"; {line}" for line in lines)
+    return "\n".join([head] + ["  " + line for line in lines])
+
+
 @dataclasses.dataclass
 class Report:
     rows: list[SiteRow]
@@ -65,6 +97,11 @@ class Report:
     @property
     def rewritten(self) -> int:
         return sum(r.decision == "sparse" for r in self.rows)
+
+    def summary(self, *, one_line: bool = False) -> str:
+        """What :meth:`table` comes to, in a few lines: how many sites were rewritten and, for those that were
+        not, the most common reasons (see :func:`summarize`)."""
+        return summarize(self.rows, self.unread, one_line=one_line)
 
     def diff(self) -> str:
         return "".join(difflib.unified_diff(

@@ -120,13 +120,14 @@ def check(traced: fx.GraphModule, rewritten: fx.GraphModule, sites: list, inputs
 
 def checked(compiled: Callable, traced: fx.GraphModule, rewritten: fx.GraphModule, sites: list) -> Callable:
     """``compiled``, whose first call is checked first (:func:`check`)."""
-    boxed = getattr(compiled, "_boxed_call", False)  # Dynamo then hands the inputs as one list, which it may clear
+    boxed = getattr(compiled, "_boxed_call", False)  # the inputs may then come as one list, which the call clears
     pending = [True]
 
     def run(*args):
         if pending:
             pending.clear()
-            check(traced, rewritten, sites, list(args[0] if boxed else args))
+            as_list = boxed and len(args) == 1 and isinstance(args[0], list)
+            check(traced, rewritten, sites, list(args[0]) if as_list else list(args))
         return compiled(*args)
 
     if boxed:
