@@ -182,6 +182,9 @@ def _publish(report: Report) -> None:
                       "op is inference-only); run the prefill under torch.inference_mode() or torch.no_grad()",
                       stacklevel=2)
     log.info("minference: %d/%d attention sites rewritten\n%s", report.rewritten, len(report.rows), report.table())
+    if report.rows and not report.rewritten and not any(r.reason.startswith(passes.layout.NEEDS_GRAD) for r in report.rows):
+        # a model that silently runs dense is the failure users miss; one line, the report has the rest
+        warnings.warn(report.summary(one_line=True), stacklevel=2)
     try:
         from torch._logging import trace_structured
 

@@ -15,6 +15,9 @@ class Inspection:
     """Reports of every graph Dynamo produced for one call (one per graph break)."""
 
     reports: list[Report]
+    traced_with_grad_off_only: bool = False
+    """the caller had autograd on: the trace ran under no_grad (what a prefill runs), and a model called as the
+    caller was would keep its attention dense (the op is inference-only)"""
 
     @property
     def rows(self):
@@ -34,7 +37,12 @@ class Inspection:
         """First line: "minference: 30 of 30 attention sites rewritten", "... only 28 of 30 ...", or "... 0 of 30
         attention sites rewritten: the model runs dense"; then the most common reasons why sites stayed dense,
         with counts (``one_line``: all on one line)."""
-        return summarize(self.rows, self.unread, one_line=one_line)
+        text = summarize(self.rows, self.unread, one_line=one_line)
+        if self.traced_with_grad_off_only and self.rewritten:
+            note = ("traced under no_grad; called with autograd on, as inspect() was, these sites stay dense: run the "
+                    "prefill under torch.inference_mode() or torch.no_grad()")
+            text += f"; {note}" if one_line else f"\n  {note}"
+        return text
 
     def diff(self) -> str:
         return "\n".join(r.diff() for r in self.reports)
@@ -58,8 +66,9 @@ def inspect(model, *args, options=None, **kwargs) -> Inspection:
         reports.append(rewrite_graph(gm, opts))
         return gm.forward
 
+    grad_on = torch.is_grad_enabled()
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=capture)(*args, **kwargs)
     torch._dynamo.reset()
-    return Inspection(reports)
+    return Inspection(reports, traced_with_grad_off_only=grad_on)

@@ -28,6 +28,10 @@ _SIZE_READS = {"size", "dim"}
 _SIZE_FUNCS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_size} if hasattr(torch.ops.aten, "sym_size") else set()
 
 
+class _TooLarge(Exception):
+    """An input to stand in for would be too large to make."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Evaluated:
     """The kept entries of a mask at one size setting: bool [B or 1, 1 or H, Q, KV]."""
@@ -97,8 +101,11 @@ def _run(nodes: list, assignment: dict, wanted: list) -> list:
     for node in nodes:
         value = node.meta.get("example_value")
         if node.op == "placeholder":
-            if isinstance(value, torch.Tensor):
-                env[node] = torch.empty([_concrete(s, assignment) for s in value.shape], dtype=value.dtype, device="meta")
+            if isinstance(value, torch.Tensor):  # read for its size alone (``_slice``): any values do
+                shape = [_concrete(s, assignment) for s in value.shape]
+                if torch.Size(shape).numel() > _MAX_STATIC_ENTRIES:
+                    raise _TooLarge(node.name)
+                env[node] = torch.zeros(shape, dtype=value.dtype, device=value.device)
             else:
                 env[node] = _concrete(value, assignment)
             continue
@@ -165,7 +172,9 @@ def evaluations(site: AttentionSite, info: MaskInfo, writes: list) -> Optional[l
         try:
             mask_value, *offsets = _run(nodes, assignment, [site.mask, *offset_nodes])
             q_len, kv_len = _concrete(q_value.shape[-2], assignment), _concrete(k_value.shape[-2], assignment)
-        except Exception:  # a size setting the traced program's guards would not allow: no evidence either way
+        except Exception:  # a size the traced program's guards would not allow, an input too large to stand in
+            return None   # for: no evidence either way
+        if not isinstance(mask_value, torch.Tensor) or mask_value.device.type == "meta":
             return None
         kept = _kept(mask_value, site)
         if kept is None:

@@ -76,7 +76,8 @@ def _first_line(text: str) -> str:
     ((False, False, False), "minference: 0 of 3 attention sites rewritten: the model runs dense"),
 ])
 def test_inspect_says_first_how_many_sites_were_rewritten(causal, line):
-    result = inspect(Stack(causal), X, options={"inner": "eager"})
+    with torch.no_grad():  # with autograd on, a note under the line says the sites would stay dense
+        result = inspect(Stack(causal), X, options={"inner": "eager"})
     assert result.rewritten == sum(causal)
     assert _first_line(str(result)) == _first_line(result.summary()) == line
     dense = len(causal) - sum(causal)
@@ -339,3 +340,28 @@ def test_demo_stops_after_the_inspection_when_nothing_is_rewritten(monkeypatch):
     assert "inspection (what the backend rewrites" in text and "minference: 0 of 2 attention sites rewritten" in text
     assert lines[0].startswith("loading SmolLM2") and lines[1].startswith("loading: ") and lines[1].endswith(" s")
     assert "inspection: " in text and "dense prefill" not in text
+
+
+def test_inspect_with_autograd_on_says_the_sites_would_stay_dense():
+    """inspect() traces under no_grad (a prefill's mode); called with autograd on, it says that a call made as
+    it was would keep attention dense, rather than only reporting "sparse"."""
+    import torch.nn.functional as F
+    from minference_fx import inspect
+
+    class Causal(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    assert "stay dense" in inspect(Causal(), q, k, v).summary()
+    with torch.no_grad():
+        assert "stay dense" not in inspect(Causal(), q, k, v).summary()
+
+
+def test_a_compiled_graph_with_no_site_rewritten_warns():
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.warns(UserWarning, match="0 of 1 attention sites rewritten"):
+        torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), backend="minference",
+                      options={"inner": "eager"})(*(torch.randn(1, 2, 8, 4) for _ in range(3)))
