@@ -15,14 +15,17 @@ Forms recognised:
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
+from typing import Optional
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .site import CASTS, AttentionSite, call_arg, dtype_of, is_call, is_mT, is_lifted_scalar, written_between
+from .site import (CASTS, AttentionSite, call_arg, dtype_of, first_reason, is_call, is_mT, is_lifted_scalar,
+                   written_between)
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -41,16 +44,19 @@ def source_of(node: fx.Node) -> str:
     return f"{short}:{line}"
 
 
-def _dropout_p(p) -> tuple:
-    """(probability, blocker): a probability Dynamo lifted to a graph input (``dynamic=True``, or a changed
-    ``self.p``) is not known here, so the site stays dense."""
-    if isinstance(p, (int, float)):
-        return float(p), ""
-    return 1.0, "the dropout probability is a graph value, not a constant"
+def _dropout_p(p) -> float:
+    """The probability as a number (1.0 for one :func:`_lifted_dropout` keeps dense)."""
+    return float(p) if isinstance(p, (int, float)) else 1.0
+
+
+def _lifted_dropout(p) -> Optional[str]:
+    """A probability Dynamo lifted to a graph input (``dynamic=True``, or a changed ``self.p``) is not known
+    here, so the site stays dense."""
+    return None if isinstance(p, (int, float)) else "the dropout probability is a graph value, not a constant"
 
 
 def _sdpa_site(node: fx.Node) -> AttentionSite:
-    dropout_p, blocker = _dropout_p(call_arg(node, 4, "dropout_p", 0.0))
+    p = call_arg(node, 4, "dropout_p", 0.0)
     return AttentionSite(
         node=node,
         form="sdpa",
@@ -58,12 +64,12 @@ def _sdpa_site(node: fx.Node) -> AttentionSite:
         key=call_arg(node, 1, "key"),
         value=call_arg(node, 2, "value"),
         mask=call_arg(node, 3, "attn_mask"),
-        dropout_p=dropout_p,
+        dropout_p=_dropout_p(p),
         is_causal=bool(call_arg(node, 5, "is_causal", False)),
         scale=call_arg(node, 6, "scale", None),
         enable_gqa=bool(node.kwargs.get("enable_gqa", False)),
         source=source_of(node),
-        blocker=blocker,
+        blocker=_lifted_dropout(p) or "",
     )
 
 
@@ -155,10 +161,30 @@ def _score_operand(node: fx.Node):
     return node.args[0]
 
 
-def _walk_scores(softmax: fx.Node):
-    """From the softmax's input up to ``matmul(q, kᵀ)``: (that matmul, mask, whether the mask is a
-    ``masked_fill`` condition, whether a ``where`` selects, scale, whether a lifted scale divides, nodes passed,
-    ops not understood), or None when the softmax is not fed by a q·kᵀ product."""
+@dataclasses.dataclass(frozen=True)
+class _Scores:
+    """What lies between ``matmul(q, kᵀ)`` and the softmax (:func:`_walk_scores`)."""
+
+    product: fx.Node
+    """the ``matmul(q, kᵀ)``"""
+    mask: object
+    """the mask operand (added, a ``masked_fill`` condition or a ``where`` condition), or None"""
+    fills: bool
+    """the mask is a ``masked_fill`` condition (True where a key may NOT be read)"""
+    selects: bool
+    """the mask is a ``where`` condition (True where a key may be read)"""
+    scale: object
+    """the product of the constant factors, or a lifted scale node"""
+    divides: bool
+    """the lifted scale divides the scores"""
+    chain: tuple
+    """the nodes passed, from the softmax's input up (the product not among them)"""
+    unknown: tuple
+    """the ops not understood, from the softmax up"""
+
+
+def _walk_scores(softmax: fx.Node) -> Optional[_Scores]:
+    """From the softmax's input up to ``matmul(q, kᵀ)``, or None when the softmax is not fed by a q·kᵀ product."""
     scores = softmax.args[0]
     chain, mask, fills, selects, scale, unknown = [], None, False, False, 1.0, []
     while _widening_cast(scores):
@@ -192,7 +218,7 @@ def _walk_scores(softmax: fx.Node):
                     divides = False
                 else:
                     scale = lifted
-            return scores, mask, fills, selects, scale, divides, chain, unknown
+            return _Scores(scores, mask, fills, selects, scale, divides, tuple(chain), tuple(unknown))
         if scores.op not in ("call_function", "call_method") or not scores.args:
             return None
         operand = _score_operand(scores)
@@ -235,80 +261,146 @@ def _below_exact_upcasts(query: fx.Node, key: fx.Node) -> tuple:
     return (q, k) if q is not None and k is not None and dtype_of(q) == dtype_of(k) else (query, key)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """From the softmax down to ``matmul(weights, v)`` (:func:`_walk_weights`)."""
+
+    steps: tuple
+    """the casts and dropouts the weights pass through, in order"""
+    product: fx.Node
+    """the value product"""
+    escape: bool
+    """the weights the product reads are read besides (``output_attentions``)"""
+
+
+def _walk_weights(softmax: fx.Node) -> Optional[_Weights]:
+    """Down from the softmax through casts and dropout to the value product; None when the weights go elsewhere."""
+    steps, probs = [], softmax
+    while True:
+        escape = len(probs.users) != 1
+        if escape:
+            # the weights escape too (output_attentions): attention still, but the op makes no weights
+            user = next((u for u in probs.users if is_call(u, MATMUL_FUNCS, ("matmul",)) and u.args[0] is probs), None)
+            if user is None:
+                return None
+        else:
+            (user,) = probs.users
+        if is_call(user, (), CASTS) or is_call(user, DROPOUT_FUNCS, ("dropout",)):
+            steps.append(user)
+            probs = user
+        elif is_call(user, MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
+            return _Weights(tuple(steps), user, escape)
+        else:
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _ManualChain:
+    """A matched manual chain: ``matmul(q, kᵀ)`` → :class:`_Scores` → softmax → :class:`_Weights`."""
+
+    softmax: fx.Node
+    scores: _Scores
+    query: fx.Node
+    key: fx.Node
+    key_t: fx.Node
+    weights: _Weights
+
+
+def _match_manual(softmax: fx.Node) -> Optional[_ManualChain]:
+    """The chain through a softmax over the last dim, or None when it is not attention."""
+    if call_arg(softmax, 1, "dim", None) not in (-1, 3):
+        return None
+    scores = _walk_scores(softmax)
+    if scores is None:
+        return None
+    query, key_t = scores.product.args[0], scores.product.args[1]
+    key = transposed_key(key_t)
+    if key is None or not _single_user(key_t):
+        return None
+    query, key = _below_exact_upcasts(query, key)
+    weights = _walk_weights(softmax)
+    return None if weights is None else _ManualChain(softmax, scores, query, key, key_t, weights)
+
+
+def _is_dropout(node: fx.Node) -> bool:
+    return is_call(node, DROPOUT_FUNCS, ("dropout",))
+
+
+def _training(dropout: fx.Node):
+    """The dropout's training flag, as written (truthy: it drops)."""
+    return dropout.kwargs.get("train", call_arg(dropout, 2, "training", True))  # torch.dropout says train
+
+
+def _unread_score_ops(m: _ManualChain) -> Optional[str]:
+    if not m.scores.unknown:
+        return None
+    what = " (logit soft-capping)" if "tanh" in m.scores.unknown else ""
+    return (f"attention scores pass through {', '.join(reversed(m.scores.unknown))}{what} between q·kᵀ and the softmax: "
+            "the sparse kernel computes only scaled scores plus an additive mask")
+
+
+def _narrow_softmax(m: _ManualChain) -> Optional[str]:
+    dtype = m.softmax.kwargs.get("dtype")
+    if dtype is not None and torch.finfo(dtype).bits < 32:
+        return f"the softmax is computed in {dtype} (the op computes it in fp32)"
+    return None
+
+
+def _weights_changed(m: _ManualChain) -> Optional[str]:
+    """A cast or a dropout on the way to the value product that the op would not compute the same."""
+    for step in m.weights.steps:
+        if _is_dropout(step):
+            reason = _lifted_dropout(call_arg(step, 1, "p", 0.5)) if _training(step) else None
+        else:
+            reason = _narrowing_cast(step, m.query)
+        if reason:
+            return reason
+    return None
+
+
+def _weights_escape(m: _ManualChain) -> Optional[str]:
+    return "the attention weights are used besides the output (output_attentions=True?)" if m.weights.escape else None
+
+
+def _qk_written(m: _ManualChain) -> Optional[str]:
+    if written_between((m.query, m.key), m.scores.product, m.weights.product):
+        return "q or k is written in place between q·kᵀ and the value product (the op reads both there)"
+    return None
+
+
+MANUAL_CHECKS = (_unread_score_ops, _narrow_softmax, _weights_changed, _weights_escape, _qk_written)
+"""Why a matched manual chain stays dense, in the order its reasons are given."""
+
+
 def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     """Walk up and down from a softmax over the last dim; None when it is not attention.
 
     A chain that is attention but computes its scores with something the kernel does not (logit
     soft-capping's tanh, a tensor scale), or whose weights are also returned (``output_attentions``),
     comes back blocked, so the report names it and it stays dense."""
-    dim = call_arg(softmax, 1, "dim", None)
-    if dim not in (-1, 3):
+    m = _match_manual(softmax)
+    if m is None:
         return None
-    walked = _walk_scores(softmax)
-    if walked is None:
-        return None
-    scores, mask, fills, selects, scale, divides, chain, unknown = walked
-    chain = [softmax] + chain
-    query, key_t = scores.args[0], scores.args[1]
-    key = transposed_key(key_t)
-    if key is None or not _single_user(key_t):
-        return None
-    query, key = _below_exact_upcasts(query, key)
-    chain += [scores, key_t]
-    blocker = ""
-    if unknown:
-        what = " (logit soft-capping)" if "tanh" in unknown else ""
-        blocker = (f"attention scores pass through {', '.join(reversed(unknown))}{what} between q·kᵀ and the softmax: "
-                   "the sparse kernel computes only scaled scores plus an additive mask")
-
-    softmax_dtype = softmax.kwargs.get("dtype")
-    if not blocker and softmax_dtype is not None and torch.finfo(softmax_dtype).bits < 32:
-        blocker = f"the softmax is computed in {softmax_dtype} (the op computes it in fp32)"
-
-    dropout_p = 0.0
-    probs = softmax
-    while True:
-        if len(probs.users) != 1:
-            # the weights escape too (output_attentions): attention still, but the op makes no weights
-            user = next((u for u in probs.users if is_call(u, MATMUL_FUNCS, ("matmul",)) and u.args[0] is probs), None)
-            if user is None:
-                return None
-            blocker = blocker or "the attention weights are used besides the output (output_attentions=True?)"
-        else:
-            (user,) = probs.users
-        if is_call(user, (), CASTS):
-            blocker = blocker or _narrowing_cast(user, query) or ""
-            chain.append(user)
-            probs = user
-        elif is_call(user, DROPOUT_FUNCS, ("dropout",)):
-            training = user.kwargs.get("train", call_arg(user, 2, "training", True))  # torch.dropout says train
-            if training:
-                dropout_p, dropout_blocker = _dropout_p(call_arg(user, 1, "p", 0.5))
-                blocker = blocker or dropout_blocker
-            chain.append(user)
-            probs = user
-        elif is_call(user, MATMUL_FUNCS, ("matmul",)) and user.args[0] is probs:
-            if written_between((query, key), scores, user):
-                blocker = blocker or "q or k is written in place between q·kᵀ and the value product (the op reads both there)"
-            return AttentionSite(
-                node=user,
-                form="manual",
-                query=query,
-                key=key,
-                value=user.args[1],
-                mask=mask,
-                dropout_p=dropout_p,
-                is_causal=False,
-                scale=scale,
-                source=source_of(user),
-                chain=tuple(chain),
-                blocker=blocker,
-                mask_fills=fills,
-                mask_selects=selects,
-                scale_divides=divides,
-            )
-        else:
-            return None
+    training_dropouts = [step for step in m.weights.steps if _is_dropout(step) and _training(step)]
+    dropout_p = _dropout_p(call_arg(training_dropouts[-1], 1, "p", 0.5)) if training_dropouts else 0.0
+    product = m.weights.product
+    return AttentionSite(
+        node=product,
+        form="manual",
+        query=m.query,
+        key=m.key,
+        value=product.args[1],
+        mask=m.scores.mask,
+        dropout_p=dropout_p,
+        is_causal=False,
+        scale=m.scores.scale,
+        source=source_of(product),
+        chain=(softmax, *m.scores.chain, m.scores.product, m.key_t, *m.weights.steps),
+        blocker=first_reason(MANUAL_CHECKS, m) or "",
+        mask_fills=m.scores.fills,
+        mask_selects=m.scores.selects,
+        scale_divides=m.scores.divides,
+    )
 
 
 # PyTorch's own attention modules reach Dynamo as single calls that hold the projections too (and, for the

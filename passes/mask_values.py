@@ -24,6 +24,8 @@ from .site import AttentionSite, MaskInfo, MaskKind, may_share_memory
 # two settings; a construction naming a larger number than this is not run
 _MAX_TRIAL_SIZE = 8192
 _MAX_STATIC_ENTRIES = 1 << 24
+# float32 holds every integer up to 2**24 tokens; narrower types wrap or round within a long prompt
+_EXACT_DTYPES = (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64)
 _SIZE_READS = {"size", "dim"}
 _SIZE_FUNCS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_size} if hasattr(torch.ops.aten, "sym_size") else set()
 
@@ -145,11 +147,20 @@ def rule(q_len: int, kv_len: int, relative: int, window: int) -> torch.Tensor:
     return kept & (j > i - window) if window else kept
 
 
+def _exact_at_every_size(nodes: list) -> bool:
+    """Whether every tensor the mask is built from has a dtype that holds positions exactly at any prompt length
+    (bf16 rounds past 256, uint8 wraps past 255: small sizes would not show it)."""
+    return all(getattr(n.meta.get("example_value"), "dtype", torch.bool) in _EXACT_DTYPES for n in nodes)
+
+
 def evaluations(site: AttentionSite, info: MaskInfo, writes: list) -> Optional[list]:
-    """The mask at each size setting tried, or None when it cannot be run on small sizes, or when some node
-    writes into the memory of a node it is computed from (the subgraph alone would miss that write)."""
+    """The mask at each size setting tried, or None when it cannot be run on small sizes, when what small sizes
+    show may not hold at large ones (narrow dtypes), or when some node writes into the memory of a node it is
+    computed from (the subgraph alone would miss that write)."""
     nodes = _slice(site.mask)
-    if nodes is None or any(may_share_memory(w, n) for _, written in writes for w in written for n in nodes):
+    if nodes is None or not _exact_at_every_size(nodes):
+        return None
+    if any(may_share_memory(w, n) for _, written in writes for w in written for n in nodes):
         return None
     offset_nodes = [x for v in (info.q_offset, info.k_offset) for x in ((v[0],) if isinstance(v, tuple) else (v,))
                     if isinstance(x, fx.Node)]

@@ -76,9 +76,69 @@ class _Gather:
     offset: _Off
 
 
+class _Term:
+    """One predicate over (b, q, kv) of a :class:`_Mask`, on positions: query row i at ``i + q_off``, key j at
+    ``j + k_off`` (offsets as :data:`_Off`)."""
+
+    axes: frozenset = frozenset()
+    """the axes (counted from the right: -1 key, -2 query, -4 batch) its truth varies along"""
+
+    def complement(self) -> Optional["_Term"]:
+        """The predicate true where this one is false, when it is one predicate."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(_Term):
+    """``kv_pos <= q_pos``: no key after the query"""
+
+    q_off: _Off
+    k_off: _Off
+    axes = frozenset({-2, -1})
+
+    def complement(self) -> "WindowStart":
+        return WindowStart(self.q_off, self.k_off)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowStart(_Term):
+    """``kv_pos > q_pos``: keys past a bound that moves with the query (a sliding window's first key lies past
+    ``q_pos - window``)"""
+
+    q_off: _Off
+    k_off: _Off
+    axes = frozenset({-2, -1})
+
+    def complement(self) -> Causal:
+        return Causal(self.q_off, self.k_off)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValid(_Term):
+    """``source[b, j + offset]``: a [B, S] padding table read at the key"""
+
+    source: fx.Node
+    offset: _Off
+    axes = frozenset({-4, -1})
+
+
+@dataclasses.dataclass(frozen=True)
+class SameDocument(_Term):
+    """``source[b, i + q_off] == source[b, j + k_off]``: a [B, S] packed-sequence id table, the same at both"""
+
+    source: fx.Node
+    q_off: _Off
+    k_off: _Off
+    axes = frozenset({-4, -2, -1})
+
+
+_TERMS = {"le": Causal, "gt": WindowStart}
+"""The comparison of a key position with a query position that each term reads."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Mask:
-    """conjunction of predicates over (b, q, kv)"""
+    """conjunction of predicates (:class:`_Term`) over (b, q, kv)"""
 
     preds: frozenset
 
@@ -115,7 +175,6 @@ _AXIS_NAMES = {-1: "key", -2: "query", -3: "head", -4: "batch"}
 _NOT = {torch.logical_not, torch.bitwise_not, operator.invert, "logical_not", "bitwise_not", "__invert__"}
 _TRIANGLE = {torch.triu: "triu", torch.tril: "tril", "triu": "triu", "tril": "tril"}
 _CONCAT = {torch.cat, torch.concat, torch.concatenate, torch.hstack}
-_COMPLEMENT = {"le": "gt", "gt": "le"}  # not (kv <= q + o)  is  kv > q + o
 _HUGE_NEGATIVE = -1e4
 
 
@@ -266,11 +325,11 @@ class _Evaluator:
         if not isinstance(src, _Const) or not isinstance(d, int) or isinstance(d, bool):
             return _Unknown(f"{kind} of something other than a constant at {n.name}")
         # kept entries as one predicate: tril -> kv <= q + d; triu -> kv >= q + d, i.e. kv > q + d - 1
-        kept = ("le", (None, d), _ZERO) if kind == "tril" else ("gt", (None, d - 1), _ZERO)
+        kept = Causal((None, d), _ZERO) if kind == "tril" else WindowStart((None, d - 1), _ZERO)
         if src.value is True or src.value == 1:
             return _Mask(frozenset({kept}))
         if isinstance(src.value, (int, float)) and src.value <= _HUGE_NEGATIVE:
-            return _Additive(_Mask(frozenset({(_COMPLEMENT[kept[0]], *kept[1:])})))
+            return _Additive(_Mask(frozenset({kept.complement()})))
         return _Unknown(f"{kind} of {src.value!r} at {n.name}")
 
     def _passthrough(self, n):
@@ -430,13 +489,13 @@ class _Evaluator:
             return main if isinstance(main, _Unknown) else _Unknown(f"a key prefix before {type(mask).__name__.strip('_')} at {n.name}")
         preds = []
         for pred in mask.preds:
-            if pred[0] != "le":
+            if not isinstance(pred, Causal):
                 return _Unknown(f"a key prefix before a padding, document or window term at {n.name}")
-            (q_base, q_const), (k_base, k_const) = pred[1:]
+            (q_base, q_const), (k_base, k_const) = pred.q_off, pred.k_off
             # kv + k <= q + o holds for key P - 1 at query 0 when k - 1 <= o; keys P on then read kv + k <= q + o + P
             if q_base is not None or k_base is not None or k_const - 1 > q_const:
                 return _Unknown(f"a key prefix before a mask that hides some of it at {n.name}")
-            preds.append(("le", _shift((None, q_const), width), (None, k_const)))
+            preds.append(Causal(_shift((None, q_const), width), (None, k_const)))
         shifted = _Mask(frozenset(preds))
         return _Additive(shifted) if additive else shifted
 
@@ -468,13 +527,13 @@ class _Evaluator:
                 op, b = "le", _Axis(2, _shift(b.offset, -1))
             if op == "ge":
                 op, b = "gt", _Axis(2, _shift(b.offset, -1))
-            if op in ("le", "gt"):
-                return _Mask(frozenset({(op, b.offset, a.offset)}))
+            if op in _TERMS:
+                return _Mask(frozenset({_TERMS[op](b.offset, a.offset)}))
         if op == "eq" and isinstance(a, _Gather) and isinstance(b, _Gather) and a.source is b.source:
             if a.dim == 3 and b.dim == 2:
                 a, b = b, a
             if a.dim == 2 and b.dim == 3:
-                return _Mask(frozenset({("doc", a.source, a.offset, b.offset)}))
+                return _Mask(frozenset({SameDocument(a.source, a.offset, b.offset)}))
         return _Unknown(f"comparison {op} of {type(a).__name__.strip('_')} and {type(b).__name__.strip('_')}")
 
     def _as_mask(self, v):
@@ -483,7 +542,7 @@ class _Evaluator:
         if isinstance(v, _Mask):
             return v
         if isinstance(v, _Gather) and v.dim == 3:
-            return _Mask(frozenset({("key", v.source, v.offset)}))
+            return _Mask(frozenset({KeyValid(v.source, v.offset)}))
         return None
 
     def _and(self, a, b):
@@ -540,7 +599,7 @@ def _depends_on(v) -> set:
     if isinstance(v, _Mask):
         axes = set()
         for pred in v.preds:
-            axes |= {"le": {-2, -1}, "gt": {-2, -1}, "key": {-4, -1}, "doc": {-4, -2, -1}}[pred[0]]
+            axes |= pred.axes
         return axes
     return set()
 
@@ -580,8 +639,9 @@ def _complement(value, n):
     """not ``value`` for a one-term mask (a conjunction's complement is a disjunction: not in the vocabulary)."""
     if isinstance(value, _Mask) and len(value.preds) == 1:
         (pred,) = value.preds
-        if pred[0] in _COMPLEMENT:
-            return _Mask(frozenset({(_COMPLEMENT[pred[0]], *pred[1:])}))
+        flipped = pred.complement()  # not (kv <= q + o)  is  kv > q + o
+        if flipped is not None:
+            return _Mask(frozenset({flipped}))
     if isinstance(value, _Unknown):
         return value
     if isinstance(value, _Tensor):
@@ -608,10 +668,10 @@ def _as_offset(off: _Off):
 
 def _mask_info(preds: frozenset) -> MaskInfo:
     """Predicates read in key indices: a term ``kv_pos <= q_pos + o`` with keys at ``j + k`` is ``j <= i + (o - k)``."""
-    causal = [p for p in preds if p[0] == "le"]
+    causal = [p for p in preds if isinstance(p, Causal)]
     if len(causal) != 1:
         return MaskInfo(MaskKind.UNKNOWN, reason="mask has no single causal (kv <= q) term")
-    q_off, k_off = _relative(*causal[0][1:])
+    q_off, k_off = _relative(causal[0].q_off, causal[0].k_off)
     if q_off[0] is None and k_off[0] is None and q_off[1] - k_off[1] < 0:
         # strict causal and the like: eager attention gives such rows the mean of V (a finite fill) or NaN
         # (-inf), the op zeros; only dense attention reproduces what the model computes
@@ -625,26 +685,27 @@ def _mask_info(preds: frozenset) -> MaskInfo:
     key_mask = doc = None
     key_start = doc_start = _ZERO
     for pred in preds:
-        if pred[0] == "gt":
-            (wq_base, wq), (wk_base, wk) = _relative(pred[1], pred[2])
+        if isinstance(pred, WindowStart):
+            (wq_base, wq), (wk_base, wk) = _relative(pred.q_off, pred.k_off)
             if wq_base is not q_off[0] or wk_base is not k_off[0]:
                 return MaskInfo(MaskKind.UNKNOWN, reason="window offset differs from the causal offset")
             term = (q_off[1] - k_off[1]) - (wq - wk)
             if term <= 0:
                 return MaskInfo(MaskKind.UNKNOWN, reason="empty sliding window")
             window = min(window, term) if window else term  # two window terms keep the narrower
-        elif pred[0] == "key":
+        elif isinstance(pred, KeyValid):
             if key_mask is not None:
                 return MaskInfo(MaskKind.UNKNOWN, reason="two padding masks")
-            key_mask, key_start = pred[1], pred[2]
-        elif pred[0] == "doc":
+            key_mask, key_start = pred.source, pred.offset
+        elif isinstance(pred, SameDocument):
             # ids read at [q_pos] and [kv_pos]; sliced from where key 0 reads them, the query side must then
             # land at the op's query offset: the same gap as the causal term's
-            (_, (cq_base, cq), (ck_base, ck)), (dq_base, dq), (dk_base, dk) = causal[0], pred[2], pred[3]
+            (cq_base, cq), (ck_base, ck) = causal[0].q_off, causal[0].k_off
+            (dq_base, dq), (dk_base, dk) = pred.q_off, pred.k_off
             same_gap = dq_base is cq_base and dk_base is ck_base and dq - dk == cq - ck
             if doc is not None or not same_gap:
                 return MaskInfo(MaskKind.UNKNOWN, reason="packed-sequence ids at other positions than the queries")
-            doc, doc_start = pred[1], pred[3]
+            doc, doc_start = pred.source, pred.k_off
     if key_mask is not None:
         dtype = dtype_of(key_mask)
         if dtype is not torch.bool:
@@ -718,6 +779,15 @@ def _dtype_mismatch(site: AttentionSite, value) -> Optional[str]:
     return None
 
 
+def _not_causal(info: MaskInfo) -> Optional[str]:
+    """Why a site whose mask means ``info`` stays dense: a mask not understood, or none (bidirectional)."""
+    if info.kind == MaskKind.UNKNOWN:
+        return f"unknown mask: {info.reason}"
+    if info.kind == MaskKind.NONE:
+        return info.reason
+    return None
+
+
 def run(sites: list[AttentionSite]) -> list[AttentionSite]:
     out = []
     writes = writers(sites[0].node.graph) if sites else []
@@ -728,10 +798,5 @@ def run(sites: list[AttentionSite]) -> list[AttentionSite]:
         if key not in checked:
             checked[key] = mask_values.check(site, info, writes)
         info = checked[key]
-        site = dataclasses.replace(site, mask_info=info)
-        if info.kind == MaskKind.UNKNOWN:
-            site = site.blocked(f"unknown mask: {info.reason}")
-        elif info.kind == MaskKind.NONE:
-            site = site.blocked(info.reason)
-        out.append(site)
+        out.append(dataclasses.replace(site, mask_info=info).blocked(_not_causal(info)))
     return out

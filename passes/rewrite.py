@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -20,7 +20,7 @@ from ..observe import observed_attention  # noqa: F401  (registers the search-mo
 from .. import routing
 from ..op import sparse_attention  # noqa: F401  (registers the op)
 from ..plan import LayerPlan
-from .site import AttentionSite, in_memory_order, is_lifted_scalar, memory_order, writes_in_place
+from .site import AttentionSite, first_reason, in_memory_order, is_lifted_scalar, memory_order, writes_in_place
 
 _OP = torch.ops.minference.sparse_attention.default
 _OBSERVE_OP = torch.ops.minference.observed_attention.default
@@ -71,41 +71,76 @@ def _remove_dead(graph: fx.Graph, roots):
         work.extend(inputs)
 
 
+def _values(site: AttentionSite) -> tuple:
+    """The traced query and attention output (None when the output node has no traced value)."""
+    return site.query.meta["example_value"], site.node.meta.get("example_value")
+
+
+def _scale(site: AttentionSite):
+    """The op's scale: the site's, or SDPA's default from the query's head dim."""
+    return site.scale if site.scale is not None else 1.0 / math.sqrt(site.query.meta["example_value"].shape[-1])
+
+
+def _output_dtype_differs(site: AttentionSite) -> Optional[str]:
+    q_val, old_val = _values(site)
+    if old_val is not None and old_val.dtype != q_val.dtype:
+        return f"attention output dtype {old_val.dtype} differs from the query's {q_val.dtype}"
+    return None
+
+
+def _output_shape_differs(site: AttentionSite) -> Optional[str]:
+    """A mask that broadcasts the scores past q's batch or heads makes the output larger than q."""
+    q_val, old_val = _values(site)
+    if old_val is not None and (old_val.dim() != q_val.dim() or not all(
+            statically_known_true(a == b) for a, b in zip(old_val.shape, q_val.shape))):
+        return f"attention output of shape {tuple(old_val.shape)} differs from the query's {tuple(q_val.shape)}"
+    return None
+
+
+def _float64(site: AttentionSite) -> Optional[str]:
+    if site.query.meta["example_value"].dtype == torch.float64:
+        return "float64 attention: the sparse op computes in fp32"
+    return None
+
+
+def _scale_not_constant(site: AttentionSite) -> Optional[str]:
+    scale = _scale(site)
+    if not isinstance(scale, (int, float)) and not is_lifted_scalar(scale):
+        return f"scale is not a constant ({scale})"
+    return None
+
+
+def _scale_not_positive(site: AttentionSite) -> Optional[str]:
+    scale = _scale(site)
+    if isinstance(scale, (int, float)) and not (math.isfinite(scale) and scale > 0):
+        return f"scale {scale} is not a finite number > 0, which the op's softmax needs"
+    return None
+
+
+CHECKS = (_output_dtype_differs, _output_shape_differs, _float64, _scale_not_constant, _scale_not_positive)
+"""What the op needs of a site the earlier passes accepted, in order (the scale is read once it is known to be one)."""
+
+
+def check(sites: list[AttentionSite]) -> list[AttentionSite]:
+    """Each site, kept dense by the first of :data:`CHECKS` that fails on it."""
+    return [site if site.blocker else site.blocked(first_reason(CHECKS, site)) for site in sites]
+
+
 def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
         observer: int | None = None, guard_threshold: float = 0.0, route_dense: bool = True) -> list[AttentionSite]:
-    """Rewrite every unblocked site; with ``observer`` (search mode) into the dense observed op instead.
-    ``route_dense``: each op gets its own routing site id (``minference_fx.routing``)."""
+    """Rewrite every site :func:`check` leaves unblocked; with ``observer`` (search mode) into the dense observed op
+    instead. ``route_dense``: each op gets its own routing site id (``minference_fx.routing``)."""
     graph = gm.graph
     out = []
     replaced: dict[fx.Node, fx.Node] = {}
-    for site in sites:
+    for site in check(sites):
         if site.blocker:
             out.append(site)
-            continue
-        q_val = site.query.meta["example_value"]
-        old_val = site.node.meta.get("example_value")
-        if old_val is not None and old_val.dtype != q_val.dtype:
-            out.append(site.blocked(f"attention output dtype {old_val.dtype} differs from the query's {q_val.dtype}"))
-            continue
-        if old_val is not None and (old_val.dim() != q_val.dim() or not all(
-                statically_known_true(a == b) for a, b in zip(old_val.shape, q_val.shape))):
-            # a mask that broadcasts the scores past q's batch or heads makes the output larger than q
-            out.append(site.blocked(f"attention output of shape {tuple(old_val.shape)} differs from the query's "
-                                    f"{tuple(q_val.shape)}"))
-            continue
-        if q_val.dtype == torch.float64:
-            out.append(site.blocked("float64 attention: the sparse op computes in fp32"))
-            continue
-        scale = site.scale if site.scale is not None else 1.0 / math.sqrt(q_val.shape[-1])
-        if not isinstance(scale, (int, float)) and not is_lifted_scalar(scale):
-            out.append(site.blocked(f"scale is not a constant ({scale})"))
-            continue
-        if isinstance(scale, (int, float)) and not (math.isfinite(scale) and scale > 0):
-            out.append(site.blocked(f"scale {scale} is not a finite number > 0, which the op's softmax needs"))
             continue
         plan = plan_for(site)
         patterns, budget_a, budget_b = plan.op_arguments()
         info = site.mask_info
+        scale, old_val = _scale(site), site.node.meta.get("example_value")
         with graph.inserting_before(site.node):
             if site.scale_divides:
                 scale = graph.call_function(operator.truediv, (1.0, scale))

@@ -10,7 +10,7 @@ import functools
 import itertools
 import operator
 from enum import Enum
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -335,5 +335,16 @@ class AttentionSite:
     mask_selects: bool = False
     """the mask marks the scores kept (``torch.where(mask, scores, -inf)``): True where a key may be read"""
 
-    def blocked(self, reason: str) -> "AttentionSite":
-        return self if self.blocker else dataclasses.replace(self, blocker=reason)
+    def blocked(self, reason: Optional[str]) -> "AttentionSite":
+        """This site, kept dense for ``reason`` unless an earlier reason holds it already (None: unchanged)."""
+        return self if self.blocker or not reason else dataclasses.replace(self, blocker=reason)
+
+
+Check = Callable[..., Optional[str]]
+"""A check: why its arguments (a site, a matched chain) rule a rewrite out, or None when they do not."""
+
+
+def first_reason(checks: "tuple[Check, ...]", *args) -> Optional[str]:
+    """The reason of the first of ``checks`` that fails on ``args``, or None when all pass; the later ones are not
+    run (one may read what an earlier one checked)."""
+    return next((reason for check in checks if (reason := check(*args))), None)
