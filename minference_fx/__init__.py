@@ -4,6 +4,8 @@
 it understands into ``minference::sparse_attention`` (dynamic sparse attention
 per head) and leaves the rest dense, with a report saying why.
 """
+import dataclasses
+
 from .backend import minference_backend, recent_reports
 from .config import (
     ConfigError,
@@ -15,6 +17,7 @@ from .config import (
     model_identity_from_hf,
 )
 from .inspection import inspect
+from .kernels.guard import STATS as _GUARD_STATS
 from .op import sparse_attention
 from .plan import HeadPlan, LayerPlan, Pattern
 from .verify import VerifyError
@@ -25,11 +28,7 @@ warn_if_untested()  # once: Python imports a module once
 
 def guard_stats():
     """Counters of the runtime quality guard (on GPU only with MINFERENCE_FX_GUARD_STATS=1: counting syncs)."""
-    import dataclasses
-
-    from .kernels.guard import STATS
-
-    return dataclasses.replace(STATS)
+    return dataclasses.replace(_GUARD_STATS)
 
 __all__ = [
     "ConfigError",

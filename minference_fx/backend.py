@@ -14,11 +14,15 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch._logging import trace_structured
 
-from . import passes, verify
-from .config import DEFAULT_DEFAULTS, ConfigMismatchError, SemanticConfig
+from . import passes, precompile, verify
+from .autotune import dispatch
+from .config import ConfigMismatchError, Mismatch, SemanticConfig, traced_model_identities
+from .defaults import DEFAULTS
+from .indexing import int64_for_dynamic_sizes
 from .options import BackendOptions, Inner
-from .plan import HeadPlan, LayerPlan, Pattern
+from .plan import LayerPlan
 from .report import Report
 
 log = logging.getLogger("minference_fx")
@@ -26,11 +30,6 @@ try:  # lets TORCH_LOGS=+minference_fx turn this logger on
     torch._logging._internal.register_log("minference_fx", "minference_fx")
 except Exception:  # a torch without the private registry still logs through logging
     pass
-
-DEFAULT_HEAD = HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096)
-# negative: the op looks up this GPU's tuned dense/sparse crossover (untuned: autotune.dispatch.untuned_crossover)
-DEFAULT_MIN_SPARSE_LEN = -1
-DEFAULT_GUARD_THRESHOLD = DEFAULT_DEFAULTS["guard_threshold"]
 
 # Recent reports, newest last; inspect() and the CLI read them.
 _REPORTS: collections.deque[Report] = collections.deque(maxlen=64)
@@ -75,8 +74,6 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
 
     Each problem is a ``Mismatch`` of its layer, so the message says one sentence per kind of problem with
     the layers it holds at, not one per layer."""
-    from .config import Mismatch, traced_model_identities
-
     model = config.model
     problems = []
     if model.fingerprint:
@@ -119,13 +116,16 @@ def _inner_compile(inner: Inner, gm, example_inputs, mode, inductor_config, int6
     if inner == Inner.EAGER:
         return gm.forward
     if inner == Inner.AOT_EAGER:
+        # here, not at the top: importing Dynamo's backend registry costs a second that `import minference_fx` and
+        # the other inners do not pay (Dynamo has it loaded by the time a backend runs)
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
+    # here, not at the top: importing Inductor costs seconds that `import minference_fx` and the eager inners do
+    # not pay (options.py keeps it out of reading options too), and compile_fx is read at the call, where
+    # tests/test_indexing.py replaces it
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
-
-    from .indexing import int64_for_dynamic_sizes
 
     patches = {**list_mode_options(mode or "default"), **inductor_config}
     with int64_for_dynamic_sizes(int64_indexing):
@@ -148,7 +148,7 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
         check_config_fits(config, gm, sites, options.head_offset)
     min_len = options.min_sparse_len
     if min_len is None:
-        min_len = config.min_sparse_len if config is not None else DEFAULT_MIN_SPARSE_LEN
+        min_len = config.min_sparse_len if config is not None else DEFAULTS.min_sparse_len
 
     plans: dict[int, LayerPlan] = {}
     index_of = {id(s.node): i for i, s in enumerate(sites)}
@@ -156,7 +156,7 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     def plan_for(site) -> LayerPlan:
         hq = _head_count(site)[0]
         if config is None:
-            plan = LayerPlan((DEFAULT_HEAD,) * hq)
+            plan = LayerPlan((DEFAULTS.head,) * hq)
         else:
             plan = config.layer_plan(site.layer, options.head_offset or 0, hq)
         plans[index_of[id(site.node)]] = plan
@@ -164,7 +164,7 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
 
     guard = options.guard_threshold
     if guard is None:
-        guard = config.guard_threshold if config is not None else DEFAULT_GUARD_THRESHOLD
+        guard = config.guard_threshold if config is not None else DEFAULTS.guard_threshold
     sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense)
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread))
     _publish(report)
@@ -186,8 +186,6 @@ def _publish(report: Report) -> None:
         # a model that silently runs dense is the failure users miss; one line, the report has the rest
         warnings.warn(report.summary(one_line=True), stacklevel=2)
     try:
-        from torch._logging import trace_structured
-
         trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": "minference_fx_report", "encoding": "string"},
@@ -201,14 +199,10 @@ def minference_backend(gm: fx.GraphModule, example_inputs, *, mode=None, options
     """torch.compile backend: rewrite causal attention to sparse, then hand over to ``options['inner']``."""
     opts = BackendOptions.from_user(options)
     if opts.autotune == "on-miss":
-        from .autotune import dispatch
-
         dispatch.set_on_miss(True)
     traced = verify.snapshot(gm) if opts.verify else None
     report, checks = _rewrite(gm, opts)
     if opts.precompile and report.rewritten:
-        from . import precompile
-
         precompile.start(n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SPARSE_OP)
     rewritten = verify.snapshot(gm) if opts.verify else None  # Inductor edits gm in place
     compiled = _inner_compile(opts.inner, gm, example_inputs, mode or opts.mode, opts.inductor_config, opts.int64_indexing)

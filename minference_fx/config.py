@@ -19,28 +19,28 @@ import logging
 import math
 import operator
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
+from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import torch
+
+from minference_fx.defaults import DEFAULTS, TUNED_CROSSOVER
 from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
-# MInference's own fallback for heads its search did not list.
-DEFAULT_HEAD = {"pattern": Pattern.VERTICAL_SLASH.value, "budgets": [1000, 6096]}
 DEFAULT_DEFAULTS: dict[str, Any] = {
-    # Below this many query tokens sparse attention saves less than its index costs.
-    "min_sparse_len": 8192,
-    # A vertical-slash head whose index keeps less than this share of the last rows'
-    # attention mass runs dense for that call (the runtime quality guard; 0 = off). 0.8 keeps
-    # the worst head's recall at or above 0.8 on SmolLM2 at 32K, 64K and 128K for 0.4-4 % more
-    # computed tiles; 0.5 left heads at 0.56-0.76 (results/guard_sweep_smollm2_*).
-    "guard_threshold": 0.8,
-    "default_head": DEFAULT_HEAD,
+    # The ``defaults`` section of a config that leaves every key out: minference_fx.defaults.DEFAULTS as JSON.
+    "min_sparse_len": DEFAULTS.min_sparse_len,
+    "guard_threshold": DEFAULTS.guard_threshold,
+    "default_head": {"pattern": DEFAULTS.head.pattern.value, "budgets": list(DEFAULTS.budgets)},
 }
 
 MINFERENCE_PATTERN_TYPES = ("vertical_and_slash", "stream_llm", "block_sparse")
@@ -423,10 +423,6 @@ def _is_pos_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def _is_nonneg_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def _model_problems(model) -> list[str]:
     if not isinstance(model, ModelIdentity):
         return [f"model must be a ModelIdentity, got {type(model).__name__}"]
@@ -471,8 +467,9 @@ def _defaults_problems(defaults) -> list[str]:
         return [f"defaults must be a mapping, got {type(defaults).__name__}"]
     problems = []
     msl = defaults.get("min_sparse_len")
-    if not _is_nonneg_int(msl):
-        problems.append(f"defaults.min_sparse_len must be a non-negative integer, got {msl!r}")
+    if not (isinstance(msl, int) and not isinstance(msl, bool) and msl >= TUNED_CROSSOVER):
+        problems.append(f"defaults.min_sparse_len must be a non-negative integer, or {TUNED_CROSSOVER} for this "
+                        f"GPU's tuned crossover, got {msl!r}")
     gt = defaults.get("guard_threshold")
     if not (isinstance(gt, (int, float)) and not isinstance(gt, bool) and math.isfinite(gt) and 0 <= gt <= 1):
         problems.append(f"defaults.guard_threshold must be a number in [0, 1] (a share of attention mass), got {gt!r}")
@@ -692,9 +689,7 @@ def load_config(source, *, model: ModelIdentity | None = None) -> SemanticConfig
 
 def _tool_version() -> str:
     try:
-        from importlib.metadata import version
-
-        return f"minference-fx {version('minference-fx')}"
+        return f"minference-fx {metadata.version('minference-fx')}"
     except Exception:
         return "minference-fx (version unknown)"
 
@@ -702,11 +697,15 @@ def _tool_version() -> str:
 def default_config(
     model: ModelIdentity,
     *,
-    pattern: Pattern = Pattern.VERTICAL_SLASH,
-    budgets: tuple[int, int] = (1000, 6096),
-    min_sparse_len: int = 8192,
+    pattern: Pattern = DEFAULTS.head.pattern,
+    budgets: tuple[int, int] = DEFAULTS.budgets,
+    min_sparse_len: int = DEFAULTS.min_sparse_len,
 ) -> SemanticConfig:
-    """Every head of every layer the same; no search behind it."""
+    """Every head of every layer the same; no search behind it.
+
+    With no arguments it runs as the backend runs without a config (``minference_fx.defaults.DEFAULTS``): the
+    default head everywhere, sparse from this GPU's tuned crossover (``min_sparse_len`` -1), the default guard.
+    """
     pattern = Pattern(pattern)
     entry = HeadEntry(pattern, tuple(budgets), None)
     return SemanticConfig(
@@ -768,7 +767,7 @@ def import_minference_best_pattern(path_or_list, model: ModelIdentity) -> Semant
         raise ConfigError(
             f"a best_pattern file is a list with one object per layer, got {type(raw).__name__}", source=source
         )
-    default = HeadEntry(DEFAULT_HEAD["pattern"], tuple(DEFAULT_HEAD["budgets"]), None)
+    default = HeadEntry(DEFAULTS.head.pattern, DEFAULTS.budgets, None)
     n_heads = model.num_q_heads
     problems: list[str] = []
     layers: list[list[HeadEntry]] = []
@@ -779,13 +778,13 @@ def import_minference_best_pattern(path_or_list, model: ModelIdentity) -> Semant
         missing = sorted(set(range(n_heads)) - {_head_index(key, n_heads) for key in raw_layer})
         if missing:  # MInference runs such heads as its default too; said, since a gap may mean another model
             log.warning("best_pattern layer %d lists no entry for query heads %s (of %d): they get MInference's "
-                        "default head, vertical-slash %s", li, missing, n_heads, tuple(DEFAULT_HEAD["budgets"]))
+                        "default head, %s %s", li, missing, n_heads, DEFAULTS.head.pattern.value, DEFAULTS.budgets)
         layers.append(_keyed_layer(li, raw_layer, n_heads, default, _minference_entry, problems))
     name = source.name if source is not None else "an in-memory list"
     config = SemanticConfig(
         model=model,
         layers=layers,
-        defaults={"default_head": dict(DEFAULT_HEAD)},
+        defaults={"default_head": dict(DEFAULT_DEFAULTS["default_head"])},
         provenance=Provenance(
             tool_version=_tool_version(),
             metric="MInference best_pattern score",
@@ -800,8 +799,6 @@ def import_minference_best_pattern(path_or_list, model: ModelIdentity) -> Semant
 def model_identity_from_hf(hf_config) -> ModelIdentity:
     """Identity of a transformers model from its PretrainedConfig (or an equivalent dict)."""
     if isinstance(hf_config, Mapping):
-        from types import SimpleNamespace
-
         hf_config = SimpleNamespace(**hf_config)
     model_type = getattr(hf_config, "model_type", "") or ""
     cfg = hf_config
@@ -879,15 +876,13 @@ def traced_model_identities(gm) -> list[ModelIdentity]:
     the graph reads no parameters (a function given tensors), or Dynamo's private frame API has moved: then the
     backend has only the graph's layers, heads and head dim to compare (``backend.check_config_fits``).
     """
-    import sys
-
-    import torch
-
     transformers = sys.modules.get("transformers")
     pretrained = getattr(transformers, "PreTrainedModel", None)
     if pretrained is None:
         return []
     try:
+        # here, not at the top: Dynamo's private module (moved between torch versions: the except below), and
+        # importing Dynamo costs a second that `import minference_fx` does not pay; a trace has it loaded
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         root = InstructionTranslator.current_tx().output.root_tx

@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from .config import SemanticConfig, load_config
+from .defaults import TUNED_CROSSOVER
 
 # the modes of torch._inductor.list_mode_options(), written out so that reading the options imports no Inductor
 _INDUCTOR_MODES = ("default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
@@ -25,7 +26,8 @@ class Inner(str, Enum):
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
     config: Optional[SemanticConfig] = None
-    """semantic config; None: every head vertical-slash (1000, 6096), like MInference's default"""
+    """semantic config; None: every head ``minference_fx.defaults.DEFAULTS.head`` (MInference's default vertical-slash
+    budgets), sparse from the tuned crossover, the default guard: what ``default_config(model)`` gives"""
     inner: Inner = Inner.INDUCTOR
     min_sparse_len: Optional[int] = None
     """prompts shorter than this run dense SDPA; -1: this GPU's tuned crossover; None: the config's value,
@@ -85,8 +87,8 @@ class BackendOptions:
         except ValueError:
             problems.append(f"inner={inner!r}; expected one of {[i.value for i in Inner]}")
         min_len = options.get("min_sparse_len")
-        if min_len is not None and (not _is_int(min_len) or min_len < -1):
-            problems.append(f"min_sparse_len={min_len!r}; expected an int >= 0, or -1 for the tuned crossover")
+        if min_len is not None and (not _is_int(min_len) or min_len < TUNED_CROSSOVER):
+            problems.append(f"min_sparse_len={min_len!r}; expected an int >= 0, or {TUNED_CROSSOVER} for the tuned crossover")
         head_offset = options.get("head_offset")
         if head_offset is not None and (not _is_int(head_offset) or head_offset < 0):
             problems.append(f"head_offset={head_offset!r}; expected an int >= 0")

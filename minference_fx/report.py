@@ -5,6 +5,7 @@ import dataclasses
 import difflib
 from collections import Counter
 
+from .kernels.guard import STATS
 from .passes.site import AttentionSite
 
 
@@ -120,8 +121,6 @@ class Report:
         out.append(f"{self.rewritten}/{len(self.rows)} attention sites rewritten")
         out += [f"not read as attention, runs as written: {note}" for note in self.unread]
         if self.rewritten and self.guard_threshold > 0:
-            from .kernels.guard import STATS
-
             out.append(f"quality guard: vertical-slash heads under {self.guard_threshold:.2f} captured mass run dense; "
                        f"so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in {STATS.calls} calls")
         if self.rewritten:

@@ -57,6 +57,7 @@ import torch
 
 from . import observe
 from .config import HeadEntry, Provenance, SemanticConfig, _tool_version, model_identity_from_hf
+from .defaults import DEFAULTS
 from .kernels import guard, reference
 from .op import near_dense_heads
 from .plan import HeadPlan, LayerPlan, Pattern
@@ -310,7 +311,7 @@ def search(
     strata: int = STRATA,
     state_path: Optional[str | os.PathLike] = None,
     progress: Callable[[str], None] = print,
-    min_sparse_len: int = 8192,
+    min_sparse_len: int = DEFAULTS.min_sparse_len,
 ) -> SemanticConfig:
     """Search every (layer, head) pattern over ``samples`` (token id tensors [1, S]); returns the config.
 
