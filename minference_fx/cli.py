@@ -17,7 +17,7 @@ def build_model(spec: str, attn: str, layers: int | None = None):
         import transformers
     except ImportError:
         sys.exit("minference-fx inspect needs transformers: pip install 'minference-fx[transformers]'")
-    from .tiny import FAMILIES, tiny_config
+    from .tools.tiny import FAMILIES, tiny_config
 
     overrides = {"num_hidden_layers": layers} if layers else {}
     path = Path(spec)
@@ -69,7 +69,7 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def _named_problems() -> tuple:
-    from .assets import AssetError
+    from .tools.assets import AssetError
     from .config import ConfigError
 
     # the project raises these with a message that names the problem; a traceback would only bury it
@@ -88,11 +88,11 @@ def _bench(args) -> int:
 
     if not torch.cuda.is_available():
         sys.exit("minference-fx bench needs a CUDA GPU")
-    from . import bench
+    from .tools import bench
 
     command = "minference-fx " + " ".join(sys.argv[1:])
     if args.what == "prefill":
-        from . import bench_prefill
+        from .tools import bench_prefill
 
         result = bench_prefill.bench_prefill(
             parse_lengths(args.lengths), layers=args.layers, variants=tuple(args.variants.split(",")),
@@ -124,7 +124,7 @@ def _search(args) -> int:
     lengths = parse_lengths(args.lengths)
     yarn = args.yarn
     if args.model == "smollm2":
-        from .assets import load_smollm2, smollm2_yarn_factor
+        from .tools.assets import load_smollm2, smollm2_yarn_factor
 
         if yarn is None:  # as eval loads it: YaRN past the 8K context
             yarn = smollm2_yarn_factor(max(lengths))
@@ -139,7 +139,7 @@ def _search(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = build_model(args.model, "sdpa")
     if args.data == "austen":
-        from .assets import austen_text
+        from .tools.assets import austen_text
 
         text, data_name = austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
     else:
@@ -194,8 +194,8 @@ def _autotune(args) -> int:
 
 
 def _eval(args) -> int:
-    from . import evaluate
-    from .assets import austen_text
+    from .tools import evaluate
+    from .tools.assets import austen_text
 
     if args.budgets and args.config:
         sys.exit("eval: give --config or --budgets, not both")
@@ -226,13 +226,13 @@ def _eval(args) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import main as demo_main
+    from .tools.demo import main as demo_main
 
     return demo_main(args.length, device=args.device, config_path=args.config, inner=args.inner)
 
 
 def _assets(args) -> int:
-    from .assets import fetch_all
+    from .tools.assets import fetch_all
 
     for what, path in fetch_all(args.cache_dir).items():
         print(f"{what:7} {path}")
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="show which attention sites the backend rewrites, and why")
-    p.add_argument("--model", default="llama", help="built-in tiny family (llama, qwen2, mistral, gemma3, gpt2, ...: see minference_fx.tiny), an HF config.json, or a model directory")
+    p.add_argument("--model", default="llama", help="built-in tiny family (llama, qwen2, mistral, gemma3, gpt2, ...: see minference_fx.tools.tiny), an HF config.json, or a model directory")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
     p.add_argument("--layers", type=_positive_int, default=None, help="keep only this many layers (random weights are cheap, big models are not)")
     p.add_argument("--seq", type=_positive_int, default=128, help="prompt length traced")

@@ -1,21 +1,10 @@
-"""How concentrated a model's attention is: the share of dense attention mass that the best possible key set of
-the default budgets' size holds, whatever index or kernel chooses it.
+"""How concentrated a model's attention is: per layer and query head, the dense attention mass the best key set of
+the default budgets' size (1000 columns + 6096 diagonals = 7,096 keys a row) holds, the share of the row that
+90 % / 95 % of the mass needs, and the online index's recall and density. The measurement and what each number
+means are in minference_fx.tools.attention_mass; this is its command line.
 
-For each layer and query head, over the last ``--rows`` query rows of one prompt (dense attention, fp32), this
-prints the mean over rows of:
-
-- ``top-K mass``: the mass of the row's K heaviest keys, K = 7,096 (the default vertical-slash budgets, 1000
-  columns + 6096 diagonals, as keys a row). No sparse method that reads K keys a row can keep more.
-- ``keys for 90 % / 95 %``: how many of the row's keys the heaviest-first set needs to hold that much mass, as a
-  share of the row.
-- ``index recall``: the mass inside what this project's online index (default budgets) lists for the row
-  (tiles and columns, so it may read more than K keys), and that index's physical density.
-
-On a model whose attention is sparse (trained weights: sinks, local windows, retrieval heads) the top-K mass is
-near 1 and the 90 % set is a small share of the row; where it is low, every method that keeps dense attention's
-output must read nearly every key, so no sparse kernel can beat dense there. ``--model llama-random`` is the
-issue's benchmark model (Llama-3-8B shape, HF's random init, random token ids); ``--model smollm2`` the real
-weights on Austen's prose (set up as scripts/gpu_smollm2.sh does).
+``--model llama-random`` is the issue's benchmark model (Llama-3-8B shape, HF's random init, random token ids);
+``--model smollm2`` the real weights on Austen's prose (set up as scripts/gpu_smollm2.sh does).
 
 usage: python3 scripts/explore_attention_mass.py [--model llama-random|smollm2] [--lengths 32k,128k]
        [--layers 2] [--rows 256]
@@ -24,82 +13,20 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from minference_fx.bench_prefill import build_model, build_smollm2, llama3_8b_config, prompt_ids, text_prompt_ids
 from minference_fx.cli import parse_lengths
-from minference_fx.evaluate import head_recall
-from minference_fx.observe import run_observed
-from minference_fx.plan import HeadPlan, LayerPlan, Pattern
-
-COLUMNS, DIAGONALS = 1000, 6096
-KEYS = COLUMNS + DIAGONALS
-
-
-def mass_profile(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int, keys: int) -> dict[str, torch.Tensor]:
-    """Per query head ``[Hq]``: mean over the last ``rows`` rows of the top-``keys`` mass and of the share of the
-    causal row the heaviest-first key set needs for 90 % and 95 % of the mass."""
-    sq, skv = q.shape[2], k.shape[2]
-    r0 = max(0, sq - rows)
-    group = q.shape[1] // k.shape[1]
-    out: dict[str, list[torch.Tensor]] = {"top": [], "need90": [], "need95": []}
-    for h in range(q.shape[1]):  # one head at a time: [rows, S] fp32 is 128 MiB at 128K
-        scores = q[0, h, r0:].float() @ k[0, h // group].float().T * scale
-        pos = torch.arange(r0, sq, device=q.device)
-        causal = torch.arange(skv, device=q.device)[None] <= pos[:, None] + (skv - sq)
-        prob = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        mass = prob.sort(dim=-1, descending=True).values.cumsum(-1)
-        row_len = causal.sum(-1)
-        out["top"].append(mass[:, min(keys, skv) - 1].mean())
-        for name, share in (("need90", 0.90), ("need95", 0.95)):
-            need = (mass < share).sum(-1) + 1
-            out[name].append((need.float() / row_len.float()).mean())
-    return {name: torch.stack(values).cpu() for name, values in out.items()}
-
-
-def default_plan(heads: int) -> LayerPlan:
-    return LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, COLUMNS, DIAGONALS) for _ in range(heads)))
+from minference_fx.tools.attention_mass import MODELS, measure
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("llama-random", "smollm2"), default="llama-random")
+    parser.add_argument("--model", choices=MODELS, default="llama-random")
     parser.add_argument("--lengths", type=parse_lengths, default=[32768, 131072])
     parser.add_argument("--layers", type=int, default=2, help="llama-random only")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run at a short length (Triton interpreted)")
     args = parser.parse_args()
-    device = torch.device(args.device)
     for length in args.lengths:
-        if args.model == "smollm2":
-            model, tokenizer = build_smollm2(length, device, torch.bfloat16)
-            ids = text_prompt_ids(tokenizer, length, 0, device)
-        else:
-            model = build_model(llama3_8b_config(args.layers, length), device, torch.bfloat16)
-            ids = prompt_ids(length, model.config.vocab_size, 0, device)
-        layers = []
-
-        def observe(call) -> None:
-            profile = mass_profile(call.q, call.k, call.scale, args.rows, KEYS)
-            recall = head_recall(call.q, call.k, default_plan(call.q.shape[1]), scale=call.scale, rows=args.rows)
-            layers.append((profile, recall))
-            print(f"{args.model} {length:7d} layer {call.layer:2d}: top-{KEYS} mass {profile['top'].mean():.3f} "
-                  f"(heads {profile['top'].min():.3f}-{profile['top'].max():.3f}); keys for 90 % "
-                  f"{profile['need90'].mean():.3f} of the row, for 95 % {profile['need95'].mean():.3f}; index recall "
-                  f"{recall.recall.mean():.3f} at physical density {recall.density.mean():.3f}", flush=True)
-
-        run_observed(model.model, ids, observe)  # the base model: no logits for every position
-        def mean(values) -> float:  # over layers of the per-head means
-            return sum(v.mean().item() for v in values) / len(layers)
-
-        print(f"== {args.model} at {length} ({len(layers)} layers, last {args.rows} rows, mean over heads): "
-              f"top-{KEYS} mass {mean(p['top'] for p, _ in layers):.3f}; keys for 90 % "
-              f"{mean(p['need90'] for p, _ in layers):.3f} and for 95 % {mean(p['need95'] for p, _ in layers):.3f} "
-              f"of the row; index recall {mean(r.recall for _, r in layers):.3f} at density "
-              f"{mean(r.density for _, r in layers):.3f}", flush=True)
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        measure(args.model, length, layers=args.layers, rows=args.rows, device=args.device)
 
 
 if __name__ == "__main__":

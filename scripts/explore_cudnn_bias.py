@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from minference_fx import op
-from minference_fx.bench import _ms, structured_qkv
+from minference_fx.autotune.workload import structured_qkv
+from minference_fx.tools.bench import _ms
 from minference_fx.cli import parse_lengths
 
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minference_fx.bench import LLAMA3_8B, _index_work, _ms, structured_qkv
+from minference_fx.autotune.workload import structured_qkv
+from minference_fx.tools.bench import LLAMA3_8B, _index_work, _ms
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels import attend
 from minference_fx.kernels.index import build_index_gpu

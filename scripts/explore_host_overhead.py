@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
-from minference_fx.bench import structured_qkv
+from minference_fx.autotune.workload import structured_qkv
 from minference_fx.cli import parse_lengths
 from minference_fx.op import sparse_on_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern

@@ -16,7 +16,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from minference_fx.bench import LLAMA3_8B, _index_work, _ms, structured_qkv
+from minference_fx.autotune.workload import structured_qkv
+from minference_fx.tools.bench import LLAMA3_8B, _index_work, _ms
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels.attend import sparse_attention_triton
 from minference_fx.kernels.index import build_index_gpu

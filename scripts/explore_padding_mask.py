@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from minference_fx import op
-from minference_fx.bench import LLAMA3_8B, _ms, structured_qkv
+from minference_fx.autotune.workload import structured_qkv
+from minference_fx.tools.bench import LLAMA3_8B, _ms
 from minference_fx.cli import parse_lengths
 
 SHAPES = {"smollm2": dict(num_q_heads=9, num_kv_heads=3, head_dim=64), "llama3-8b": LLAMA3_8B}

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from minference_fx.bench import structured_qkv
+from minference_fx.autotune.workload import structured_qkv
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels import reference
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern

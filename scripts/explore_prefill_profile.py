@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import time
 
-from minference_fx.bench_prefill import (SMOLLM2, _sdpa_context, build_model, build_smollm2, llama3_8b_config,
+from minference_fx.tools.bench_prefill import (SMOLLM2, _sdpa_context, build_model, build_smollm2, llama3_8b_config,
                                          make_variant, prompt_ids, text_prompt_ids)
 from minference_fx.cli import parse_lengths
 
@@ -48,7 +48,7 @@ def time_captured_layer(captured: dict) -> None:
     """The op's inputs of one layer, as the compiled model passed them: its GPU path and cuDNN timed alone."""
     from explore_dense import cudnn_ms  # scripts/ is on sys.path when run as a script
 
-    from minference_fx.bench import _ms
+    from minference_fx.tools.bench import _ms
     from minference_fx.op import sparse_on_gpu
 
     q, k, v = captured["qkv"]
@@ -64,7 +64,7 @@ def time_captured_layer(captured: dict) -> None:
 
 def time_stages(q, k, v, plan, scale, masks, guard_threshold, tuned, *_rest, **_kw) -> None:
     """The captured layer's GPU path stage by stage: the index alone, then the sparse walk alone on it."""
-    from minference_fx.bench import _ms
+    from minference_fx.tools.bench import _ms
     from minference_fx.kernels.attend import sparse_attention_triton
     from minference_fx.kernels.index import build_index_gpu
     from minference_fx.op import _split

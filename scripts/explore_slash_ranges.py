@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from minference_fx.bench_prefill import build_model, build_smollm2, llama3_8b_config, prompt_ids, text_prompt_ids
+from minference_fx.tools.bench_prefill import build_model, build_smollm2, llama3_8b_config, prompt_ids, text_prompt_ids
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels.guard import causal_tiles as causal_tile_pairs
 from minference_fx.kernels.index import build_index_gpu, vs_estimate

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minference_fx.bench import _ms
+from minference_fx.tools.bench import _ms
 from minference_fx.cli import parse_lengths
 
 

@@ -1,8 +1,8 @@
 """Which HF architectures the backend rewrites, and exactly (CPU; not a test: CI covers a subset).
 
-usage: python scripts/survey_architectures.py [family ...]   (default: every family of minference_fx.tiny)
+usage: python scripts/survey_architectures.py [family ...]   (default: every family of minference_fx.tools.tiny)
 
-For each tiny random-weight family (``minference_fx.tiny``) and each attention spelling (``sdpa``,
+For each tiny random-weight family (``minference_fx.tools.tiny``) and each attention spelling (``sdpa``,
 ``eager``): the report's decision per layer (with the mask it read, or why it stayed dense), then, when
 every site is rewritten, the largest |logit difference| of the compiled model at budgets that cover
 every key (sparse from length 0) against the model itself — exact up to float rounding when the
@@ -20,7 +20,7 @@ import torch
 from minference_fx import inspect
 from minference_fx.config import default_config, model_identity_from_hf
 from minference_fx.plan import Pattern
-from minference_fx.tiny import FAMILIES, tiny_model
+from minference_fx.tools.tiny import FAMILIES, tiny_model
 
 LENGTH = 150  # > 2 index tiles and past the tiny sliding windows
 

@@ -1,4 +1,4 @@
-"""The benchmark's synthetic Q/K/V (``bench.structured_qkv``) have the structure they claim.
+"""The synthetic Q/K/V (``autotune.workload.structured_qkv``) have the structure they claim.
 
 The kernel benchmark and the autotuner measure the sparse path on these inputs, so a regression
 here (far diagonals scoring like near ones, sinks gone, non-determinism) would silently change
@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minference_fx import bench
+from minference_fx.autotune import workload
 from minference_fx.kernels import reference as ref
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.tools import bench
 
 S = 8192
 HQ, HKV, D = 4, 2, 64
@@ -19,7 +20,7 @@ HQ, HKV, D = 4, 2, 64
 
 @pytest.fixture(scope="module")
 def qkv():
-    return bench.structured_qkv(S, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float32, device="cpu", seed=3)
+    return workload.structured_qkv(S, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float32, device="cpu", seed=3)
 
 
 def _last_rows_softmax(q, k, rows=64):
@@ -47,15 +48,15 @@ def test_shapes_dtype_finite(qkv):
     assert q.shape == (1, HQ, S, D) and k.shape == (1, HKV, S, D) and v.shape == (1, HKV, S, D)
     for t in qkv:
         assert t.dtype == torch.float32 and torch.isfinite(t).all()
-    q, k, v = bench.structured_qkv(300, num_q_heads=2, num_kv_heads=1, head_dim=32, device="cpu")
+    q, k, v = workload.structured_qkv(300, num_q_heads=2, num_kv_heads=1, head_dim=32, device="cpu")
     assert q.dtype == torch.bfloat16 and torch.isfinite(q.float()).all() and torch.isfinite(k.float()).all()
 
 
 def test_deterministic_with_seed_and_chunking():
     kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=32, dtype=torch.float32, device="cpu")
-    a = bench.structured_qkv(1000, seed=5, **kw)
-    b = bench.structured_qkv(1000, seed=5, **kw)
-    c = bench.structured_qkv(1000, seed=6, **kw)
+    a = workload.structured_qkv(1000, seed=5, **kw)
+    b = workload.structured_qkv(1000, seed=5, **kw)
+    c = workload.structured_qkv(1000, seed=6, **kw)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert not torch.equal(a[0], c[0]) and not torch.equal(a[1], c[1])
@@ -65,9 +66,9 @@ def test_generation_in_chunks_keeps_the_structure(monkeypatch):
     # the position code and the repeat code are functions of the position: smaller chunks give
     # other noise draws but the same noise-free parts, so the same attention structure
     kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=32, dtype=torch.float32, device="cpu", seed=7)
-    q1, k1, _ = bench.structured_qkv(2048, **kw)
-    monkeypatch.setattr(bench, "_GEN_CHUNK", 500)
-    q2, k2, _ = bench.structured_qkv(2048, **kw)
+    q1, k1, _ = workload.structured_qkv(2048, **kw)
+    monkeypatch.setattr(workload, "_GEN_CHUNK", 500)
+    q2, k2, _ = workload.structured_qkv(2048, **kw)
     s1 = (q1[0, 0, -1] @ k1[0, 0].T) / 32 ** 0.5
     s2 = (q2[0, 0, -1] @ k2[0, 0].T) / 32 ** 0.5
     assert torch.corrcoef(torch.stack([s1, s2]))[0, 1] > 0.9
@@ -97,10 +98,10 @@ def test_top_slashes_are_near_the_main_diagonal():
     # 64-long runs of diagonals may land anywhere, the top 2000 past the forced 100 lie within two
     # window widths, but for the ~64 that the sinks make at the far end.
     s = 16384
-    q, k, _ = bench.structured_qkv(s, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float32,
+    q, k, _ = workload.structured_qkv(s, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float32,
                                    device="cpu", seed=3, hot_columns=0)
     slash = _slash(_last_rows_softmax(q, k))
-    width = int(bench._WINDOW_TOKENS)
+    width = int(workload._WINDOW_TOKENS)
     near = slash[:, 200:1000].median(-1).values
     far = slash[:, 3 * width:s - 128]
     assert (far.median(-1).values < 0.01 * near).all(), far.median(-1).values / near
@@ -113,7 +114,7 @@ def test_one_head_per_group_has_a_strong_far_diagonal():
     # Along one diagonal, the first query head of the group scores ~9 logits above the diagonals
     # next to it (the repeat code); the other head does not. Mean logit per diagonal over the
     # last 64 rows, minus the median of its neighbourhood, so the smooth window cancels.
-    q, k, _ = bench.structured_qkv(S, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype=torch.float32,
+    q, k, _ = workload.structured_qkv(S, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype=torch.float32,
                                    device="cpu", seed=11, hot_columns=0)
     rows = 64
     logits = q[0, :, S - rows:] @ k[0, 0].T / 64 ** 0.5  # [2, rows, S]
@@ -132,7 +133,7 @@ def test_vertical_slash_index_keeps_the_mass():
     # MInference's budgets scaled to this length keep most of the attention mass of every head,
     # and list well under all of the causal tiles
     s = 8192
-    q, k, _ = bench.structured_qkv(s, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype=torch.float32,
+    q, k, _ = workload.structured_qkv(s, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype=torch.float32,
                                    device="cpu", seed=13)
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 200, 1200),) * 2)
     index = ref.build_index(q, k, plan, scale=64 ** -0.5)

@@ -68,7 +68,7 @@ def test_with_guard_threshold_copies_and_validates():
 
 def test_defaults_filled():
     cfg = default_config(MODEL)
-    assert cfg.defaults["min_sparse_len"] == 8192
+    assert cfg.defaults["min_sparse_len"] == -1  # this GPU's tuned crossover, as without a config
     assert cfg.defaults["guard_threshold"] == 0.8
     assert cfg.default_head == HeadEntry(Pattern.VERTICAL_SLASH, (1000, 6096), None)
 
@@ -258,7 +258,7 @@ def test_default_config_shape():
     assert cfg.default_head.pattern is Pattern.A_SHAPE
     plain = default_config(model)
     assert plain.layers[4][5] == HeadEntry(Pattern.VERTICAL_SLASH, (1000, 6096), None)
-    assert plain.min_sparse_len == 8192
+    assert plain.min_sparse_len == -1  # the tuned crossover, as the backend runs without a config
 
 
 def test_layer_plan_with_head_offset():
@@ -296,7 +296,7 @@ def test_model_identity_from_hf():
 # A config or options that say something other than what would run: each was once accepted silently.
 def test_a_typo_in_the_defaults_is_named_not_ignored():
     doc = default_config(MODEL).to_dict()
-    doc["defaults"]["min_sparse_length"] = 0  # min_sparse_len misspelt: the 8192 default would stand
+    doc["defaults"]["min_sparse_length"] = 0  # min_sparse_len misspelt: the default would stand
     doc["defaults"]["default_head"]["budget"] = [1, 2]
     with pytest.raises(ConfigError) as err:
         load_config(doc)

@@ -1,7 +1,7 @@
 """``minference-fx demo``: the answer check, and the whole demo on CPU at a short prompt (real SmolLM2 + Austen)."""
 import pytest
 
-from minference_fx import demo
+from minference_fx.tools import demo
 
 
 @pytest.mark.parametrize("answer", [" green teapot.", "green\nteapot", " green\ntea-\npot", "a green tea-  \n pot"])
@@ -15,7 +15,7 @@ def test_found_refuses_other_answers(answer):
 
 
 def test_demo_on_cpu_at_a_short_prompt():
-    from minference_fx.assets import AssetError
+    from minference_fx.tools.assets import AssetError
 
     lines = []
     try:

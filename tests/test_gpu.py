@@ -42,7 +42,7 @@ def _rel(a, b):
                                              (16384, dict(kv_desc=False)), (16384, dict(block_m=32))],
                          ids=["4096", "16384", "65536", "16384-bn128", "16384-pointer-loads", "16384-bm32"])
 def test_bf16_kernel_error_within_twice_bf16_reference(seq, launch):
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     q, k, v = structured_qkv(seq, num_q_heads=8, num_kv_heads=2, head_dim=128)
     plan = MIXED_8_HEADS
@@ -59,7 +59,7 @@ def test_bf16_kernel_error_within_twice_bf16_reference(seq, launch):
 def test_bf16_head_dims_with_the_ops_launch_config(head_dim):
     """Head dims other than the benchmark's 128, launched as the op launches them (tuned or default config)."""
     from minference_fx.autotune.dispatch import launch_config
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     q, k, v = structured_qkv(4096, num_q_heads=8, num_kv_heads=2, head_dim=head_dim)
     scale = head_dim ** -0.5
@@ -76,7 +76,7 @@ def test_bf16_head_dims_with_the_ops_launch_config(head_dim):
 @pytest.mark.parametrize("launch", [{}, dict(block_m=32, block_n=128)], ids=["default", "bm32-bn128"])
 def test_bf16_lse_matches_fp32_logsumexp_over_the_index_keys(launch):
     """``return_lse`` on the GPU: the LSE of bf16 inputs against fp32 scores over exactly the index's keys."""
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     seq = 16384
     q, k, v = structured_qkv(seq, num_q_heads=8, num_kv_heads=2, head_dim=128)
@@ -197,7 +197,7 @@ def test_kernel_compiles_once_across_prompt_lengths():
 
 @pytest.mark.parametrize("guard_threshold", [0.0, 0.5])
 def test_op_captures_in_a_cuda_graph_and_replays(guard_threshold):
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 300, 500), HeadPlan(Pattern.A_SHAPE, 64, 512),
                       HeadPlan(Pattern.BLOCK_SPARSE, 8), HeadPlan(Pattern.DENSE)))
@@ -221,7 +221,7 @@ def test_padded_op_runs_dense_heads_in_the_kernel_matches_the_cpu_op_and_capture
     """In a padded batch the plan's dense heads join the kernel's dense walk (SDPA would read a materialised
     mask): the GPU op equals the CPU op (the reference with the same run-time rules) on a left-padded batch,
     rows that see no key included, and the call captures in a CUDA graph."""
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 300, 500), HeadPlan(Pattern.DENSE),
                       HeadPlan(Pattern.BLOCK_SPARSE, 8), HeadPlan(Pattern.DENSE)))
@@ -306,8 +306,8 @@ def test_training_step_through_inductor_stays_dense_and_matches_eager_grads():
 def test_eval_recall_on_the_gpu_index_equals_the_reference_index():
     """head_recall on CUDA measures the GPU twin of the index (memory linear in the length); it must read
     the same as on the reference's index, here on the CPU."""
-    from minference_fx import evaluate
-    from minference_fx.bench import structured_qkv
+    from minference_fx.tools import evaluate
+    from minference_fx.autotune.workload import structured_qkv
 
     q, k, _ = structured_qkv(3000, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, seed=3)
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 100, 300), HeadPlan(Pattern.VERTICAL_SLASH, 30, 60),
@@ -328,7 +328,7 @@ def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(batch):
     walk, one prompt cuDNN then its row again in the walk. Either gives the result of the mask-building SDPA
     path, rows that see no key included."""
     from minference_fx import op
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     n = 16384
     q, k, v = (t.expand(batch, -1, -1, -1).contiguous()
@@ -353,7 +353,7 @@ def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_kee
     all-ones or left-padded, and the result is the mask-building path's; a decode step still passes its small
     mask to SDPA (a second launch per token would cost more)."""
     from minference_fx import op
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     n = 8192
     assert n * n > op.MASKED_SDPA_MAX_PAIRS
@@ -388,7 +388,7 @@ def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
     sparse, equal to the op called outside the graph."""
     import torch.nn.functional as F
 
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
     from minference_fx.kernels.index import build_index_gpu
 
@@ -430,7 +430,7 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     import torch.nn.functional as F
 
     from minference_fx import routing
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
     from minference_fx.kernels.index import build_index_gpu
 
@@ -483,7 +483,7 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
     import torch.nn.functional as F
 
     from minference_fx import routing
-    from minference_fx.bench import structured_qkv
+    from minference_fx.autotune.workload import structured_qkv
 
     monkeypatch.setattr(routing, "RECHECK_EVERY", recheck_every)
 
@@ -568,7 +568,7 @@ def test_a_prompt_past_2_31_activation_elements_recompiles_only_without_int64_in
     matches eager); without it, Inductor's guard recompiles."""
     from torch._dynamo.utils import counters
 
-    from minference_fx import bench_prefill as bp
+    from minference_fx.tools import bench_prefill as bp
 
     cfg = bp.llama3_8b_config(layers=1, max_len=4096, hidden_size=64, intermediate_size=2 ** 20, num_attention_heads=4,
                               num_key_value_heads=2, vocab_size=128)

@@ -217,7 +217,7 @@ def test_an_ambiguous_module_path_is_one_line_for_every_site():
 
 
 def _hf_llama():
-    from minference_fx.tiny import tiny_model
+    from minference_fx.tools.tiny import tiny_model
 
     return tiny_model("llama")
 
@@ -296,7 +296,7 @@ def test_check_fits_still_counts_one_problem_per_field():
 
 
 def test_demo_steps_say_when_they_start_and_how_long_they_took():
-    from minference_fx import demo
+    from minference_fx.tools import demo
 
     lines = []
     with demo._step(lines.append, "compile", "with backend='minference'"):
@@ -308,7 +308,7 @@ def test_demo_steps_say_when_they_start_and_how_long_they_took():
 
 
 def test_demo_main_exits_1_with_one_line_when_nothing_is_rewritten(monkeypatch, capsys):
-    from minference_fx import demo
+    from minference_fx.tools import demo
 
     def dense(*a, **k):
         raise demo.NothingRewritten("minference: 0 of 30 attention sites rewritten: the model runs dense; 30 of 30: why")
@@ -322,8 +322,9 @@ def test_demo_main_exits_1_with_one_line_when_nothing_is_rewritten(monkeypatch, 
 def test_demo_stops_after_the_inspection_when_nothing_is_rewritten(monkeypatch):
     """The real demo's first steps (SmolLM2 + Austen when they are cached): an inspection that finds nothing
     rewritten stops it before the minutes of prefills."""
-    from minference_fx import demo, inspection
-    from minference_fx.assets import AssetError
+    from minference_fx import inspection
+    from minference_fx.tools import demo
+    from minference_fx.tools.assets import AssetError
 
     def dense_inspection(model, *args, **kwargs):
         return inspect(Stack((False, False)), X, options={"inner": "eager"})

@@ -172,7 +172,8 @@ def test_shipped_smollm2_config_is_mostly_sparse_and_names_its_rule():
 
 def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
     """``search --model smollm2`` loads the model as eval does (YaRN x2 past 8K), says so, passes the target on."""
-    from minference_fx import assets, cli
+    from minference_fx import cli
+    from minference_fx.tools import assets
     from minference_fx import search as search_module
     from minference_fx.config import default_config
 

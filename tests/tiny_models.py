@@ -1,7 +1,7 @@
 """Tiny random-weight HF models built from configs: no downloads."""
 from minference_fx.config import ModelIdentity, SemanticConfig, default_config, model_identity_from_hf
 from minference_fx.plan import Pattern
-from minference_fx.tiny import tiny_model  # noqa: F401  (the tests import it from here)
+from minference_fx.tools.tiny import tiny_model  # noqa: F401  (the tests import it from here)
 
 
 def reports_since(before: list) -> list:

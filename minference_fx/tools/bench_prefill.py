@@ -50,12 +50,26 @@ import subprocess
 import sys
 import tempfile
 import time
+import contextlib
+import inspect
+from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
+from torch import profiler
+from torch._dynamo.utils import counters
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import routing
+from .. import guard_stats, routing
+from ..autotune import cache, dispatch
+from ..backend import recent_reports
+from ..config import default_config, model_identity_from_hf
+from ..kernels import guard
+from ..op import NEAR_DENSE_STATS
+from ..plan import HeadPlan, LayerPlan, Pattern
+from . import assets, bench
 from .assets import smollm2_yarn_factor
+from .evaluate import CHARS_PER_TOKEN_ROOM, text_window_ids
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -71,7 +85,7 @@ _CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MA
 
 
 def llama3_8b_config(layers: int = 32, max_len: int = 131072, **overrides):
-    import transformers
+    import transformers  # optional: the [transformers] extra
 
     fields = {**LLAMA3_8B, "num_hidden_layers": layers, "max_position_embeddings": max(8192, max_len), **overrides}
     return transformers.LlamaConfig(**fields)
@@ -79,7 +93,7 @@ def llama3_8b_config(layers: int = 32, max_len: int = 131072, **overrides):
 
 def build_model(config, device, dtype: torch.dtype, seed: int = 0):
     """Random-weight model created directly on ``device`` in ``dtype`` (HF's normal init, std 0.02)."""
-    import transformers
+    import transformers  # optional: the [transformers] extra
 
     torch.manual_seed(seed)
     with torch.device(device):
@@ -88,8 +102,6 @@ def build_model(config, device, dtype: torch.dtype, seed: int = 0):
 
 
 def _last_logits_kwarg(model) -> dict:
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     for name in ("logits_to_keep", "num_logits_to_keep"):
         if name in params:
@@ -160,9 +172,7 @@ MODELS = ("llama3-8b-random", SMOLLM2)
 
 
 def build_smollm2(max_len: int, device, dtype: torch.dtype):
-    from .assets import load_smollm2
-
-    model, tokenizer = load_smollm2(dtype=dtype, yarn_factor=smollm2_yarn_factor(max_len))
+    model, tokenizer = assets.load_smollm2(dtype=dtype, yarn_factor=smollm2_yarn_factor(max_len))
     return model.to(device).eval(), tokenizer
 
 
@@ -174,7 +184,7 @@ def _is_model_dir(name: str) -> bool:
 def build_local(path: str, device, dtype: torch.dtype):
     """(model, tokenizer or None) of the HF model directory ``path``, with SDPA attention; its own tokenizer
     when the directory has one (the prompt is then prose), else None (random token ids)."""
-    import transformers
+    import transformers  # optional: the [transformers] extra
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     tokenizer = transformers.AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
@@ -187,10 +197,7 @@ def _has_tokenizer(path: str) -> bool:
 
 def text_prompt_ids(tokenizer, length: int, seed: int, device) -> torch.Tensor:
     """``length`` tokens of Austen's novels from a seed-chosen start: real prose, as a user's prompt."""
-    from .assets import austen_text
-    from .evaluate import CHARS_PER_TOKEN_ROOM, text_window_ids
-
-    text = austen_text()
+    text = assets.austen_text()
     start = (seed * 104_729) % max(1, len(text) - length * CHARS_PER_TOKEN_ROOM)
     return text_window_ids(tokenizer, text, start, length).to(device)
 
@@ -224,7 +231,7 @@ def _no_attention(module, query, key, value, attention_mask, **kwargs):
 
 def _without_attention(model) -> Callable[[], None]:
     """Switch ``model`` to :func:`_no_attention`; returns what switches it back."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # optional: the [transformers] extra
 
     AttentionInterface.register(NO_ATTENTION, _no_attention)
     before = model.config._attn_implementation
@@ -289,8 +296,6 @@ def _with_semantic_config(variant: Variant, model, budgets: Optional[tuple], con
     if config_path is not None:
         options, said = {**(variant.minference_options or {}), "config": config_path}, f"config {config_path}"
     else:
-        from .config import default_config, model_identity_from_hf
-
         semantic = default_config(model_identity_from_hf(model.config), pattern=pattern, budgets=tuple(budgets))
         options = {"min_sparse_len": -1, **(variant.minference_options or {}), "config": semantic}
         said = f"{_every_head(pattern, tuple(budgets))}, tuned crossover"
@@ -458,19 +463,13 @@ def _free(device: torch.device) -> None:
 
 
 def _counter(group: str, key: Optional[str] = None) -> int:
-    from torch._dynamo.utils import counters
-
     values = counters.get(group, {})
     return int(values.get(key, 0)) if key else int(sum(values.values()))
 
 
 def _sdpa_context(variant: str, device: torch.device):
-    import contextlib
-
     if variant != "eager" or device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([getattr(SDPBackend, b) for b in _CUDNN_FIRST], set_priority=True)
 
 
@@ -486,11 +485,6 @@ def warm_up_compiler(device: torch.device) -> None:
 
 def _minference_summary(reports, model, device, dtype, lengths, budgets: Optional[tuple] = None,
                         pattern: str = "vertical_slash") -> dict:
-    from collections import Counter
-
-    from .autotune.dispatch import tuned_min_sparse_len
-    from .plan import HeadPlan, LayerPlan, Pattern
-
     rows = [r for rep in reports for r in rep.rows]
     option = reports[0].min_sparse_len if reports else None
     cfg = model.config
@@ -499,7 +493,7 @@ def _minference_summary(reports, model, device, dtype, lengths, budgets: Optiona
     k = torch.empty(1, cfg.num_key_value_heads, 1, head_dim, device=device, dtype=dtype)
     # the plan every head runs (--budgets) sets the crossover of a device that has none tuned
     plan = LayerPlan((HeadPlan(Pattern(pattern), *budgets),)) if budgets else None
-    resolved = tuned_min_sparse_len(q, k, plan) if option is not None and option < 0 else option
+    resolved = dispatch.tuned_min_sparse_len(q, k, plan) if option is not None and option < 0 else option
     sparse_lengths = [n for n in lengths if resolved is not None and n >= resolved]
     return {
         "graphs": len(reports), "sites": len(rows), "rewritten": sum(r.decision == "sparse" for r in rows),
@@ -514,8 +508,6 @@ def _minference_summary(reports, model, device, dtype, lengths, budgets: Optiona
 
 def _launch_config(q: torch.Tensor, k: torch.Tensor, length: int) -> str:
     """The sparse kernel's launch config at ``length`` as the op's lookup answers it, and whose it is."""
-    from .autotune import cache, dispatch
-
     key = dispatch.tune_key("sparse_attention", q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], length)
     entry, bucket = cache.resolve(key)
     text = f"launch {entry.BLOCK_M}/{entry.BLOCK_N}/{entry.num_warps}/{entry.num_stages}"
@@ -527,10 +519,6 @@ def _launch_config(q: torch.Tensor, k: torch.Tensor, length: int) -> str:
 def _guard_probe(step, device: torch.device) -> dict:
     """One extra, untimed forward with the guard's and the near-dense counters on (on GPU they need a host
     sync per call), every site building its index (an all-routed one skips it at most calls)."""
-    from . import guard_stats, routing
-    from .kernels import guard
-    from .op import NEAR_DENSE_STATS
-
     before, switch = guard_stats(), guard.STATS_ON_GPU
     near_before = dataclasses.replace(NEAR_DENSE_STATS)
     guard.STATS_ON_GPU = True
@@ -552,10 +540,8 @@ _ATTENTION_NAME = re.compile(r"attention|attn|flash|fmha|cudnn|sdpa|sparse|verti
 
 def _attention_kernels(step, device: torch.device, top: int = 12) -> dict:
     """Names and call counts of the attention ops and GPU kernels in one untimed, profiled forward."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    activities = [profiler.ProfilerActivity.CPU] + ([profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profiler.profile(activities=activities) as prof:
         step()
         _sync(device)
     found = {}
@@ -571,8 +557,6 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
                 make_prompt: Optional[Callable[[int, int], torch.Tensor]] = None,
                 budgets: Optional[tuple] = None, config_path: Optional[str] = None,
                 prompts: PromptBatch = PromptBatch(), pattern: str = "vertical_slash") -> tuple[list, VariantSummary]:
-    from .backend import recent_reports
-
     torch._dynamo.reset()
     routing.reset()  # one variant's routing decisions never reach the next (in-process runs)
     reports_before = {id(r) for r in recent_reports()}
@@ -588,8 +572,6 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
 
 def _run(variant: Variant, model, name: str, lengths, *, reps, warmup, seed, guard_probe, profile, on_cell,
          make_prompt, budgets, config_path, prompts, pattern, reports_before) -> tuple[list, VariantSummary]:
-    from .backend import recent_reports
-
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = model.config.vocab_size
@@ -702,11 +684,9 @@ def _time_ms(step, device: torch.device) -> float:
 
 
 def environment(device: torch.device) -> dict:
-    import transformers
+    import transformers  # optional: the [transformers] extra
 
-    from .bench import environment as base
-
-    env = {**base(), "transformers": transformers.__version__, "device": str(device)}
+    env = {**bench.environment(), "transformers": transformers.__version__, "device": str(device)}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
@@ -856,7 +836,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
 def _local_meta(path: str, longest: int) -> dict:
     """What the results say about a local model directory: its shape from config.json, and whether its
     tokenizer gives the prompt."""
-    import transformers
+    import transformers  # optional: the [transformers] extra
 
     config = transformers.AutoConfig.from_pretrained(path)
     text = getattr(config, "get_text_config", lambda: config)()
@@ -907,7 +887,7 @@ def _run_child(name: str, spec: dict, cold_caches: bool, out) -> PrefillResult:
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
             env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
         print(f"--- {name}: own process" + (", empty Inductor/Triton caches" if cold_caches else ""), flush=True)
-        rc = subprocess.run([sys.executable, "-m", "minference_fx.bench_prefill", spec_path], env=env).returncode
+        rc = subprocess.run([sys.executable, "-m", "minference_fx.tools.bench_prefill", spec_path], env=env).returncode
         if os.path.exists(part_path):
             part = PrefillResult.load(part_path)
             os.remove(part_path)
@@ -953,5 +933,5 @@ def memory_estimate_gib(layers: int, length: int, batch: int = 1) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not sys.argv[1].endswith(".json"):
-        sys.exit("usage: python -m minference_fx.bench_prefill SPEC.json (internal; use `minference-fx bench prefill`)")
+        sys.exit("usage: python -m minference_fx.tools.bench_prefill SPEC.json (internal; use `minference-fx bench prefill`)")
     sys.exit(_child_main(sys.argv[1]))

@@ -30,9 +30,12 @@ from typing import Callable, Optional
 
 import torch
 
-from . import evaluate
-from .config import SemanticConfig, load_config, model_identity_from_hf
-from .plan import Pattern
+from .. import guard_stats, inspection
+from ..backend import recent_reports
+from ..config import SemanticConfig, default_config, load_config, model_identity_from_hf
+from ..plan import Pattern
+from ..report import summarize
+from . import assets, evaluate
 
 # A made-up fact the model cannot know; at 2K the dense model retrieves it at depths 0.1, 0.5 and 0.9.
 NEEDLE = " Mr. Knightley keeps the key of Donwell Abbey hidden inside a green teapot. "
@@ -133,8 +136,6 @@ class DemoResult:
 
 def demo_config(model, length: int) -> SemanticConfig:
     """Uniform vertical-slash scaled to ``length``: 1/16 of it in columns and in diagonals."""
-    from .config import default_config
-
     budget = max(64, length // 16)
     return default_config(model_identity_from_hf(model.config), pattern=Pattern.VERTICAL_SLASH,
                           budgets=(budget, budget), min_sparse_len=max(1, length // 4))
@@ -169,9 +170,6 @@ def timed_prefill(run, ids, *, warm_up: bool = False) -> tuple[object, float]:
 
 def _rewritten_since(before: list, what: str) -> None:
     """Raise NothingRewritten when the backend reports published after ``before`` rewrote no site."""
-    from .backend import recent_reports
-    from .report import summarize
-
     new = [rep for rep in recent_reports() if not any(rep is old for old in before)]
     if new and not sum(rep.rewritten for rep in new):
         rows = [row for rep in new for row in rep.rows]
@@ -183,21 +181,17 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
     """Each long step says when it starts and how long it took (through ``progress``). Raises NothingRewritten
     as soon as the inspection (or the compile) finds no site rewritten: there would be nothing sparse to show.
     """
-    from .assets import austen_text, load_smollm2, smollm2_yarn_factor
-    from .backend import recent_reports
-    from .inspection import inspect
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = dev.type == "cuda"
     length = length or (GPU_LENGTH if on_gpu else CPU_LENGTH)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     inner = inner or ("inductor" if on_gpu else "eager")
-    yarn = smollm2_yarn_factor(length)
+    yarn = assets.smollm2_yarn_factor(length)
     with _step(progress, "loading", f"SmolLM2-135M-Instruct ({dtype}, {dev}{f', YaRN x{yarn:g} for >8K' if yarn > 1 else ''}) "
                "and Jane Austen's novels"):
-        model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
+        model, tok = assets.load_smollm2(dtype=dtype, yarn_factor=yarn)
         model.to(dev)
-        ids = build_prompt(tok, austen_text(), length).to(dev)
+        ids = build_prompt(tok, assets.austen_text(), length).to(dev)
     config_path = config_path or evaluate.shipped_config_for(model, longest=length)
     if config_path:
         config = load_config(config_path, model=model_identity_from_hf(model.config))
@@ -215,9 +209,9 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
 
     progress(f"config: {config_name}\n")
     with _step(progress, "inspection", "(what the backend rewrites, traced on 128 tokens)"):
-        found = inspect(model, ids[:, :128], use_cache=False, options={**options, "inner": "eager"})
-    inspection = str(found)
-    progress(inspection + "\n")
+        found = inspection.inspect(model, ids[:, :128], use_cache=False, options={**options, "inner": "eager"})
+    table = str(found)
+    progress(table + "\n")
     if not found.rewritten:  # before minutes of prefills that would compare the dense model with itself
         raise NothingRewritten(found.summary(one_line=True))
 
@@ -237,8 +231,6 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
         reports = recent_reports()
         _, compile_s = timed_prefill(compiled, warm)
         _rewritten_since(reports, "the compiled model")
-    from . import guard_stats
-
     with _step(progress, "sparse prefill", f"of {length} tokens and its {ANSWER_TOKENS}-token answer"):
         before = dataclasses.asdict(guard_stats())
         out, sparse_s = timed_prefill(compiled, ids, warm_up=on_gpu)
@@ -254,7 +246,7 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
         layers.append(LayerRow(layer, density, sum(rec) / len(rec)))
     return DemoResult(str(dev), str(dtype).replace("torch.", ""), length, config_name, EXPECTED, dense_answer,
                       sparse_answer, dense_s, sparse_s, compile_s, layers,
-                      {k: after[k] - before[k] for k in after}, inspection, found.summary().splitlines()[0])
+                      {k: after[k] - before[k] for k in after}, table, found.summary().splitlines()[0])
 
 
 def main(length=None, device=None, config_path=None, inner=None) -> int:

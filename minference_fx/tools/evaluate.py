@@ -35,10 +35,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import observe
-from .config import SemanticConfig, default_config, load_config, model_identity_from_hf
-from .kernels import reference
-from .plan import LayerPlan, Pattern
+from .. import configs, guard_stats, observe
+from ..config import SemanticConfig, default_config, load_config, model_identity_from_hf
+from ..kernels import reference
+from ..kernels.index import build_index_gpu
+from ..op import guard_mass, guarded_heads, near_dense_heads, weak_heads
+from ..plan import LISTED_PATTERNS, LayerPlan, Pattern
+from ..search import physical_density
+from . import assets
 
 NEEDLE = " The secret passcode for the vault is {passkey}. "
 QUESTION = "\n\nQuestion: What is the secret passcode for the vault?\nAnswer: The secret passcode for the vault is"
@@ -66,8 +70,6 @@ def shipped_config_for(model, longest: Optional[int] = None) -> Optional[Path]:
     least ``longest`` wins (budgets are absolute, so a config searched at 8K is
     sparser and rougher at 16K); without such a one, the longest calibrated.
     """
-    from . import configs
-
     identity = model_identity_from_hf(model.config)
     found = []
     for path in sorted(Path(configs.__file__).parent.glob("*.json")):
@@ -259,9 +261,7 @@ def needle_grid(model, tokenizer, lengths, depths, seeds, *, compiled=None, text
                 progress: Callable[[str], None] = print) -> list[NiahCell]:
     """NIAH cells for every (length, depth, seed), dense and (when ``compiled`` is given) sparse."""
     if text is None:
-        from .assets import austen_text
-
-        text = austen_text()
+        text = assets.austen_text()
     cells = []
     device = next(model.parameters()).device
     for length in lengths:
@@ -332,11 +332,7 @@ def _recall_index(q, k, plan: LayerPlan, scale: float) -> reference.SparseIndex:
     """The index whose recall is measured: the reference's, or on the GPU, for a plan of vertical-slash and
     block-sparse heads only, its GPU twin, which lists the same tiles and columns for those heads in memory
     linear in the length (the reference's masks are [Hq, S / 64, S]: 288 GiB at 512K tokens)."""
-    from .plan import LISTED_PATTERNS
-
     if q.is_cuda and all(hp.pattern in LISTED_PATTERNS for hp in plan.heads):
-        from .kernels.index import build_index_gpu
-
         return build_index_gpu(q, k, plan, scale=scale)
     return reference.build_index(q, k, plan, scale=scale)
 
@@ -348,9 +344,6 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     would be S x S per head). Those rows include the vertical-slash estimate's
     own last 64 queries, so VS recall there is slightly optimistic.
     """
-    from .op import guard_mass, guarded_heads, near_dense_heads, weak_heads
-    from .search import physical_density
-
     q, k = q.float(), k.float()
     sq, skv = q.shape[2], k.shape[2]
     r0 = max(0, sq - rows)
@@ -562,7 +555,7 @@ def _niah_table(cells: list[NiahCell]) -> str:
 def save_png(results: EvalResults, path) -> Optional[str]:
     """NIAH grid (dense, sparse) and recall per (layer, head) at the longest length; None if no matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # optional: the [eval] extra; without it no PNG
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -610,8 +603,6 @@ def _pass_rate(cells, length, depth, attr) -> float:
 
 
 def _guard_counts() -> dict:
-    from . import guard_stats
-
     return dataclasses.asdict(guard_stats())
 
 
@@ -674,13 +665,11 @@ def load_model(spec: str = "smollm2", *, longest: int = 8192, device: Optional[s
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if spec == "smollm2":
-        from .assets import load_smollm2, smollm2_yarn_factor
-
-        yarn = smollm2_yarn_factor(longest)
-        model, tok = load_smollm2(dtype=dtype, yarn_factor=yarn)
+        yarn = assets.smollm2_yarn_factor(longest)
+        model, tok = assets.load_smollm2(dtype=dtype, yarn_factor=yarn)
         name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)" + (f" + YaRN x{yarn:g}" if yarn > 1 else "")
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: the [transformers] extra
 
         if not Path(spec).is_dir():
             raise ValueError(f"--model {spec!r}: expected 'smollm2' or a local model directory with a tokenizer")

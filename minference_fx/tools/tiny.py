@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 COMMON_FIELDS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=128, num_hidden_layers=2)
 
@@ -64,7 +66,7 @@ def _family(name: str) -> TinyFamily:
 
 def tiny_config(name: str, attn: str = "sdpa", **overrides):
     """The family's config at the tiny sizes, ``overrides`` last."""
-    import transformers
+    import transformers  # optional: the [transformers] extra (FAMILIES is readable without it)
 
     family = _family(name)
     fields = {k: v for k, v in COMMON_FIELDS.items() if k not in family.drop}
@@ -73,8 +75,7 @@ def tiny_config(name: str, attn: str = "sdpa", **overrides):
 
 def tiny_model(name: str, attn: str = "sdpa", seed: int = 0, **overrides):
     """The family's causal LM with random weights from ``seed``, in eval mode."""
-    import torch
-    import transformers
+    import transformers  # optional: the [transformers] extra
 
     config = tiny_config(name, attn, **overrides)
     torch.manual_seed(seed)

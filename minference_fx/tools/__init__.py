@@ -1,0 +1,6 @@
+"""Tooling on top of the backend: benchmarks, the fidelity eval, the demo, the real assets they fetch, tiny
+random-weight models and the attention-mass measurement.
+
+The core (backend, options, passes, op, plan, config, kernels, autotune, search, inspection) never imports this
+package (tests/test_layout.py); the CLI (``minference_fx.cli``), the scripts and the tests do.
+"""
