@@ -196,7 +196,7 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
     if config_path:
         config = load_config(config_path, model=model_identity_from_hf(model.config))
         config_name = str(config_path)
-        if config.min_sparse_len > length // 4:
+        if config.min_sparse_len < 0 or config.min_sparse_len > length // 4:  # -1: the GPU's tuned crossover
             # a searched config is often dense below 8K; the demo is about the sparse path
             config = dataclasses.replace(config, defaults={**config.defaults, "min_sparse_len": length // 4})
             config_name += f" (min_sparse_len lowered to {length // 4} for this prompt)"
