@@ -139,10 +139,10 @@ def _offset(value, offsets: dict) -> int:
     return offsets[value] if isinstance(value, fx.Node) else int(value)
 
 
-def rule(q_len: int, kv_len: int, relative: int, window: int) -> torch.Tensor:
+def rule(q_len: int, kv_len: int, relative: int, window: int, device=None) -> torch.Tensor:
     """[Q, KV] bool: query i reads key j when j <= i + relative (and j > i + relative - window)."""
-    i = torch.arange(q_len)[:, None] + relative
-    j = torch.arange(kv_len)[None, :]
+    i = torch.arange(q_len, device=device)[:, None] + relative
+    j = torch.arange(kv_len, device=device)[None, :]
     kept = j <= i
     return kept & (j > i - window) if window else kept
 
@@ -197,7 +197,7 @@ def evaluations(site: AttentionSite, info: MaskInfo, writes: list) -> Optional[l
 def agrees(info: MaskInfo, runs: list) -> bool:
     for run in runs:
         relative = _offset(info.q_offset, run.offsets) - _offset(info.k_offset, run.offsets)
-        want = rule(run.q_len, run.kv_len, relative, info.window)
+        want = rule(run.q_len, run.kv_len, relative, info.window, run.kept.device)
         if run.kept.shape[-2:] != want.shape or not torch.equal(run.kept, want.expand_as(run.kept)):
             return False
     return True
@@ -212,7 +212,7 @@ def aligned_rule(runs: list) -> Optional[MaskInfo]:
         row = run.kept.reshape(-1, run.q_len, run.kv_len)[0, -1]
         window = int(row.sum())
         window = 0 if window == run.kv_len else window
-        if not torch.equal(run.kept, rule(run.q_len, run.kv_len, 0, window).expand_as(run.kept)):
+        if not torch.equal(run.kept, rule(run.q_len, run.kv_len, 0, window, run.kept.device).expand_as(run.kept)):
             return None
         windows.add(window)
     if len(windows) != 1:
