@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from minference_fx import bench_prefill as bp
+from minference_fx.tools import bench_prefill as bp
 from tiny_models import reports_since
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -12,6 +12,11 @@ LENGTHS = [96, 160, 224]
 # the default budgets (vertical 1000, slash 6096) cover every key at these lengths, so sparse = dense;
 # min_sparse_len=64 makes the op take its sparse branch (the tuned crossover would keep them dense)
 OPTIONS = {"min_sparse_len": 64}
+# The tests of what reaches the minference variants (budgets, a pattern, a model directory) check the bench's plumbing,
+# which does not depend on the inner compiler: they skip Inductor's C++ codegen (seconds per graph on CPU). The
+# minference variant under Inductor, the default, is run end to end below with and without masks, and again under
+# reduce-overhead in test_inductor_and_reduce_overhead.
+PLUMBING = {**OPTIONS, "inner": "aot_eager"}
 
 
 def _cells(data):
@@ -154,7 +159,7 @@ def test_budgets_reach_the_minference_variants(tmp_path):
     so the heads are no longer near-dense as with the default budgets (test above); eager is untouched."""
     out = tmp_path / "prefill.json"
     result = bp.bench_prefill(LENGTHS[-1:], layers=1, variants=("eager", "minference"), isolate=False, reps=1,
-                              config_overrides=TINY, minference_options=OPTIONS, out=out, budgets=(30, 50))
+                              config_overrides=TINY, minference_options=PLUMBING, out=out, budgets=(30, 50))
     data = json.loads(out.read_text())
     assert data["semantic_config"] == "every head vertical-slash [30, 50]"
     cell = _cells(data)[(LENGTHS[-1], "minference")]
@@ -178,7 +183,7 @@ def test_a_shape_budgets_reach_the_minference_variants(tmp_path):
     (it checks vertical-slash heads), and the results name the pattern."""
     out = tmp_path / "prefill.json"
     result = bp.bench_prefill(LENGTHS[-1:], layers=1, variants=("minference",), isolate=False, reps=1,
-                              config_overrides=TINY, minference_options=OPTIONS, out=out, budgets=(16, 48),
+                              config_overrides=TINY, minference_options=PLUMBING, out=out, budgets=(16, 48),
                               pattern="a_shape")
     data = json.loads(out.read_text())
     assert data["semantic_config"] == "every head a-shape [16, 48]"
@@ -342,13 +347,13 @@ def test_smollm2_yarn_factor_covers_the_longest_prompt():
 def test_a_local_model_directory_is_benchmarked_with_its_own_weights(tmp_path):
     """--model DIR: the HF model saved there (no tokenizer: random ids), all its layers rewritten; the results
     name the directory and its shape."""
-    from minference_fx.tiny import tiny_model
+    from minference_fx.tools.tiny import tiny_model
 
     saved = tiny_model("qwen2")
     saved.save_pretrained(tmp_path / "model")
     out = tmp_path / "prefill.json"
     result = bp.bench_prefill(LENGTHS[:2], variants=("eager", "minference"), isolate=False, reps=1,
-                              minference_options=OPTIONS, out=out, model_name=str(tmp_path / "model"))
+                              minference_options=PLUMBING, out=out, model_name=str(tmp_path / "model"))
     data = json.loads(out.read_text())
     layers = saved.config.num_hidden_layers
     assert data["model"].startswith(str(tmp_path / "model")) and "Qwen2Config" in data["model"]
@@ -369,7 +374,7 @@ def test_unknown_model_is_refused():
 
 
 def test_smollm2_prefill_runs_real_weights_on_prose():
-    from minference_fx.assets import AssetError
+    from minference_fx.tools.assets import AssetError
 
     try:
         result = bp.bench_prefill([96], variants=("eager",), isolate=False, reps=1, guard_probe=False,
@@ -380,7 +385,7 @@ def test_smollm2_prefill_runs_real_weights_on_prose():
     assert cell.status == "ok" and cell.finite
     assert result.meta["layers"] == 30 and result.meta["model_name"] == "smollm2"
     assert "real weights" in result.meta["model"]
-    from minference_fx.assets import load_smollm2
+    from minference_fx.tools.assets import load_smollm2
 
     _, tokenizer = load_smollm2()
     ids = bp.text_prompt_ids(tokenizer, 96, seed=0, device="cpu")
@@ -392,7 +397,7 @@ def test_smollm2_prefill_runs_real_weights_on_prose():
 
 def test_a_local_model_directory_with_a_tokenizer_gets_prose():
     """SmolLM2's converted directory, given as a path: its tokenizer makes the prompt, as for --model smollm2."""
-    from minference_fx.assets import AssetError, smollm2_dir
+    from minference_fx.tools.assets import AssetError, smollm2_dir
 
     try:
         path = smollm2_dir()

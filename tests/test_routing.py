@@ -215,10 +215,12 @@ def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_without_it_then
     real_heads, real_dense = op._dense_heads_by_sdpa, op.dense_attention
     monkeypatch.setattr(op, "_dense_heads_by_sdpa", lambda *a: sdpa_masks.append(a[-1]["key_mask"]) or real_heads(*a))
     monkeypatch.setattr(op, "dense_attention", lambda q, k, v, key_mask, *a: sdpa_masks.append(key_mask) or real_dense(q, k, v, key_mask, *a))
-    q, k, v = _qkv(640, seed=5)
-    mask = _left_padded(640, 150)
-    # 30 of the 36 causal tiles past the padding (they start at the first kept key): not near-dense
-    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 5),) * 4)
+    # 384 tokens, 150 of them padding (640 before, BS(5): 30 of 36 tiles; the interpreter's time grows with the causal
+    # tile pairs): 7 of the 10 causal tiles past the padding (they start at the first kept key), not near-dense; in the
+    # batch of two the unpadded row keeps 11 of 21, not near-dense either
+    q, k, v = _qkv(384, seed=5)
+    mask = _left_padded(384, 150)
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2),) * 4)
     masks = dict(key_mask=mask, doc_ids=None, q_offset=0, window=0)
     dense = dense_attention(q, k, v, mask, None, 0.25, 0, 0)
     sdpa_masks.clear()
@@ -232,12 +234,12 @@ def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_without_it_then
     every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
     torch.testing.assert_close(every.out, dense, atol=2e-5, rtol=2e-5)
     assert not every.out[0, :, :150].any()
-    ones = dict(masks, key_mask=_left_padded(640, 0))
+    ones = dict(masks, key_mask=_left_padded(384, 0))
     assert torch.equal(sparse_on_gpu(q, k, v, plan, 0.25, ones, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3)).out, unmasked)
     assert len(sdpa_masks) == 4 and all(m is None for m in sdpa_masks)  # SDPA (heads 0, 2, then two layers) never read the mask
 
-    two = _batch_of_two(640, 5)
-    batch_masks = dict(masks, key_mask=_left_padded(640, 150, batch=2))
+    two = _batch_of_two(384, 5)
+    batch_masks = dict(masks, key_mask=_left_padded(384, 150, batch=2))
     unrouted = reference.sparse_attention_reference(*two, plan, scale=0.25, key_mask=batch_masks["key_mask"],
                                                     index=reference.build_index(*two[:2], plan, scale=0.25,
                                                                                 key_mask=batch_masks["key_mask"]))
@@ -266,9 +268,10 @@ def test_an_all_routed_layer_launches_the_same_with_its_index_built_or_skipped(m
     sdpa = []
     real_dense = op.dense_attention
     monkeypatch.setattr(op, "dense_attention", lambda q, k, v, key_mask, *a: sdpa.append((q.shape, key_mask)) or real_dense(q, k, v, key_mask, *a))
-    q, k, v = _qkv(640, seed=5)
-    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 5),) * 4)
-    masks = dict(key_mask=_left_padded(640, 150), doc_ids=None, q_offset=0, window=0)
+    # the padded prompt of the test above (384 tokens, 150 padding, 7 of 10 tiles: not near-dense)
+    q, k, v = _qkv(384, seed=5)
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2),) * 4)
+    masks = dict(key_mask=_left_padded(384, 150), doc_ids=None, q_offset=0, window=0)
     built = op.sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3)).out
     with_index, sdpa_with_index = launches[:], sdpa[:]
     launches.clear()
