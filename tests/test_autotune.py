@@ -9,6 +9,7 @@ import multiprocessing
 
 import pytest
 import torch
+from autotune_fakes import fake_tuning
 
 import minference_fx.kernels.reference as reference
 import minference_fx.op as op_module
@@ -438,16 +439,7 @@ def test_tuned_entries_reach_the_op_dispatch(cache_dir):
 def test_on_miss_tunes_a_missing_shape_once_then_reads_the_cache(cache_dir, monkeypatch):
     calls = []
 
-    def fake_warm_up(lengths, head_dim, group, dtype, progress=True, num_kv_heads=8):
-        calls.append(tuple(lengths))
-        device = torch.device("cpu")
-        cache.write(configs={dispatch.tune_key("sparse_attention", device, dtype, head_dim, group, lengths[0]):
-                             TuneEntry(64, 64, 8, 3)},
-                    crossovers={dispatch.crossover_key(device, dtype, head_dim, group): 2048})
-
-    monkeypatch.setattr(tuner, "warm_up", fake_warm_up)
-    monkeypatch.setattr(dispatch, "_can_tune", lambda q: True)
-    monkeypatch.setattr(dispatch, "_tuned_here", set())
+    fake_tuning(monkeypatch, calls, crossover=2048)
     q, k = torch.empty(1, 4, 4096, 16), torch.empty(1, 2, 4096, 16)
     dispatch.set_on_miss(False)
     assert dispatch.launch_config(q, k) == cache.DEFAULT_ENTRY and not calls  # off: a forward never times

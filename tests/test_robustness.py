@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 import torch
+from autotune_fakes import fake_tuning
 import torch.nn.functional as F
 
 from minference_fx.autotune import cache, dispatch, tuner
@@ -175,16 +176,7 @@ def test_a_forward_that_tunes_on_a_miss_runs_when_the_cache_cannot_be_written(ca
     cache_dir.write_text("not a directory")
     calls = []
 
-    def fake_warm_up(lengths, head_dim, group, dtype, progress=True, num_kv_heads=8):
-        calls.append(tuple(lengths))  # what the real one writes after timing, with the same cache.write
-        device = torch.device("cpu")
-        cache.write(configs={dispatch.tune_key("sparse_attention", device, dtype, head_dim, group, lengths[0]):
-                             TuneEntry(64, 64, 8, 3)},
-                    crossovers={dispatch.crossover_key(device, dtype, head_dim, group): 16})
-
-    monkeypatch.setattr(tuner, "warm_up", fake_warm_up)
-    monkeypatch.setattr(dispatch, "_can_tune", lambda q: True)
-    monkeypatch.setattr(dispatch, "_tuned_here", set())
+    fake_tuning(monkeypatch, calls, crossover=16)
     dispatch.set_on_miss(True)
     try:
         q, k, v = _qkv()
