@@ -33,6 +33,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
+from ..defaults import DEFAULTS
+
 log = logging.getLogger("minference_fx.autotune")
 
 SCHEMA = "minference-fx/autotune"
@@ -41,7 +43,7 @@ FILE_NAME = "autotune.json"
 ENV_DIR = "MINFERENCE_FX_CACHE_DIR"
 
 # The semantic config's default min_sparse_len: an untuned device behaves as before tuning existed.
-DEFAULT_MIN_SPARSE_LEN = 8192
+DEFAULT_MIN_SPARSE_LEN = DEFAULTS.untuned_min_sparse_len
 # What a ``null`` crossover dispatches as: sparse never won, so every length runs dense.
 DENSE_ALWAYS = sys.maxsize
 

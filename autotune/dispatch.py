@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from ..defaults import DEFAULTS
+from ..plan import LayerPlan
 from . import cache
 from .identity import device_identity, dtype_name, kernel_source_hash, triton_version
 
@@ -75,7 +77,7 @@ def tune_key(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: in
 # A device with no measured crossover still knows the plan's budgets, and they bound what sparse attention
 # can save on any GPU: a head reading more than an eighth of the prompt's keys per row (a quarter of a causal
 # row's mean) saves too little to pay for its index and the heads real weights leave near-dense. On the H200
-# the default budgets (1000 + 6096 keys a row) lost to dense SDPA at 16K alone (87 % of the mean causal row,
+# the default budgets (7,096 keys a row) lost to dense SDPA at 16K alone (87 % of the mean causal row,
 # results/autotune_warmup_h200_2026-12-01_v14.txt), and at 32K (43 %) in SmolLM2 end to end, 0.67x of HF
 # eager (git show 6fb579a:results/bench_prefill_smollm2_h200_2026-12-01_v15_table_v14.txt); they won at 64K (22 %), 1.56x.
 UNTUNED_LENGTH_PER_KEY = 8
@@ -98,10 +100,7 @@ def untuned_crossover(plan=None) -> int:
     :data:`UNTUNED_LENGTH_PER_KEY` times ``plan``'s keys per row (MInference's default head when None), and never
     below the semantic default :data:`cache.DEFAULT_MIN_SPARSE_LEN`."""
     if plan is None:
-        from ..plan import HeadPlan, LayerPlan, Pattern
-        from .workload import DEFAULT_BUDGETS
-
-        plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *DEFAULT_BUDGETS),))
+        plan = LayerPlan((DEFAULTS.head,))
     bound = UNTUNED_LENGTH_PER_KEY * plan_keys_per_row(plan)
     return max(cache.DEFAULT_MIN_SPARSE_LEN, 1 << max(bound - 1, 0).bit_length())
 

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..plan import HeadPlan, LayerPlan, Pattern
+from ..defaults import DEFAULTS
 from .cache import TuneEntry
 from .identity import DeviceIdentity, device_identity
 
@@ -22,7 +23,7 @@ NEEDS_GPU = ("autotuning times the Triton kernels on a CUDA GPU, and torch sees 
              "(`minference-fx autotune --show` prints the cache anywhere)")
 
 # MInference's default head (the backend's default plan): the index the kernel meets most.
-DEFAULT_BUDGETS = (1000, 6096)
+DEFAULT_BUDGETS = DEFAULTS.budgets
 
 
 # The synthetic attention's parts, in logits (q·k / sqrt(D)); see structured_qkv.
@@ -80,7 +81,7 @@ def structured_qkv(seq: int, *, batch=1, num_q_heads=32, num_kv_heads=8, head_di
       The window width moves the index's density most: the near diagonals fill the slash budget
       only if the window is about as wide as it; past the window, the remaining picks go to far
       diagonals chosen by the noise, each costing up to two key tiles per query tile. It is set
-      so that VS(1000, 6096) lands near MInference's reported density at 128K (5-15% of causal
+      so that the default vertical-slash head lands near MInference's reported density at 128K (5-15% of causal
       work); with 3000 tokens it lists about 20-27%.
     * **Sinks**: the first ``sinks`` keys, ``_SINK_LOGIT`` (a large share of every row's mass).
     * **Vertical lines**: ``hot_columns`` random keys at ``_HOT_LOGIT`` and weak "delimiter" keys,
@@ -94,7 +95,7 @@ def structured_qkv(seq: int, *, batch=1, num_q_heads=32, num_kv_heads=8, head_di
     Query heads differ by a random strength per part (log-normal, ``_HEAD_SPREAD``); the query
     heads of a group share their kv head's keys. ``v`` is plain noise.
 
-    Measured on CPU with the reference index, VS(1000, 6096), fp32, seeds 0 and 1, eight query
+    Measured on CPU with the reference index, the default vertical-slash head, fp32, seeds 0 and 1, eight query
     heads over two kv heads (physical work / causal pairs; recall = attention mass of the last
     64 rows inside their listed keys): 32K 47% (39-68%), recall >= 0.995; 128K 15-17% (11-14%
     on most heads, 20-31% on the heads that read the repeat code, whose mismatches add per-pair
@@ -192,9 +193,8 @@ class CudaWorkload:
         self.head_dim, self.group, self.dtype, self.num_kv_heads = head_dim, group, dtype, num_kv_heads
         self.plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),) * (num_kv_heads * group))
         if guard_threshold is None:
-            from ..config import DEFAULT_DEFAULTS
 
-            guard_threshold = DEFAULT_DEFAULTS["guard_threshold"]
+            guard_threshold = DEFAULTS.guard_threshold
         self.guard_threshold = guard_threshold
         self._length = None
         self._inputs = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from .defaults import DEFAULTS
 from pathlib import Path
 
 
@@ -109,7 +111,7 @@ def _bench(args) -> int:
     if args.what == "kernels":
         if args.config or args.pattern != "vertical_slash":
             sys.exit("bench kernels: --config and --pattern are for prefill; give --budgets")
-        rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets or (1000, 6096)),
+        rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets or DEFAULTS.budgets),
                                    baselines=tuple(args.baselines.split(",")) if args.baselines else ())
         print(bench.format_kernel_rows(rows))
     if args.out:
@@ -278,7 +280,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=_positive_int, default=None, help="keep only this many layers (random weights are cheap, big models are not)")
     p.add_argument("--seq", type=_positive_int, default=128, help="prompt length traced")
     p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--config", default=None, help="semantic config JSON (default: vertical-slash 1000/6096 everywhere)")
+    p.add_argument("--config", default=None, help=f"semantic config JSON (default: vertical-slash {DEFAULTS.budgets} everywhere)")
     p.add_argument("--diff", action="store_true", help="print the unified diff of the graph code")
     p.set_defaults(run=_inspect)
     b = sub.add_parser("bench", help="GPU benchmarks: print a table, write JSON")
@@ -286,7 +288,7 @@ def main(argv=None) -> int:
                    "prefill: time to first token of a Llama-3-8B-shaped model, eager vs Inductor vs minference")
     b.add_argument("--lengths", default="8k,32k,128k")
     b.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
-                   help="vertical columns and slash diagonals of every head (default: MInference's 1000 6096)")
+                   help=f"vertical columns and slash diagonals of every head (default: MInference's {DEFAULTS.budgets})")
     b.add_argument("--config", default=None, help="prefill: semantic config JSON for the minference variants (instead of --budgets)")
     b.add_argument("--pattern", default="vertical_slash", choices=["vertical_slash", "a_shape"],
                    help="prefill, with --budgets: every head this pattern; a_shape reads the budgets as (sink, window)")

@@ -34,8 +34,7 @@ class Defaults:
     guard_threshold: float = 0.8
     """a vertical-slash head whose index keeps less than this share of the last rows' attention mass runs dense for
     that call (the runtime quality guard; 0 = off). 0.8 keeps the worst head's recall at or above 0.8 on SmolLM2
-    at 32K, 64K and 128K for 0.4-4 % more computed tiles; 0.5 left heads at 0.56-0.76
-    (results/guard_sweep_smollm2_*)."""
+    at 32K, 64K and 128K for 0.4-4 % more computed tiles; 0.5 left heads at 0.56-0.76 (BENCHMARKS.md, fidelity)."""
 
     untuned_min_sparse_len: int = 8192
     """the least crossover a device without a measured one uses (the floor of ``autotune.dispatch.untuned_crossover``):

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DEFAULT_DEFAULTS
+from ..defaults import DEFAULTS
 from ..observe import run_observed
 from ..plan import HeadPlan, LayerPlan, Pattern
 from .bench_prefill import build_model, build_smollm2, llama3_8b_config, prompt_ids, text_prompt_ids
 from .evaluate import head_recall
 
-COLUMNS, DIAGONALS = DEFAULT_DEFAULTS["default_head"]["budgets"]
+COLUMNS, DIAGONALS = DEFAULTS.budgets
 KEYS = COLUMNS + DIAGONALS
 MODELS = ("llama-random", "smollm2")
 """``llama-random``: the issue's benchmark model (Llama-3-8B shape, HF's random init, random token ids);

@@ -21,6 +21,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..autotune.dispatch import launch_config
 from ..autotune.workload import structured_qkv
+from ..defaults import DEFAULTS
 from ..kernels.attend import sparse_attention_triton
 from ..kernels.index import build_index_gpu
 from ..kernels.reference import BLOCK
@@ -99,7 +100,7 @@ class KernelRow:
 KERNEL_BASELINES = ("cudnn", "flash", "flex")
 
 
-def bench_kernels(lengths, *, budgets=(1000, 6096), baselines=KERNEL_BASELINES, num_warps=None, num_stages=None):
+def bench_kernels(lengths, *, budgets=DEFAULTS.budgets, baselines=KERNEL_BASELINES, num_warps=None, num_stages=None):
     unknown = [name for name in baselines if name not in KERNEL_BASELINES]
     if unknown:  # a misspelt baseline would just be missing from the table
         raise ValueError(f"unknown baseline(s) {unknown}; known: {', '.join(KERNEL_BASELINES)}")

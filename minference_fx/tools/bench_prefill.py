@@ -63,6 +63,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import guard_stats, routing
 from ..autotune import cache, dispatch
 from ..backend import recent_reports
+from ..defaults import DEFAULTS
 from ..config import default_config, model_identity_from_hf
 from ..kernels import guard
 from ..op import NEAR_DENSE_STATS
@@ -275,10 +276,10 @@ def make_variant(name: str, model, minference_options: Optional[dict] = None) ->
     raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
-_DEFAULT_SEMANTIC = "default: every head vertical-slash (1000, 6096)"
+_DEFAULT_SEMANTIC = f"default: every head vertical-slash {DEFAULTS.budgets}"
 PATTERNS = ("vertical_slash", "a_shape")
 """what ``pattern`` may give every head with ``budgets``: vertical-slash (columns, diagonals) or A-shape (sink keys,
-local window). A-shape at (1000, 6096) keeps as many keys a row as the default vertical-slash budgets, all in two
+local window). A-shape at the default budgets keeps as many keys a row as the default vertical-slash budgets, all in two
 contiguous runs: on random weights, whose slashes scatter over the whole row, it is the speed the default budgets
 would give if the attention had the structure of a trained model's."""
 
