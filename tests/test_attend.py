@@ -320,28 +320,15 @@ def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_
                       if c["key"]["kernel"] == "sparse_attention" and c["key"]["bucket"] in (32768, 131072)})
     assert configs
     code = ("import json, sys\nfrom minference_fx.kernels.codegen import sparse_walk_codegen\n"
-            "print(json.dumps([vars(sparse_walk_codegen(*c, key_mask=m)) for c, m in json.loads(sys.argv[1])]))")
+            "print(json.dumps([[vars(sparse_walk_codegen(*c, key_mask=m)) for m in (False, True)] "
+            "for c in json.loads(sys.argv[1])]))")
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    # every (config, mask) variant, split over two processes that compile side by side (CI has two cores; each
-    # process pays its imports and compiles its half)
-    variants = [(config, masked) for config in configs for masked in (False, True)]
-    halves = [variants[0::2], variants[1::2]]
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(half)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for half in halves]
-    reports = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=600)
-            assert proc.returncode == 0, stderr[-2000:]
-            reports += json.loads(stdout.strip().splitlines()[-1])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    assert len(reports) == len(variants) == 2 * len(configs)
-    for (config, masked), report in zip(halves[0] + halves[1], reports):
-        assert not report["wgmma_serialized"] and report["spill_bytes"] == 0, (config, masked, report)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(configs)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for config, variants in zip(configs, json.loads(done.stdout.strip().splitlines()[-1])):
+        for masked, report in zip((False, True), variants):
+            assert not report["wgmma_serialized"] and report["spill_bytes"] == 0, (config, masked, report)
 
 
 def test_a_one_row_padding_mask_applies_to_every_batch_row_of_a_direct_call():
