@@ -142,7 +142,7 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     code_before = gm.code
     sites = passes.analyse(gm)
     traced_names = [site.node.name for site in sites]
-    unread = passes.unread.run(gm, sites)
+    unread = passes.stats(gm).unread  # analyse ran the unread stage on these sites
     config = options.config
     if config is not None:
         check_config_fits(config, gm, sites, options.head_offset)
