@@ -217,7 +217,8 @@ def _eval(args) -> int:
     results = evaluate.run_eval(
         model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
         model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
-        window_seed=args.window_seed)
+        window_seed=args.window_seed, ruler_tasks=tuple(args.ruler_tasks.split(",")),
+        chat={"auto": None, "chat": True, "plain": False}[args.prompt], ppl_tokens=args.ppl_tokens)
     print("\n" + results.table())
     if args.out:  # without --out nothing is written: the table above is the result
         results.save(args.out)
@@ -243,11 +244,23 @@ def _assets(args) -> int:
 
 def _add_asset_commands(sub) -> None:
     """eval, demo and assets: real-model fidelity on SmolLM2 + Jane Austen (fetched once into a cache)."""
-    e = sub.add_parser("eval", help="dense vs sparse on a real model: perplexity, needle in a haystack, index recall")
+    e = sub.add_parser("eval", help="dense vs sparse on a real model: perplexity, needle in a haystack, "
+                                    "RULER-style tasks, index recall")
     e.add_argument("--model", default="smollm2", help="smollm2 or a local HF model directory (with a tokenizer)")
-    e.add_argument("--tasks", default="ppl,niah,recall")
+    e.add_argument("--tasks", default="ppl,niah,recall",
+                   help="comma list of: ppl (Austen), ppl-code (Python standard-library sources), niah (one passkey), "
+                        "ruler (multi-key and multi-value NIAH, variable tracking, frequent words; Austen haystack), "
+                        "ruler-code (the haystack tasks in code), recall (index recall per head)")
+    e.add_argument("--ruler-tasks", default="niah_multikey,niah_multivalue,variable_tracking,freq_words",
+                   help="which RULER-style tasks ruler and ruler-code run")
+    e.add_argument("--prompt", default="auto", choices=["auto", "chat", "plain"],
+                   help="RULER-style prompts in the tokenizer's chat template or as plain 'Answer:' text "
+                        "(auto: chat when the tokenizer has a template)")
+    e.add_argument("--ppl-tokens", type=_positive_int, default=None,
+                   help="score only the last N predictions of each perplexity window (default: all; a large "
+                        "vocabulary's logits at 128K need this)")
     e.add_argument("--lengths", default="2k,4k,8k")
-    e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths")
+    e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (niah and the RULER-style haystack tasks)")
     e.add_argument("--seeds", type=_positive_int, default=1, help="needle seeds per (length, depth)")
     e.add_argument("--window-seed", type=int, default=0, help="which held-out window perplexity and recall read")
     e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")

@@ -1,6 +1,6 @@
 """Model fidelity of the sparse backend against dense attention on a real model.
 
-Three tasks, each comparing ``model`` (dense SDPA) with the same weights compiled
+Six tasks, each comparing ``model`` (dense SDPA) with the same weights compiled
 through ``backend="minference"`` (``min_sparse_len=0``, so every prefill runs the
 sparse op whatever its length):
 
@@ -8,8 +8,14 @@ sparse op whatever its length):
              draws its calibration windows from 10-75 % of the text, see
              :data:`minference_fx.search.CALIBRATION_SPAN`, so these windows are
              unseen by it);
+* ``ppl-code`` the same on code: Python's standard-library sources
+             (:mod:`minference_fx.tools.stdlib_code`), which every machine has;
 * ``niah``   needle in a haystack: a passkey sentence at a depth of the prose, a
              question at the end, greedy decoding; pass = the passkey appears;
+* ``ruler``  RULER-style tasks beyond one needle (:mod:`minference_fx.tools.ruler`):
+             multi-key and multi-value NIAH, variable tracking in the prose, and
+             frequent-words extraction; score = the fraction of expected strings
+             in the greedy answer; ``ruler-code``: the haystack tasks in code;
 * ``recall`` index fidelity per (layer, head): the dense attention mass of the
              last query rows that the online index's key set captures, against the
              best possible key set of the same size (oracle top-k).
@@ -42,7 +48,7 @@ from ..kernels.index import build_index_gpu
 from ..op import guard_mass, guarded_heads, near_dense_heads, weak_heads
 from ..plan import LISTED_PATTERNS, LayerPlan, Pattern
 from ..search import physical_density
-from . import assets
+from . import assets, ruler, stdlib_code
 
 NEEDLE = " The secret passcode for the vault is {passkey}. "
 QUESTION = "\n\nQuestion: What is the secret passcode for the vault?\nAnswer: The secret passcode for the vault is"
@@ -159,14 +165,22 @@ class PerplexityRow:
     """(sparse - dense) / dense"""
     dense_s: float
     sparse_s: float
+    scored: Optional[int] = None
+    """next-token predictions scored: the last ones of the window (None: all of them)"""
 
 
-def perplexity(model, ids: torch.Tensor, *, compiled=None) -> float:
-    """Perplexity of ``ids`` [1, S] under ``compiled`` (when given) or ``model``, next-token NLL in fp32."""
+def perplexity(model, ids: torch.Tensor, *, compiled=None, scored: Optional[int] = None) -> float:
+    """Perplexity of ``ids`` [1, S] under ``compiled`` (when given) or ``model``, next-token NLL in fp32.
+
+    ``scored``: only the last ``scored`` predictions count, and the model computes logits for those rows only
+    (``logits_to_keep``): all 128K rows of a 151K-token vocabulary would be 80 GB in fp32.
+    """
     run = compiled if compiled is not None else model
+    n = ids.shape[1] - 1 if scored is None else min(scored, ids.shape[1] - 1)
+    keep = {} if scored is None else {"logits_to_keep": n + 1}
     with torch.no_grad():
-        logits = run(ids, use_cache=False).logits[0, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:].to(logits.device))
+        logits = run(ids, use_cache=False, **keep).logits[0, -(n + 1) : -1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, -n:].to(logits.device))
     return math.exp(nll.item())
 
 
@@ -176,10 +190,16 @@ def _timed(fn: Callable):
     return value, time.perf_counter() - start
 
 
-def compare_perplexity(model, compiled, ids: torch.Tensor) -> PerplexityRow:
-    dense, dense_s = _timed(lambda: perplexity(model, ids))
-    sparse, sparse_s = _timed(lambda: perplexity(model, ids, compiled=compiled))
-    return PerplexityRow(ids.shape[1], dense, sparse, (sparse - dense) / dense, dense_s, sparse_s)
+def compare_perplexity(model, compiled, ids: torch.Tensor, *, scored: Optional[int] = None) -> PerplexityRow:
+    dense, dense_s = _timed(lambda: perplexity(model, ids, scored=scored))
+    sparse, sparse_s = _timed(lambda: perplexity(model, ids, compiled=compiled, scored=scored))
+    return PerplexityRow(ids.shape[1], dense, sparse, (sparse - dense) / dense, dense_s, sparse_s, scored)
+
+
+def code_window_ids(tokenizer, code: str, length: int, *, seed: int = 0) -> torch.Tensor:
+    """``[1, length]`` token ids of the code corpus from a line start that ``seed`` picks (no search calibrates
+    on code, so any window is held out)."""
+    return torch.tensor([ruler.text_ids(tokenizer, code, length, random.Random(f"ppl-code:{seed}"))])
 
 
 # --------------------------------------------------------------------------- needle in a haystack
@@ -275,6 +295,80 @@ def needle_grid(model, tokenizer, lengths, depths, seeds, *, compiled=None, text
                 cells.append(cell)
                 progress(f"niah L={length} depth={depth} seed={seed}: dense {'pass' if cell.dense_pass else 'FAIL'} "
                          f"{dense!r}, sparse {'pass' if cell.sparse_pass else 'FAIL'} {sparse!r}")
+    return cells
+
+
+# --------------------------------------------------------------------------- RULER-style tasks
+
+
+@dataclasses.dataclass
+class RulerCell:
+    length: int
+    task: str
+    haystack: str
+    """what the needles hide in: "austen" (prose) or "code" (Python sources)"""
+    depth: Optional[float]
+    """where the first answer-carrying insert goes (None: the aggregation task, which has no inserts)"""
+    seed: int
+    answers: list[str]
+    dense_score: float
+    """fraction of ``answers`` in the dense model's greedy answer"""
+    sparse_score: Optional[float]
+    dense_answer: str
+    sparse_answer: str
+
+
+@dataclasses.dataclass
+class RulerScore:
+    """One (length, haystack, task): the mean scores over its depths and seeds."""
+
+    length: int
+    haystack: str
+    task: str
+    dense: float
+    sparse: float
+    cells: int
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """Every end-of-sequence id the tokenizer or the model's generation config names (they can differ)."""
+    found = set()
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        found.update(value if isinstance(value, (list, tuple)) else () if value is None else (value,))
+    return found
+
+
+def _answer_text(tokenizer, tokens: list[int], stops: set[int]) -> str:
+    """The decoded answer up to its first end-of-sequence token (what follows is not the answer)."""
+    cut = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokenizer.decode(tokens[:cut])
+
+
+def ruler_grid(model, tokenizer, lengths, depths, seeds, *, haystack: str, haystack_name: str = "austen",
+               tasks=tuple(ruler.TASKS), chat: bool = False, compiled=None,
+               progress: Callable[[str], None] = print) -> list[RulerCell]:
+    """RULER-style cells for every (length, task, depth, seed), dense and (when ``compiled`` is given) sparse on
+    the same prompt. The aggregation task has no depth: it runs once per seed."""
+    device = next(model.parameters()).device
+    stops = stop_token_ids(model, tokenizer)
+    cells = []
+    for length in lengths:
+        for name in tasks:
+            for depth in (depths if ruler.task(name).reads_haystack else [None]):
+                for seed in seeds:
+                    sample = ruler.generate(name, tokenizer, haystack, length, seed, depth=depth, chat=chat)
+                    ids = torch.tensor([sample.ids], device=device)
+                    dense = _answer_text(tokenizer, greedy_answer(model, ids, new_tokens=sample.new_tokens), stops)
+                    sparse = "" if compiled is None else _answer_text(
+                        tokenizer, greedy_answer(model, ids, prefill=compiled, new_tokens=sample.new_tokens), stops)
+                    cell = RulerCell(length, name, haystack_name, depth, seed, sample.answers,
+                                     ruler.score(dense, sample.answers),
+                                     None if compiled is None else ruler.score(sparse, sample.answers), dense, sparse)
+                    cells.append(cell)
+                    where = "" if depth is None else f" depth={depth}"
+                    progress(f"ruler {haystack_name} {name} L={length}{where} seed={seed}: dense {cell.dense_score:.2f} "
+                             f"{dense!r}" + ("" if compiled is None else f", sparse {cell.sparse_score:.2f} {sparse!r}"))
     return cells
 
 
@@ -465,6 +559,11 @@ class EvalResults:
     guard: dict = dataclasses.field(default_factory=dict)
     """quality-guard counters over the sparse runs (heads forced dense)"""
     notes: list[str] = dataclasses.field(default_factory=list)
+    ppl_code: list[PerplexityRow] = dataclasses.field(default_factory=list)
+    """perplexity on Python's standard-library sources"""
+    ruler: list[RulerCell] = dataclasses.field(default_factory=list)
+    code_corpus: dict = dataclasses.field(default_factory=dict)
+    """which code ``ppl_code`` and the code haystack read (:meth:`stdlib_code.CodeCorpus.describe`)"""
 
     def recall_summaries(self) -> list[RecallSummary]:
         lengths = sorted({r.length for r in self.recall})
@@ -480,10 +579,20 @@ class EvalResults:
                 out += [GuardSweepRow.of(rows, t) for t in GUARD_SWEEP]
         return out
 
+    def ruler_scores(self) -> list[RulerScore]:
+        """Mean scores per (length, haystack, task), in the order the cells were run."""
+        groups: dict[tuple, list[RulerCell]] = {}
+        for c in self.ruler:
+            groups.setdefault((c.length, c.haystack, c.task), []).append(c)
+        return [RulerScore(n, hay, name, sum(c.dense_score for c in cells) / len(cells),
+                           sum(c.sparse_score or 0.0 for c in cells) / len(cells), len(cells))
+                for (n, hay, name), cells in groups.items()]
+
     def to_json(self) -> dict:
         doc = dataclasses.asdict(self)
         doc["recall_summary"] = [dataclasses.asdict(s) for s in self.recall_summaries()]
         doc["guard_sweep"] = [dataclasses.asdict(s) for s in self.guard_sweep()]
+        doc["ruler_summary"] = [dataclasses.asdict(s) for s in self.ruler_scores()]
         return doc
 
     def save(self, path) -> None:
@@ -491,12 +600,15 @@ class EvalResults:
 
     @staticmethod
     def from_json(doc: dict) -> "EvalResults":
-        """The inverse of :meth:`to_json` (its derived ``recall_summary`` is recomputed, not read)."""
+        """The inverse of :meth:`to_json` (its derived summaries are recomputed, not read)."""
         fields = {f.name for f in dataclasses.fields(EvalResults)}
-        plain = {k: v for k, v in doc.items() if k in fields and k not in ("ppl", "niah", "recall")}
+        rows = ("ppl", "niah", "recall", "ppl_code", "ruler")
+        plain = {k: v for k, v in doc.items() if k in fields and k not in rows}
         return EvalResults(**plain, ppl=[PerplexityRow(**r) for r in doc.get("ppl", [])],
                            niah=[NiahCell(**c) for c in doc.get("niah", [])],
-                           recall=[HeadRecall(**r) for r in doc.get("recall", [])])
+                           recall=[HeadRecall(**r) for r in doc.get("recall", [])],
+                           ppl_code=[PerplexityRow(**r) for r in doc.get("ppl_code", [])],
+                           ruler=[RulerCell(**c) for c in doc.get("ruler", [])])
 
     @staticmethod
     def load(path) -> "EvalResults":
@@ -505,9 +617,11 @@ class EvalResults:
     def table(self) -> str:
         out = [f"model {self.model} | config {self.config} | {self.device}"]
         if self.ppl:
-            out.append(_table(("length", "dense ppl", "sparse ppl", "delta", "dense s", "sparse s"),
-                              [(r.length, f"{r.dense:.4f}", f"{r.sparse:.4f}", f"{100 * r.rel_delta:+.3f}%",
-                                f"{r.dense_s:.1f}", f"{r.sparse_s:.1f}") for r in self.ppl]))
+            out.append(_ppl_table(self.ppl, "dense ppl", "sparse ppl"))
+        if self.ppl_code:
+            out.append(_ppl_table(self.ppl_code, "dense code ppl", "sparse code ppl"))
+        if self.ruler or self.ppl_code:
+            out.append(_quality_table(self))
         if self.niah:
             out.append(_niah_table(self.niah))
         if self.recall:
@@ -535,6 +649,48 @@ def _table(header, rows) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
+def _ppl_table(rows: list[PerplexityRow], dense: str, sparse: str) -> str:
+    """Perplexity rows; a "scored" column only when some rows scored fewer than all their predictions."""
+    partial = any(r.scored is not None for r in rows)
+    return _table(("length", dense, sparse, "delta", "dense s", "sparse s") + (("scored",) if partial else ()),
+                  [(r.length, f"{r.dense:.4f}", f"{r.sparse:.4f}", f"{100 * r.rel_delta:+.3f}%", f"{r.dense_s:.1f}",
+                    f"{r.sparse_s:.1f}") + ((r.scored or r.length - 1,) if partial else ()) for r in rows])
+
+
+def _ruler_columns(results: EvalResults) -> list[tuple[str, str]]:
+    """(haystack, task) pairs in the order they were run."""
+    return list(dict.fromkeys((c.haystack, c.task) for c in results.ruler))
+
+
+def _column_label(haystack: str, task: str) -> str:
+    label = ruler.TASKS[task].label if task in ruler.TASKS else task
+    return label if haystack == "austen" else f"{label} {haystack}"
+
+
+def _quality_table(results: EvalResults) -> str:
+    """One row per length: each RULER-style task's dense|sparse score (%), the worst sparse - dense difference,
+    and the sparse/dense perplexity ratios."""
+    scores = {(s.length, s.haystack, s.task): s for s in results.ruler_scores()}
+    columns = _ruler_columns(results)
+    ppl = {r.length: r for r in results.ppl}
+    code = {r.length: r for r in results.ppl_code}
+    lengths = sorted({n for n, _, _ in scores} | set(ppl) | set(code))
+    header = ["length"] + [_column_label(*col) for col in columns] + (["worst diff"] if columns else [])
+    header += (["ppl ratio"] if ppl else []) + (["code ppl ratio"] if code else [])
+    rows = []
+    for n in lengths:
+        here = [scores.get((n, *col)) for col in columns]
+        row = [n] + [f"{100 * s.dense:.1f}|{100 * s.sparse:.1f}" if s else "-" for s in here]
+        if columns:
+            diffs = [100 * (s.sparse - s.dense) for s in here if s]
+            row.append(f"{min(diffs):+.1f}" if diffs else "-")
+        row += ([f"{1 + ppl[n].rel_delta:.4f}" if n in ppl else "-"] if ppl else [])
+        row += ([f"{1 + code[n].rel_delta:.4f}" if n in code else "-"] if code else [])
+        rows.append(row)
+    return (_table(header, rows) + "\nRULER-style scores: dense|sparse, % of the expected strings in the greedy "
+            "answer (mean over depths and seeds); worst diff: sparse - dense in points; ppl ratio: sparse / dense")
+
+
 def _niah_table(cells: list[NiahCell]) -> str:
     """Rows: length; columns: depth; cell: dense passes/seeds | sparse passes/seeds."""
     lengths = sorted({c.length for c in cells})
@@ -553,7 +709,8 @@ def _niah_table(cells: list[NiahCell]) -> str:
 
 
 def save_png(results: EvalResults, path) -> Optional[str]:
-    """NIAH grid (dense, sparse) and recall per (layer, head) at the longest length; None if no matplotlib."""
+    """NIAH grid (dense, sparse), recall per (layer, head) at the longest length, RULER-style scores and the
+    perplexity ratios per length; None if no matplotlib or nothing to draw."""
     try:
         import matplotlib  # optional: the [eval] extra; without it no PNG
 
@@ -567,12 +724,19 @@ def save_png(results: EvalResults, path) -> Optional[str]:
     recall_len = max((r.length for r in results.recall), default=None)
     if recall_len is not None:
         panels += [("recall", None)]
+    if results.ruler:
+        panels += [("ruler", "lines")]
+    if results.ppl or results.ppl_code:
+        panels += [("ppl ratio", "lines")]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     lengths = sorted({c.length for c in results.niah})
     depths = sorted({c.depth for c in results.niah})
     for ax, (name, attr) in zip(axes[0], panels):
+        if attr == "lines":
+            (_draw_ruler if name == "ruler" else _draw_ppl_ratio)(ax, results)
+            continue
         if attr is not None:
             grid = [[_pass_rate(results.niah, n, d, attr) for d in depths] for n in lengths]
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -594,6 +758,32 @@ def save_png(results: EvalResults, path) -> Optional[str]:
     return str(path)
 
 
+def _draw_ruler(ax, results: EvalResults) -> None:
+    """Score per length for each (haystack, task): dense solid, sparse dashed, one colour per task."""
+    scores = results.ruler_scores()
+    for i, (hay, name) in enumerate(_ruler_columns(results)):
+        mine = sorted((s for s in scores if (s.haystack, s.task) == (hay, name)), key=lambda s: s.length)
+        x = [s.length for s in mine]
+        label = _column_label(hay, name)
+        ax.plot(x, [100 * s.dense for s in mine], "-o", color=f"C{i}", label=f"{label} dense")
+        ax.plot(x, [100 * s.sparse for s in mine], "--x", color=f"C{i}", label=f"{label} sparse")
+    ax.set_xscale("log", base=2), ax.set_ylim(-5, 105)
+    ax.set_xlabel("prompt tokens"), ax.set_ylabel("score (%)"), ax.set_title("RULER-style tasks")
+    ax.legend(fontsize=6)
+
+
+def _draw_ppl_ratio(ax, results: EvalResults) -> None:
+    """Sparse / dense perplexity per length, prose and code, against the 1 % line."""
+    for rows, label in ((results.ppl, "Austen"), (results.ppl_code, "Python stdlib")):
+        if rows:
+            rows = sorted(rows, key=lambda r: r.length)
+            ax.plot([r.length for r in rows], [1 + r.rel_delta for r in rows], "-o", label=label)
+    ax.axhline(1.0, color="grey", lw=0.8), ax.axhline(1.01, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens"), ax.set_ylabel("sparse / dense perplexity"), ax.set_title("PPL ratio")
+    ax.legend(fontsize=7)
+
+
 def _pass_rate(cells, length, depth, attr) -> float:
     here = [getattr(c, attr) for c in cells if c.length == length and c.depth == depth]
     return sum(here) / len(here) if here else float("nan")
@@ -606,33 +796,62 @@ def _guard_counts() -> dict:
     return dataclasses.asdict(guard_stats())
 
 
+EVAL_TASKS = ("ppl", "ppl-code", "niah", "ruler", "ruler-code", "recall")
+SPARSE_RUN_TASKS = frozenset(EVAL_TASKS) - {"recall"}
+"""the tasks that run the compiled sparse model (recall reads the index from a dense run)"""
+
+
 def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "recall"), config: SemanticConfig,
              config_name: str, model_name: str = "", depths=(0.1, 0.5, 0.9), seeds=(0,), inner: str = "eager",
-             rows: int = 256, window_seed: int = 0, progress: Callable[[str], None] = print) -> EvalResults:
-    """Every requested task at every length; progress lines as it goes.
+             rows: int = 256, window_seed: int = 0, code: Optional[stdlib_code.CodeCorpus] = None,
+             ruler_tasks=tuple(ruler.TASKS), chat: Optional[bool] = None, ppl_tokens: Optional[int] = None,
+             progress: Callable[[str], None] = print) -> EvalResults:
+    """Every requested task (of :data:`EVAL_TASKS`) at every length; progress lines as it goes.
 
     ``window_seed`` picks the held-out window of perplexity and recall; another seed checks that a
-    result is not one window's luck."""
+    result is not one window's luck. ``code``: the corpus of ``ppl-code`` and ``ruler-code`` (default: this
+    Python's standard library). ``chat``: RULER-style prompts in the tokenizer's chat template (default: when
+    it has one) or as a plain "Answer:" continuation. ``ppl_tokens``: score only the last this many
+    predictions of each perplexity window (a large vocabulary's logits at 128K do not fit otherwise)."""
     device = str(next(model.parameters()).device)
     results = EvalResults(model_name, config_name, list(lengths), device)
-    unknown = set(tasks) - {"ppl", "niah", "recall"}
+    unknown = set(tasks) - set(EVAL_TASKS)
     if unknown:
-        raise ValueError(f"unknown eval task(s) {sorted(unknown)}; known: ppl, niah, recall")
+        raise ValueError(f"unknown eval task(s) {sorted(unknown)}; known: {', '.join(EVAL_TASKS)}")
+    for name in ruler_tasks:
+        ruler.task(name)  # an unknown name fails here, before any model runs
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if code is None and ("ppl-code" in tasks or "ruler-code" in tasks):
+        code = stdlib_code.stdlib_code()
+    if code is not None:
+        results.code_corpus = code.describe()
     guard_before = _guard_counts()
     calibrated = bool(config.provenance.calibration_data)
-    if "ppl" in tasks or "niah" in tasks:
+    if SPARSE_RUN_TASKS & set(tasks):
         compiled = sparse_model(model, config, inner=inner)
-    if "ppl" in tasks:
+    for task_name, corpus, out in (("ppl", None, results.ppl), ("ppl-code", code, results.ppl_code)):
+        if task_name not in tasks:
+            continue
         for n in lengths:
-            ids = held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated).to(device)
-            row = compare_perplexity(model, compiled, ids)
-            results.ppl.append(row)
-            progress(f"ppl L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} ({100 * row.rel_delta:+.3f}%) "
-                     f"[{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
+            ids = (held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated) if corpus is None
+                   else code_window_ids(tokenizer, corpus.text, n, seed=window_seed)).to(device)
+            row = compare_perplexity(model, compiled, ids, scored=ppl_tokens)
+            out.append(row)
+            progress(f"{task_name} L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} "
+                     f"({100 * row.rel_delta:+.3f}%) [{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
     if "niah" in tasks:
         results.niah = needle_grid(model, tokenizer, lengths, depths, seeds, compiled=compiled, text=text,
                                    progress=progress)
-    if "ppl" in tasks or "niah" in tasks:  # the guard only runs in the sparse model's calls
+    if "ruler" in tasks:
+        results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=text, haystack_name="austen",
+                                    tasks=ruler_tasks, chat=chat, compiled=compiled, progress=progress)
+    if "ruler-code" in tasks:  # the aggregation task reads no haystack: its code run would repeat the prose one
+        in_code = [t for t in ruler_tasks if ruler.task(t).reads_haystack]
+        results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=code.text,
+                                    haystack_name="code", tasks=in_code, chat=chat, compiled=compiled,
+                                    progress=progress)
+    if SPARSE_RUN_TASKS & set(tasks):  # the guard only runs in the sparse model's calls
         after = _guard_counts()
         results.guard = {k: after[k] - guard_before.get(k, 0) for k in after}
     if "recall" in tasks:
@@ -652,6 +871,16 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         "include the vertical-slash estimate's own last 64); oracle: the top-n keys of each row, n = the index's "
         "count; density: physical (tiles x 64 x 64 + columns x 64) / causal pairs, mean over heads (dense heads = 1)",
     ]
+    if results.ruler:
+        results.notes.append(
+            "ruler: RULER-style tasks (Hsieh et al. 2024) as minference_fx.tools.ruler writes them, "
+            f"{'in the chat template' if chat else 'as plain Answer: prompts'}; the same prompt dense and sparse, "
+            "greedy answers cut at the first end-of-sequence token; score = fraction of the expected strings found")
+    if results.ppl_code:
+        c = results.code_corpus
+        results.notes.append(f"ppl-code: windows of Python {c['python']}'s standard-library sources ({c['files']} "
+                             f"files, {c['chars']} characters, sha256 {c['sha256'][:12]}) from line starts picked by "
+                             f"the window seed")
     beyond = [n for n in lengths if not calibrated and beyond_held_out(text, n) and ("ppl" in tasks or "recall" in tasks)]
     if beyond:
         results.notes.append(f"at {', '.join(map(str, beyond))} tokens the window is the text's last characters (the "
