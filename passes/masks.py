@@ -132,6 +132,18 @@ class SameDocument(_Term):
     axes = frozenset({-4, -2, -1})
 
 
+@dataclasses.dataclass(frozen=True)
+class PositionOrder(_Term):
+    """``source[b, j + k_off] <= source[b, i + q_off]``: position ids gathered at the key and at the query, compared
+    (transformers 5.24). Causal only where the ids step by one between the two, which a :class:`SameDocument`
+    term over the runs of the same ids ensures (:func:`_positions_within_runs`); alone it is not read."""
+
+    source: fx.Node
+    q_off: _Off
+    k_off: _Off
+    axes = frozenset({-4, -2, -1})
+
+
 _TERMS = {"le": Causal, "gt": WindowStart}
 """The comparison of a key position with a query position that each term reads."""
 
@@ -196,6 +208,11 @@ class _Evaluator:
         self.memo: dict[fx.Node, Any] = {}
         self.writes = writes
         """(node, what it may write into) for the graph's writing nodes (:func:`site.writers`)"""
+        self.table_of: dict[fx.Node, fx.Node] = {}
+        """a node holding the same rows as a [B, S] table (its expansion along the batch) -> that table"""
+        self.steps_of: dict[fx.Node, tuple] = {}
+        """``diff(table, dim=-1)`` -> ("diff", table); ``that != 1`` -> ("breaks", table); its cumsum along the
+        positions -> ("runs", table): ids equal exactly within a run of positions that step by one"""
 
     def _mutated(self, n: fx.Node) -> bool:
         """Whether some node writes into ``n``'s memory: an in-place op (or an ``out=``) on it or on any view
@@ -251,6 +268,9 @@ class _Evaluator:
             src = self.value(args[0])
             if isinstance(src, _Const) and not src.value:
                 return _Const(0)
+            kind, table = self.steps_of.get(args[0], (None, None))
+            if kind == "breaks" and _last_axis(n.args[0], call_arg(n, 1, "dim")):
+                self.steps_of[n] = ("runs", table)
             return _Tensor(n)
         if target is torch.where:
             return self._where(n)
@@ -349,6 +369,8 @@ class _Evaluator:
         if n.target in ("view", "reshape") and not isinstance(src, (_Const, _Mask)):
             return _Unknown(f"{n.target} at {n.name}")
         if isinstance(src, _Tensor):
+            if n.target == "expand" and _keeps_last_axis(n):
+                self.table_of[n] = self._table(n.args[0])  # position_ids.expand(B, -1): the same rows
             return src.derived(n)  # same data, converted: pass the converted node on
         return src
 
@@ -439,7 +461,13 @@ class _Evaluator:
             pre = self.value(prepend)
             if isinstance(pre, _Range) and _shift(pre.offset, 1) == src.offset:
                 return _Const(1)  # consecutive positions: one document
+        if isinstance(src, _Tensor) and _one_step_per_position(n, dim, prepend):
+            self.steps_of[n] = ("diff", self._table(src.node))
         return _Tensor(n)
+
+    def _table(self, node: fx.Node) -> fx.Node:
+        """The [B, S] table whose rows ``node`` holds (itself unless it is an expansion of one)."""
+        return self.table_of.get(node, node)
 
     def _where(self, n):
         cond, yes, no = (self.value(a) for a in n.args[:3])
@@ -508,6 +536,10 @@ class _Evaluator:
         if isinstance(a, _Mask) and isinstance(b, _Const) and op in ("eq", "ne") and b.value in (0, 1):
             # a 0/1 mask compared with 0 or 1: itself or its complement (tril == 0 marks what causal blocks)
             return a if (op == "eq") == bool(b.value) else _complement(a, raw[0])
+        if op == "ne" and isinstance(a, _Tensor) and b == _Const(1) and raw[0] in self.steps_of:
+            kind, table = self.steps_of[raw[0]]
+            if kind == "diff":
+                self.steps_of[n] = ("breaks", table)  # where a position does not follow the one before
         for side in (a, b):
             if isinstance(side, _Tensor):  # a comparison of a tensor the pass cannot read: itself one
                 return side.derived(n)
@@ -534,6 +566,11 @@ class _Evaluator:
                 a, b = b, a
             if a.dim == 2 and b.dim == 3:
                 return _Mask(frozenset({SameDocument(a.source, a.offset, b.offset)}))
+        if isinstance(a, _Gather) and isinstance(b, _Gather) and a.source is b.source and {a.dim, b.dim} == {2, 3}:
+            if a.dim == 2:
+                a, b, op = b, a, _FLIP[op]
+            if op == "le":  # positions[b, kv] <= positions[b, q]
+                return _Mask(frozenset({PositionOrder(a.source, b.offset, a.offset)}))
         return _Unknown(f"comparison {op} of {type(a).__name__.strip('_')} and {type(b).__name__.strip('_')}")
 
     def _as_mask(self, v):
@@ -666,6 +703,52 @@ def _as_offset(off: _Off):
     return const if base is None else (base, const)
 
 
+def _positions_within_runs(preds: frozenset, evaluator: "_Evaluator"):
+    """``preds`` with each :class:`PositionOrder` read as causal, or the reason it cannot be. Transformers 5.24
+    compares gathered position ids, ``pos[kv] <= pos[q]``, and ands it with ``runs[q] == runs[kv]``, where ``runs``
+    is the cumsum of ``diff(pos) != 1``: equal ids mean no step other than +1 between the two positions, so
+    there ``pos[kv] - pos[q] == kv - q`` and the comparison is ``kv <= q``. Read so only when the runs come from
+    the same table and are gathered at the same offsets."""
+    out = set()
+    for pred in preds:
+        if not isinstance(pred, PositionOrder):
+            out.add(pred)
+            continue
+        table = evaluator._table(pred.source)
+        runs = [d for d in preds if isinstance(d, SameDocument) and evaluator.steps_of.get(d.source) == ("runs", table)
+                and (d.q_off, d.k_off) == (pred.q_off, pred.k_off)]
+        if not runs:
+            return f"position ids compared (pos[kv] <= pos[q] from {pred.source.name}) without the packed-sequence " \
+                   "ids of their runs: causal only where the positions step by one"
+        out.add(Causal(pred.q_off, pred.k_off))
+    return frozenset(out)
+
+
+def _last_axis(node, dim) -> bool:
+    """Whether ``dim`` is the last axis of ``node``'s value (a [B, S] table's positions)."""
+    shape = shape_of(node)
+    return shape is not None and dim in (-1, len(shape) - 1)
+
+
+def _one_step_per_position(n: fx.Node, dim, prepend) -> bool:
+    """``diff(table, prepend=<one column>, dim=-1)``: entry p is ``table[p] - table[p - 1]``, aligned with the
+    table's positions (without the prepend, or with an append, entry p would describe the step after p)."""
+    table, out = shape_of(n.args[0]), shape_of(n)
+    first = shape_of(prepend) if isinstance(prepend, fx.Node) else None
+    return (len(n.args) == 1 and n.kwargs.get("n", 1) == 1 and n.kwargs.get("append") is None and _last_axis(n.args[0], dim)
+            and first is not None and len(first) == len(table) and first[-1] == 1 and out is not None
+            and statically_known_true(out[-1] == table[-1]))
+
+
+def _keeps_last_axis(n: fx.Node) -> bool:
+    """``table.expand(...)`` that keeps the positions axis as it is (only a batch of one is broadcast)."""
+    sizes = n.args[1:] if len(n.args) > 2 or not isinstance(n.args[1] if len(n.args) > 1 else None, (tuple, list)) \
+        else n.args[1]
+    before, after = shape_of(n.args[0]), shape_of(n)
+    return (before is not None and after is not None and len(before) == len(after) == 2 and len(sizes) == 2
+            and (sizes[-1] == -1 or statically_known_true(after[-1] == before[-1])))
+
+
 def _mask_info(preds: frozenset) -> MaskInfo:
     """Predicates read in key indices: a term ``kv_pos <= q_pos + o`` with keys at ``j + k`` is ``j <= i + (o - k)``."""
     causal = [p for p in preds if isinstance(p, Causal)]
@@ -725,6 +808,10 @@ def analyse(site: AttentionSite, writes: Optional[list] = None) -> MaskInfo:
     if site.mask is None:
         if site.is_causal:
             return MaskInfo(MaskKind.CAUSAL)  # SDPA's is_causal is aligned top-left
+        if _one_query_row(site):
+            # a decode step (transformers 5.24 passes no mask there): every key is at or before the one query,
+            # which is causal attention's last row
+            return MaskInfo(MaskKind.CAUSAL, q_at_last_key=True)
         return MaskInfo(MaskKind.NONE, reason="no mask and is_causal=False: bidirectional attention")
     if site.is_causal:
         return MaskInfo(MaskKind.UNKNOWN, reason="both attn_mask and is_causal given")
@@ -733,7 +820,8 @@ def analyse(site: AttentionSite, writes: Optional[list] = None) -> MaskInfo:
     # same for every head (nn.TransformerEncoderLayer expands its [Q, KV] mask to [B, H, Q, KV])
     if shape is None or len(shape) not in (2, 4):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {tuple(shape) if shape is not None else '?'}; expected [B, 1 or H, Q, KV] or [Q, KV]")
-    value = _Evaluator(writers(site.node.graph) if writes is None else writes).value(site.mask)
+    evaluator = _Evaluator(writers(site.node.graph) if writes is None else writes)
+    value = evaluator.value(site.mask)
     if isinstance(value, _Unknown):
         return MaskInfo(MaskKind.UNKNOWN, reason=f"mask construction not understood ({value.reason})")
     additive = isinstance(value, _Additive)
@@ -763,7 +851,16 @@ def analyse(site: AttentionSite, writes: Optional[list] = None) -> MaskInfo:
         if not _same_extent(shape_of(site.mask), attention, axis):
             return MaskInfo(MaskKind.UNKNOWN, reason=f"mask of shape {shape_of(site.mask)} varies along the "
                                                      f"{_AXIS_NAMES[axis]} axis but does not span the attention's")
-    return _mask_info(value.preds)
+    preds = _positions_within_runs(value.preds, evaluator)
+    if isinstance(preds, str):
+        return MaskInfo(MaskKind.UNKNOWN, reason=preds)
+    return _mask_info(preds)
+
+
+def _one_query_row(site: AttentionSite) -> bool:
+    """Whether the traced query length is 1 in every graph this one stands for (a static 1, not a SymInt)."""
+    shape = shape_of(site.query)
+    return shape is not None and len(shape) == 4 and isinstance(shape[-2], int) and shape[-2] == 1
 
 
 def _dtype_mismatch(site: AttentionSite, value) -> Optional[str]:

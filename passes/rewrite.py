@@ -37,8 +37,13 @@ def _is_zero(offset) -> bool:
     return isinstance(offset, int) and offset == 0
 
 
-def _q_offset_arg(graph: fx.Graph, info) -> object:
+def _q_offset_arg(graph: fx.Graph, info, keys: fx.Node) -> object:
     """The op's query offset: query row 0's position less key 0's (a SymInt expression when either is symbolic)."""
+    if info.q_at_last_key:
+        length = keys.meta["example_value"].shape[-2] if "example_value" in keys.meta else None
+        if isinstance(length, int):
+            return length - 1
+        return graph.call_function(operator.sub, (graph.call_method("size", (keys, 2)), 1))
     q_pos = _offset_arg(graph, info.q_offset)
     if _is_zero(info.k_offset):
         return q_pos
@@ -144,9 +149,9 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
         with graph.inserting_before(site.node):
             if site.scale_divides:
                 scale = graph.call_function(operator.truediv, (1.0, scale))
-            q_offset = _q_offset_arg(graph, info)
             # an input may be an attention output rewritten above (attention fed straight into attention)
             q, k, v = (replaced.get(x, x) for x in (site.query, site.key, site.value))
+            q_offset = _q_offset_arg(graph, info, k)
             key_mask = _from_key_start(graph, info.key_mask, info.key_mask_start, k)
             doc_ids = _from_key_start(graph, info.doc_ids, info.doc_ids_start, k)
             common = (q, k, v, key_mask, doc_ids, scale if isinstance(scale, fx.Node) else float(scale), q_offset,

@@ -280,6 +280,9 @@ class MaskInfo:
     doc_ids: Optional[fx.Node] = None
     """int [B, L] node: packed-sequence id per position; key j's at ``doc_ids_start + j``"""
     doc_ids_start: Offset = 0
+    q_at_last_key: bool = False
+    """one query row that reads every key, as a decode step without a mask does: it sits at the last key, so the
+    op's query offset is ``Skv - 1`` whatever the cache holds (``q_offset`` and ``k_offset`` are unused)"""
     reason: str = ""
     """why the mask is unknown"""
 
@@ -289,6 +292,8 @@ class MaskInfo:
             parts.append("padding")
         if self.doc_ids is not None and self.kind != MaskKind.PACKED:
             parts.append("packed")
+        if self.q_at_last_key:
+            parts.append("q_offset=last key")
         for name in ("q_offset", "k_offset"):
             offset = getattr(self, name)
             if not (isinstance(offset, int) and offset == 0):

@@ -5,13 +5,11 @@ import transformers
 
 from minference_fx import ConfigMismatchError, inspect
 from minference_fx.backend import recent_reports
-from minference_fx import versions
 from minference_fx.plan import Pattern
 from tiny_models import (covering_config, reports_since, sliding_cache_chunks, small_budget_config, tiny_model,
                          wrong_config)
 
 CASES = [(f, a) for f in ("llama", "qwen2", "mistral") for a in ("sdpa", "eager")]
-TRANSFORMERS_5_24 = versions.release(transformers.__version__) >= (5, 24, 0)
 
 
 def _compile(model, config, inner="aot_eager", **extra):
@@ -201,11 +199,9 @@ def test_generate_matches_eager_and_lengths_do_not_recompile():
     assert counts["stats"]["unique_graphs"] == graphs <= 4, dict(counts["stats"])
     rows = [r for rep in reports_since(reports_before) for r in rep.rows]
     prefill = [r for r in rows if "q_offset" not in r.mask]
-    if TRANSFORMERS_5_24:
-        # transformers 5.24's generate hands some calls SDPA with no mask and is_causal=False: they stay dense,
-        # say why, and the tokens above equal eager's (reading them as causal is not done yet)
-        rows = [r for r in rows if r.mask != "none" or "bidirectional" not in r.reason]
-    assert prefill and all(r.decision == "sparse" for r in rows), rows
+    decode = [r for r in rows if "q_offset" in r.mask]
+    # transformers 5.24's decode steps pass SDPA no mask (one query row reads every key): read as causal there
+    assert prefill and decode and all(r.decision == "sparse" for r in rows), rows
 
 
 def test_three_prompt_lengths_compile_once_with_dynamic_shapes():
@@ -293,12 +289,8 @@ def test_packed_sequences_from_position_ids():
         dense = model(ids, position_ids=position_ids, use_cache=False).logits
         report = inspect(model, ids, position_ids=position_ids, use_cache=False)
         sparse = _compile(model, covering_config(model))(ids, position_ids=position_ids, use_cache=False).logits
-    if TRANSFORMERS_5_24:
-        # 5.24 compares the gathered position ids themselves (pos[kv] <= pos[q]), which is causal only within
-        # one document: not read yet, so the sites stay dense with the reason, and the logits are eager's
-        assert all(r.decision == "dense" and r.reason for r in report.rows), report
-    else:
-        assert all(r.mask == "packed_documents" and r.decision == "sparse" for r in report.rows), report
+    # 5.17 compares key and query indices, 5.24 the position ids gathered at them (causal within a document)
+    assert all(r.mask == "packed_documents" and r.decision == "sparse" for r in report.rows), report
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
 
