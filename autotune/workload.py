@@ -1,10 +1,11 @@
 """The GPU workload the tuner times: realistic sparse indices, not dense fake masks.
 
-Inputs come from :func:`structured_qkv` (a local band, sinks and hot columns,
-like real Q/K after RoPE; the kernel benchmark, ``minference_fx.tools.bench``, times
-them too) and the index from ``build_index_gpu`` with the default vertical-slash
-plan on every head, so the kernel walks the tile and column lists it walks in a
-real prefill.
+Inputs come from an input family (:data:`FAMILIES`): :func:`structured_qkv` (a wide
+local band, sinks and hot columns, like real Q/K after RoPE; the tuner's default) or
+:func:`scattered_qkv` (a narrow band, slashes at scattered offsets, a noisy far field).
+The kernel benchmark, ``minference_fx.tools.bench``, times both. The index comes from
+``build_index_gpu`` with the default vertical-slash plan on every head, so the kernel
+walks the tile and column lists it walks in a real prefill.
 """
 from __future__ import annotations
 
@@ -180,13 +181,188 @@ def structured_qkv(seq: int, *, batch=1, num_q_heads=32, num_kv_heads=8, head_di
     return q, k, v
 
 
+# The scattered family's parts, in logits (q·k / sqrt(D)); see scattered_qkv.
+_SC_BAND_LOGIT = 10.0        # local band: bonus at distance 0 ...
+_SC_BAND_TOKENS = 16.0       # ... from a drift smoothed over this many tokens (std of the Gaussian kernel)
+_SC_SINK_LOGIT = 11.0        # the first `sinks` keys
+_SC_HOT_LOGIT = 8.0          # `hot_columns` random keys per kv head
+_SC_REPEAT_LOGIT = 3.5       # each of a kv head's `slash_offsets` repeat diagonals
+_SC_MIN_OFFSET = 256         # repeat offsets are log-uniform from here to the length
+_SC_PERIOD_LOGIT = 3.0       # the periodic slash: every multiple of a kv head's period
+_SC_PERIODS = (300, 3000)    # periods are log-uniform in this range (tokens)
+_SC_READS_REPEAT = 0.75      # share of query heads that read the repeat code
+_SC_NOISE = 0.3              # per-dimension std of the content noise of q and k
+_SC_HEAD_SPREAD = 0.15       # per-query-head log-normal spread of the part strengths
+
+
+def _position_rows(seed: int, p0: int, p1: int, width: int, device) -> torch.Tensor:
+    """fp32 ``[p1 - p0, width]`` standard normal rows, a pure function of (seed, position) for positions
+    ``>= -_CODE_BLOCK``: one seeded draw per block of ``_CODE_BLOCK`` positions, so any chunking gives the same rows."""
+    gen = torch.Generator(device=device)
+    parts = []
+    for blk in range(p0 // _CODE_BLOCK, (p1 - 1) // _CODE_BLOCK + 1):
+        gen.manual_seed(seed + blk + 1)  # blk >= -1: the drift's halo reaches before position 0
+        x = torch.randn(_CODE_BLOCK, width, generator=gen, device=device)
+        lo, hi = max(p0 - blk * _CODE_BLOCK, 0), min(p1 - blk * _CODE_BLOCK, _CODE_BLOCK)
+        parts.append(x[lo:hi])
+    return torch.cat(parts)
+
+
+def _drift(seed: int, p0: int, p1: int, width: int, device) -> torch.Tensor:
+    """fp32 ``[p1 - p0, width]`` vectors of norm about 1 that drift smoothly with the position: white noise
+    smoothed by a Gaussian of ``_SC_BAND_TOKENS``, so ``x_i·x_j`` is about ``exp(-(i - j)^2 / (4 sigma^2))`` near the
+    diagonal and ``N(0, 1/width)`` far from it."""
+    radius = math.ceil(4 * _SC_BAND_TOKENS)
+    t = torch.arange(-radius, radius + 1, device=device, dtype=torch.float32)
+    kernel = torch.exp(-0.5 * (t / _SC_BAND_TOKENS) ** 2)
+    kernel = kernel / kernel.norm()  # unit variance per coordinate after smoothing
+    noise = _position_rows(seed, p0 - radius, p1 + radius, width, device)  # [n + 2r, width]
+    smooth = torch.nn.functional.conv1d(noise.T[None], kernel.expand(width, 1, -1).contiguous(), groups=width)
+    return smooth[0].T * width ** -0.5
+
+
+def scattered_qkv(seq: int, *, batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                  device="cuda", seed=0, hot_columns=48, sinks=4, slash_offsets=6):
+    """Q/K/V ``[B, H, S, D]`` whose slashes beyond a narrow local band scatter and whose far field is noisy.
+
+    The second input family of the kernel benchmark (``family="scattered"``; :func:`structured_qkv` is the
+    first). There a recency window of thousands of tokens fills the slash budget with near diagonals, which
+    pack into few key tiles; here the band is a couple of hundred tokens wide, so most of the budget goes to
+    far diagonals, isolated ones, each crossing up to two key tiles of every query tile for one key per row.
+    That is the case where the tile walk's work outgrows the keys the index keeps (physical against logical
+    density, ``kernels.density``). Logits ``q_i·k_j / sqrt(D)`` are the sum of:
+
+    * **A narrow local band from drifting keys**: q and k share, per kv head, a vector that drifts smoothly
+      along the position (white noise smoothed over ``_SC_BAND_TOKENS``, see :func:`_drift`): about
+      ``_SC_BAND_LOGIT`` (6) at distance 0, ``exp(-d^2 / (4 * 48^2))`` of it at distance d (a few percent by
+      d = 180). Far from the diagonal the drift's overlap is not zero but about ``6 / sqrt(width)`` logit in
+      patches as wide as the band: part of the far field's noise.
+    * **Sinks**: the first ``sinks`` keys at ``_SC_SINK_LOGIT``.
+    * **Hot columns**: ``hot_columns`` random keys per kv head (each kv head its own) at ``_SC_HOT_LOGIT``.
+    * **Repeat slashes at scattered offsets**: each kv head has ``slash_offsets`` offsets, log-uniform in
+      ``[256, S)``; key j carries a random code of each position ``j + offset`` and a query reads the code of its
+      own position, so diagonal ``offset`` gains ``_SC_REPEAT_LOGIT`` for the query heads that read the code
+      (each does with probability ``_SC_READS_REPEAT``). Unmatched codes are independent per (i, j): per-pair
+      far-field noise of about ``3.5 * sqrt(slash_offsets / width)`` logit.
+    * **A periodic slash**: q and k of kv head h carry a random code of ``position mod P_h`` (P_h log-uniform in
+      ``_SC_PERIODS``), so every multiple of P_h gains ``_SC_PERIOD_LOGIT``: tens of diagonals spread evenly
+      over the whole length, as a fixed-size record or table row makes; independent per-pair noise otherwise.
+    * **Content noise** on every dim of q and k (``_SC_NOISE``).
+
+    So the far field is noisy per pair (about 1.5 logits in all), and the rows' favourite far keys differ
+    from row to row: the diagonal sums that rank the slashes are led, past the band and the real slashes, by
+    whichever rows drew a high score, at offsets spread over the whole length. Query heads differ by a random
+    strength per part (log-normal, ``_SC_HEAD_SPREAD``); the heads of a group share their kv head's keys.
+    ``v`` is plain noise. Deterministic for a given seed, shape and device; generated in chunks of
+    ``_GEN_CHUNK`` positions with fp32 scratch of one chunk, whose noise draws depend on the chunk size but
+    whose codes (drift, repeat, period) do not.
+
+    The head dim is split into the hot direction (1 dim), the drift (3/8), the repeat code (1/4), the
+    period code (1/8) and noise only (the rest), so ``head_dim`` must be at least 16.
+    """
+    if head_dim < 16:
+        raise ValueError(f"head_dim must be at least 16 for the scattered family, got {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if seq < 0 or sinks < 0 or hot_columns < 0 or slash_offsets < 0:
+        raise ValueError(f"seq, sinks, hot_columns and slash_offsets must be >= 0, got {seq}, {sinks}, "
+                         f"{hot_columns}, {slash_offsets}")
+    f32 = torch.float32
+    g = torch.Generator(device=device).manual_seed(seed)
+    group = num_q_heads // num_kv_heads
+    D = head_dim
+    root_d = D ** 0.5  # logit = q·k / sqrt(D)
+    d_band, d_rep, d_per = 3 * D // 8, D // 4, D // 8
+    hot_dim = 0
+    band = slice(1, 1 + d_band)
+    rep = slice(band.stop, band.stop + d_rep)
+    per = slice(rep.stop, rep.stop + d_per)
+
+    # per query head: strengths of the band, hot, repeat and period parts; who reads the repeat code
+    spread = torch.exp(_SC_HEAD_SPREAD * torch.randn(4, num_q_heads, generator=g, device=device))
+    reads_repeat = (torch.rand(num_q_heads, generator=g, device=device) < _SC_READS_REPEAT).to(f32)
+    n_off = max(slash_offsets, 1)
+    a_band = (_SC_BAND_LOGIT * root_d) ** 0.5 * spread[0]
+    a_hot = 6.0 * spread[1]
+    a_rep = (_SC_REPEAT_LOGIT * root_d * n_off ** 0.5) ** 0.5 * spread[2] * reads_repeat
+    a_per = (_SC_PERIOD_LOGIT * root_d) ** 0.5 * spread[3]
+    b_band = (_SC_BAND_LOGIT * root_d) ** 0.5
+    b_rep = (_SC_REPEAT_LOGIT * root_d * n_off ** 0.5) ** 0.5 / n_off ** 0.5 * float(slash_offsets > 0)
+    b_per = (_SC_PERIOD_LOGIT * root_d) ** 0.5
+
+    # per kv head: hot columns, repeat offsets, period and its code table, seeds of the drift
+    hot_cols = [torch.randint(min(sinks, max(seq - 1, 0)), max(seq, 1), (hot_columns,), generator=g, device=device)
+                for _ in range(num_kv_heads)]
+    lo_off, hi_off = math.log(_SC_MIN_OFFSET), math.log(max(seq, _SC_MIN_OFFSET + 1))
+    offsets = (torch.exp(lo_off + (hi_off - lo_off) * torch.rand(num_kv_heads, slash_offsets, generator=g,
+                                                                  device=device)).long()).tolist()
+    lo_p, hi_p = math.log(_SC_PERIODS[0]), math.log(_SC_PERIODS[1])
+    periods = torch.exp(lo_p + (hi_p - lo_p) * torch.rand(num_kv_heads, generator=g, device=device)).long().tolist()
+    period_codes = [torch.randn(p, d_per, generator=g, device=device) * d_per ** -0.5 for p in periods]
+    code_seeds = torch.randint(0, 2 ** 30, (num_kv_heads + 1,), generator=g, device=device).tolist()
+    drift_seeds, repeat_seed = code_seeds[:num_kv_heads], code_seeds[num_kv_heads]
+
+    q = torch.empty(batch, num_q_heads, seq, D, dtype=dtype, device=device)
+    k = torch.empty(batch, num_kv_heads, seq, D, dtype=dtype, device=device)
+    v = torch.empty(batch, num_kv_heads, seq, D, dtype=dtype, device=device)
+    kv_of = [h // group for h in range(num_q_heads)]
+    for p0 in range(0, seq, _GEN_CHUNK):
+        p1 = min(seq, p0 + _GEN_CHUNK)
+        n = p1 - p0
+        pos = torch.arange(p0, p1, device=device)
+        drift = [_drift(s, p0, p1, d_band, device) for s in drift_seeds]  # per kv head [n, d_band]
+        period = [codes[pos % p] for codes, p in zip(period_codes, periods)]  # per kv head [n, d_per]
+        own_code = _position_rows(repeat_seed, p0, p1, d_rep, device) * d_rep ** -0.5
+
+        x = torch.randn(batch, num_q_heads, n, D, generator=g, device=device) * _SC_NOISE
+        for h in range(num_q_heads):
+            x[:, h, :, band] += a_band[h] * drift[kv_of[h]]
+            x[:, h, :, per] += a_per[h] * period[kv_of[h]]
+            x[:, h, :, rep] += a_rep[h] * own_code
+        x[..., hot_dim] += a_hot[:, None]
+        q[:, :, p0:p1] = x.to(dtype)
+
+        x = torch.randn(batch, num_kv_heads, n, D, generator=g, device=device) * _SC_NOISE
+        for h in range(num_kv_heads):
+            x[:, h, :, band] += b_band * drift[h]
+            x[:, h, :, per] += b_per * period[h]
+            for off in offsets[h]:
+                x[:, h, :, rep] += b_rep * _position_rows(repeat_seed, p0 + off, p1 + off, d_rep, device) * d_rep ** -0.5
+            hot_logit = torch.where(torch.isin(pos, hot_cols[h]), _SC_HOT_LOGIT, 0.0)
+            hot_logit = torch.where(pos < sinks, _SC_SINK_LOGIT, hot_logit)
+            x[:, h, :, hot_dim] += hot_logit * root_d / 6.0
+        k[:, :, p0:p1] = x.to(dtype)
+        v[:, :, p0:p1] = torch.randn(batch, num_kv_heads, n, D, generator=g, device=device).to(dtype)
+    return q, k, v
+
+
+FAMILIES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "structured": structured_qkv,
+    "scattered": scattered_qkv,
+}
+"""The input families by name: ``family_qkv(name, seq, ...)``, ``bench kernels --families``."""
+
+
+def family_qkv(family: str, seq: int, **kwargs):
+    """Q/K/V of the input family ``family`` (a key of :data:`FAMILIES`); ``kwargs`` as that family takes them."""
+    try:
+        make = FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"unknown input family {family!r}; known: {', '.join(FAMILIES)}") from None
+    return make(seq, **kwargs)
+
+
 class CudaWorkload:
     """Index + sparse attention and dense SDPA at one shape, on the current CUDA device."""
 
     def __init__(self, head_dim: int, group: int, dtype: torch.dtype, *, num_kv_heads: int = 8,
-                 budgets: tuple[int, int] = DEFAULT_BUDGETS, guard_threshold: float | None = None):
+                 budgets: tuple[int, int] = DEFAULT_BUDGETS, guard_threshold: float | None = None,
+                 family: str = "structured"):
+        if family not in FAMILIES:
+            raise ValueError(f"unknown input family {family!r}; known: {', '.join(FAMILIES)}")
         if not torch.cuda.is_available():
             raise RuntimeError(NEEDS_GPU)
+        self.family = family
         device = torch.device("cuda", torch.cuda.current_device())
         self.identity: DeviceIdentity = device_identity(device)
         self.smem_limit: int = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
@@ -206,8 +382,8 @@ class CudaWorkload:
             # one length at a time: at 1M tokens the inputs alone take gigabytes
             self._inputs = None
             torch.cuda.empty_cache()
-            q, k, v = structured_qkv(length, num_q_heads=self.num_kv_heads * self.group, num_kv_heads=self.num_kv_heads,
-                                     head_dim=self.head_dim, dtype=self.dtype)
+            q, k, v = family_qkv(self.family, length, num_q_heads=self.num_kv_heads * self.group,
+                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
             scale = self.head_dim ** -0.5
             self._inputs = (q, k, v, scale, build_index_gpu(q, k, self.plan, scale=scale))
             self._length = length
