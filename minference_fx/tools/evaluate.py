@@ -890,18 +890,21 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
 
 
 def load_model(spec: str = "smollm2", *, longest: int = 8192, device: Optional[str] = None, dtype=None):
-    """(model, tokenizer, name) for ``eval``: "smollm2" (YaRN past its 8K context) or an HF model directory."""
+    """(model, tokenizer, name) for ``eval``: a named real model (:data:`assets.REAL_MODELS`, YaRN past its
+    trained context) or an HF model directory."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    if spec == "smollm2":
-        yarn = assets.smollm2_yarn_factor(longest)
-        model, tok = assets.load_smollm2(dtype=dtype, yarn_factor=yarn)
-        name = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)" + (f" + YaRN x{yarn:g}" if yarn > 1 else "")
+    if spec in assets.REAL_MODELS:
+        real = assets.REAL_MODELS[spec]
+        yarn = real.yarn_factor(longest)
+        model, tok = real.load(dtype=dtype, yarn_factor=yarn)
+        name = real.describe(yarn)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: the [transformers] extra
 
         if not Path(spec).is_dir():
-            raise ValueError(f"--model {spec!r}: expected 'smollm2' or a local model directory with a tokenizer")
+            raise ValueError(f"--model {spec!r}: expected {' or '.join(map(repr, assets.REAL_MODELS))} or a local "
+                             "model directory with a tokenizer")
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa").eval()
         tok, name = AutoTokenizer.from_pretrained(spec), spec
     return model.to(dev), tok, name
