@@ -112,7 +112,8 @@ def _bench(args) -> int:
         if args.config or args.pattern != "vertical_slash":
             sys.exit("bench kernels: --config and --pattern are for prefill; give --budgets")
         rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets or DEFAULTS.budgets),
-                                   baselines=tuple(args.baselines.split(",")) if args.baselines else ())
+                                   baselines=tuple(args.baselines.split(",")) if args.baselines else (),
+                                   families=bench.parse_families(args.families))
         print(bench.format_kernel_rows(rows))
     if args.out:
         bench.write_json(args.out, rows, command)
@@ -308,6 +309,9 @@ def main(argv=None) -> int:
     b.add_argument("--guard-threshold", type=float, default=None,
                    help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
+    b.add_argument("--families", default="structured,scattered",
+                   help="kernels: comma list of input families (structured: clustered slashes; scattered: slashes "
+                        "at scattered offsets, a noisy far field)")
     b.add_argument("--out", default=None, help="JSON results file")
     b.add_argument("--layers", type=_positive_int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")
     b.add_argument("--model", default="llama3-8b-random",

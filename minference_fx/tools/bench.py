@@ -1,9 +1,18 @@
 """``minference-fx bench kernels``: index + sparse kernel vs dense and FlexAttention, same run, same inputs.
 
-Inputs are *structured* so the online index sees what it sees in a long-context LLM
-(see :func:`structured_qkv`): a recency window of a few thousand tokens over a slowly
-decaying far field, attention sinks, vertical lines, a strong far diagonal, and noise.
-Random Q/K make every diagonal look alike and would flatter nobody in particular.
+Inputs are *structured* so the online index sees what it sees in a long-context LLM, in two
+families (``--families``, see :data:`~minference_fx.autotune.workload.FAMILIES`):
+
+* ``structured`` (:func:`structured_qkv`): a recency window of a few thousand tokens over a slowly
+  decaying far field, attention sinks, vertical lines, a strong far diagonal, and noise. Its slashes
+  cluster near the diagonal and pack into few key tiles.
+* ``scattered`` (:func:`scattered_qkv`): a narrow band, sinks, hot columns, slashes at scattered
+  offsets and a noisy far field. Most of its slashes are isolated far diagonals, each crossing two
+  key tiles per query tile for one key per row.
+
+Random Q/K make every diagonal look alike and would flatter nobody in particular. Each row reports
+the index's physical density (key tiles walked / causal key tiles) and logical density (keys kept /
+causal keys), from :mod:`minference_fx.kernels.density`.
 """
 from __future__ import annotations
 
@@ -20,14 +29,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..autotune.dispatch import launch_config
-from ..autotune.workload import structured_qkv
+from ..autotune.workload import FAMILIES, family_qkv
 from ..defaults import DEFAULTS
 from ..kernels.attend import sparse_attention_triton
+from ..kernels.density import Density, index_density, selection_of
 from ..kernels.index import build_index_gpu
-from ..kernels.reference import BLOCK
+from ..kernels.reference import BLOCK, SparseIndex
 from ..plan import HeadPlan, LayerPlan, Pattern
 
 LLAMA3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+KERNEL_FAMILIES = tuple(FAMILIES)
+"""The input families ``bench kernels`` runs by default: all of them."""
 
 
 def _ms(fn, reps_hint: float) -> float:
@@ -79,8 +91,50 @@ def _flex_from_index(index, sq, skv, block):
                                     seq_lengths=(sq, skv), compute_q_blocks=False)
 
 
+def parse_families(text: str) -> tuple[str, ...]:
+    """``"structured,scattered"`` -> the family names, checked (a misspelt one would just be missing)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown or not names:
+        raise ValueError(f"unknown input family(ies) {unknown or [text]}; known: {', '.join(FAMILIES)}")
+    return names
+
+
+@dataclasses.dataclass
+class KernelCase:
+    """One (family, length) of the benchmark: its inputs, the index and what the index keeps and walks."""
+
+    family: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    index: SparseIndex
+    density: Density
+
+
+def prepare_case(family: str, seq: int, plan: LayerPlan, *, shape=LLAMA3_8B, device="cuda", dtype=torch.bfloat16,
+                 build_index=build_index_gpu) -> KernelCase:
+    """Inputs of ``family`` at ``seq``, their index (``build_index``: the GPU builder, or the reference's on CPU)
+    and its densities; ``shape`` holds ``num_q_heads``, ``num_kv_heads`` and ``head_dim``."""
+    q, k, v = family_qkv(family, seq, **shape, dtype=dtype, device=device)
+    scale = shape["head_dim"] ** -0.5
+    index = build_index(q, k, plan, scale=scale)
+    density = index_density(index, plan, selection_of(q, k, plan, scale=scale), sq=seq)
+    return KernelCase(family, q, k, v, scale, index, density)
+
+
+def density_fields(density: Density) -> dict:
+    """A row's density fields: the call's (every head pooled) and each head's (batch row 0), as floats."""
+    physical, logical = density.overall()
+    return dict(physical_density=physical, logical_density=logical,
+                physical_by_head=[round(x, 5) for x in density.physical[0].tolist()],
+                logical_by_head=[round(x, 5) for x in density.logical[0].tolist()])
+
+
 @dataclasses.dataclass
 class KernelRow:
+    family: str
     seq: int
     index_ms: float
     kernel_ms: float
@@ -92,44 +146,54 @@ class KernelRow:
     flash_ms: float | None
     flex_ms: float | None
     flex_mask_ms: float | None
+    physical_by_head: list[float] = dataclasses.field(default_factory=list)
+    """walked / causal key tiles of each query head (batch row 0)"""
+    logical_by_head: list[float] = dataclasses.field(default_factory=list)
+    """kept / causal keys of each query head (batch row 0)"""
 
     def speedup(self, baseline):
         return None if baseline is None else baseline / self.total_ms
+
+    @property
+    def waste(self) -> float | None:
+        """Physical over logical density: the tile walk's work per kept key, 1 when the kept keys fill whole tiles."""
+        return None if not self.logical_density else self.physical_density / self.logical_density
 
 
 KERNEL_BASELINES = ("cudnn", "flash", "flex")
 
 
-def bench_kernels(lengths, *, budgets=DEFAULTS.budgets, baselines=KERNEL_BASELINES, num_warps=None, num_stages=None):
+def bench_kernels(lengths, *, families=KERNEL_FAMILIES, budgets=DEFAULTS.budgets, baselines=KERNEL_BASELINES,
+                  num_warps=None, num_stages=None):
     unknown = [name for name in baselines if name not in KERNEL_BASELINES]
     if unknown:  # a misspelt baseline would just be missing from the table
         raise ValueError(f"unknown baseline(s) {unknown}; known: {', '.join(KERNEL_BASELINES)}")
+    families = parse_families(",".join(families))
 
     rows = []
     shape = LLAMA3_8B
     group = shape["num_q_heads"] // shape["num_kv_heads"]
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),) * shape["num_q_heads"])
     patterns, budget_a, budget_b = plan.op_arguments()
-    for seq in lengths:
-        q, k, v = structured_qkv(seq, **shape)
-        scale = shape["head_dim"] ** -0.5
+    for family, seq in ((family, seq) for family in families for seq in lengths):
+        case = prepare_case(family, seq, plan, shape=shape)
+        q, k, v, scale = case.q, case.k, case.v, case.scale
         reps = 5 if seq <= 131072 else 1
         tuned = launch_config(q, k)  # what the op launches at this length: the tuned config, else the default
         config = dataclasses.replace(tuned, num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages)
-        print(f"seq {seq}: kernel launch config BLOCK_M={config.BLOCK_M} BLOCK_N={config.BLOCK_N} "
+        print(f"{family} seq {seq}: kernel launch config BLOCK_M={config.BLOCK_M} BLOCK_N={config.BLOCK_N} "
               f"num_warps={config.num_warps} num_stages={config.num_stages}", flush=True)
         index_fn = lambda: build_index_gpu(q, k, plan, scale=scale)  # noqa: E731
-        index = index_fn()
+        index = case.index
         kernel_fn = lambda: sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale,  # noqa: E731
                                                     **config.launch())
         total_fn = lambda: sparse_attention_triton(q, k, v, index_fn(), patterns, budget_a, budget_b, scale=scale,  # noqa: E731
                                                    **config.launch())
         index_ms, kernel_ms, total_ms = _ms(index_fn, reps), _ms(kernel_fn, reps), _ms(total_fn, reps)
-        physical, logical = _index_work(index, patterns, budget_a, budget_b, seq, seq)
-        causal_pairs = q.shape[0] * q.shape[1] * seq * (seq + 1) / 2
-        row = dict(seq=seq, index_ms=index_ms, kernel_ms=kernel_ms, total_ms=total_ms,
-                   physical_density=physical / causal_pairs, logical_density=logical / causal_pairs,
-                   tflops_computed=4 * shape["head_dim"] * physical / (kernel_ms * 1e-3) / 1e12,
+        computed_pairs, _ = _index_work(index, patterns, budget_a, budget_b, seq, seq)
+        row = dict(family=family, seq=seq, index_ms=index_ms, kernel_ms=kernel_ms, total_ms=total_ms,
+                   **density_fields(case.density),
+                   tflops_computed=4 * shape["head_dim"] * computed_pairs / (kernel_ms * 1e-3) / 1e12,
                    cudnn_ms=None, flash_ms=None, flex_ms=None, flex_mask_ms=None)
         dense_reps = 3 if seq <= 131072 else 1
         k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -144,7 +208,7 @@ def bench_kernels(lengths, *, budgets=DEFAULTS.budgets, baselines=KERNEL_BASELIN
                 except RuntimeError as exc:
                     print(f"{name} at {seq}: {exc}")
         del k_rep, v_rep
-        print(f"seq {seq}: " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)), flush=True)
+        print(f"{family} seq {seq}: " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)), flush=True)
         if "flex" in baselines:
             try:
                 flex = torch.compile(flex_attention, dynamic=False)
@@ -157,7 +221,7 @@ def bench_kernels(lengths, *, budgets=DEFAULTS.budgets, baselines=KERNEL_BASELIN
             except Exception as exc:  # a baseline that cannot run is reported, not fatal
                 print(f"flex at {seq}: {type(exc).__name__}: {exc}"[:400])
         rows.append(KernelRow(**row))
-        del q, k, v, index
+        del q, k, v, index, case
         torch.cuda.empty_cache()
     return rows
 
@@ -166,18 +230,20 @@ def format_kernel_rows(rows) -> str:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
-    head = f"{'seq':>8} {'index':>8} {'kernel':>8} {'total':>8} {'idx%':>5} {'phys%':>6} {'log%':>6} {'TF/s':>6} " \
-           f"{'cuDNN':>9} {'x':>6} {'flash':>9} {'x':>6} {'flex':>8} {'x':>6}"
+    head = f"{'family':>10} {'seq':>8} {'index':>8} {'kernel':>8} {'total':>8} {'idx%':>5} {'phys%':>6} {'log%':>6} " \
+           f"{'ph/lo':>5} {'TF/s':>6} {'cuDNN':>9} {'x':>6} {'flash':>9} {'x':>6} {'flex':>8} {'x':>6}"
     lines = [head]
     for r in rows:
         flex_x = None if r.flex_ms is None else r.flex_ms / r.kernel_ms
         lines.append(
-            f"{r.seq:>8} {r.index_ms:>8.2f} {r.kernel_ms:>8.2f} {r.total_ms:>8.2f} {100 * r.index_ms / r.total_ms:>5.1f} "
-            f"{100 * r.physical_density:>6.2f} {100 * r.logical_density:>6.2f} {r.tflops_computed:>6.0f} "
+            f"{r.family:>10} {r.seq:>8} {r.index_ms:>8.2f} {r.kernel_ms:>8.2f} {r.total_ms:>8.2f} "
+            f"{100 * r.index_ms / r.total_ms:>5.1f} {100 * r.physical_density:>6.2f} {100 * r.logical_density:>6.2f} "
+            f"{f(r.waste, '5.2f')} {r.tflops_computed:>6.0f} "
             f"{f(r.cudnn_ms, '9.2f')} {f(r.speedup(r.cudnn_ms), '6.2f')} {f(r.flash_ms, '9.2f')} {f(r.speedup(r.flash_ms), '6.2f')} "
             f"{f(r.flex_ms, '8.2f')} {f(flex_x, '6.2f')}"
         )
-    lines.append("times in ms; x = baseline / ours (index + kernel; flex: its kernel+mask vs our kernel on the same tiles)")
+    lines.append("times in ms; x = baseline / ours (index + kernel; flex: its kernel+mask vs our kernel on the same tiles); "
+                 "phys% = key tiles walked / causal key tiles, log% = keys kept / causal keys, ph/lo = their ratio")
     return "\n".join(lines)
 
 
