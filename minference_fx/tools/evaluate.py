@@ -758,18 +758,25 @@ def save_png(results: EvalResults, path) -> Optional[str]:
     return str(path)
 
 
+def _length_axis(ax, lengths) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(lengths), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in sorted(lengths)])
+    ax.minorticks_off()
+    ax.set_xlabel("prompt tokens")
+
+
 def _draw_ruler(ax, results: EvalResults) -> None:
-    """Score per length for each (haystack, task): dense solid, sparse dashed, one colour per task."""
+    """Score per length for each (haystack, task): one colour per task, dense solid, sparse dashed."""
     scores = results.ruler_scores()
     for i, (hay, name) in enumerate(_ruler_columns(results)):
         mine = sorted((s for s in scores if (s.haystack, s.task) == (hay, name)), key=lambda s: s.length)
         x = [s.length for s in mine]
-        label = _column_label(hay, name)
-        ax.plot(x, [100 * s.dense for s in mine], "-o", color=f"C{i}", label=f"{label} dense")
-        ax.plot(x, [100 * s.sparse for s in mine], "--x", color=f"C{i}", label=f"{label} sparse")
-    ax.set_xscale("log", base=2), ax.set_ylim(-5, 105)
-    ax.set_xlabel("prompt tokens"), ax.set_ylabel("score (%)"), ax.set_title("RULER-style tasks")
-    ax.legend(fontsize=6)
+        ax.plot(x, [100 * s.dense for s in mine], "-o", color=f"C{i}", label=_column_label(hay, name))
+        ax.plot(x, [100 * s.sparse for s in mine], "--x", color=f"C{i}")
+    ax.plot([], [], "-", color="grey", label="dense"), ax.plot([], [], "--", color="grey", label="sparse")
+    _length_axis(ax, {s.length for s in scores})
+    ax.set_ylim(-5, 105), ax.set_ylabel("score (%)"), ax.set_title("RULER-style tasks")
+    ax.legend(fontsize=7)
 
 
 def _draw_ppl_ratio(ax, results: EvalResults) -> None:
@@ -779,8 +786,8 @@ def _draw_ppl_ratio(ax, results: EvalResults) -> None:
             rows = sorted(rows, key=lambda r: r.length)
             ax.plot([r.length for r in rows], [1 + r.rel_delta for r in rows], "-o", label=label)
     ax.axhline(1.0, color="grey", lw=0.8), ax.axhline(1.01, color="grey", lw=0.8, ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens"), ax.set_ylabel("sparse / dense perplexity"), ax.set_title("PPL ratio")
+    _length_axis(ax, {r.length for r in results.ppl + results.ppl_code})
+    ax.set_ylabel("sparse / dense perplexity"), ax.set_title("PPL ratio (dotted: +1 %)")
     ax.legend(fontsize=7)
 
 
