@@ -16,8 +16,9 @@ import threading
 import torch
 
 from ..defaults import DEFAULTS
-from ..plan import LayerPlan
-from . import cache
+from ..kernels.reference import BLOCK
+from ..plan import LayerPlan, Pattern
+from . import cache, tuner
 from .identity import device_identity, dtype_name, kernel_source_hash, triton_version
 
 
@@ -46,8 +47,6 @@ def _can_tune(q: torch.Tensor) -> bool:
 
 def _tune_now(q: torch.Tensor, k: torch.Tensor, length: int) -> None:
     """Warm up this shape at ``length`` (and the crossover grid below it), then drop the memo so lookups see it."""
-    from .tuner import warm_up
-
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1], length)
     with _tuning:
         if shape in _tuned_here:
@@ -56,7 +55,7 @@ def _tune_now(q: torch.Tensor, k: torch.Tensor, length: int) -> None:
         log.warning("autotune on-miss: tuning head_dim=%d group=%d %s at %d tokens on %s (once per process)",
                     shape[2], shape[3], q.dtype, length, q.device)
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            warm_up([length], shape[2], shape[3], q.dtype, progress=False, num_kv_heads=k.shape[1])
+            tuner.warm_up([length], shape[2], shape[3], q.dtype, progress=False, num_kv_heads=k.shape[1])
         cache.forget()
 
 
@@ -85,9 +84,6 @@ UNTUNED_LENGTH_PER_KEY = 8
 
 def plan_keys_per_row(plan) -> int:
     """The most keys a query row of ``plan``'s sparse heads can read, from the budgets alone (0: every head dense)."""
-    from ..kernels.reference import BLOCK
-    from ..plan import Pattern
-
     per_head = {Pattern.VERTICAL_SLASH: lambda hp: hp.budget_a + hp.budget_b,  # columns + diagonals
                 Pattern.A_SHAPE: lambda hp: hp.budget_a + hp.budget_b,  # sink + window
                 Pattern.BLOCK_SPARSE: lambda hp: hp.budget_a * BLOCK}  # key tiles
@@ -110,9 +106,7 @@ def tuned_min_sparse_len(q: torch.Tensor, k: torch.Tensor, plan=None) -> int:
     (on a device with no measured crossover: :func:`untuned_crossover` of ``plan``)."""
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
     if _on_miss and _can_tune(q) and not cache.has_crossover(crossover_key(*shape)):
-        from .tuner import CROSSOVER_LENGTHS
-
-        _tune_now(q, k, max(CROSSOVER_LENGTHS))  # the whole grid: a crossover from short prompts alone would mislead
+        _tune_now(q, k, max(tuner.CROSSOVER_LENGTHS))  # the whole grid: a crossover from short prompts alone would mislead
     untuned = untuned_crossover(plan)
     return cache.remembered(("crossover", _where(), *shape, untuned),
                             lambda: cache.lookup_crossover(crossover_key(*shape), untuned=untuned))

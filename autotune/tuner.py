@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
+import triton.testing
 
 from . import cache, space
 from .cache import CrossoverKey, TuneEntry, TuneKey
 from .identity import DeviceIdentity, dtype_name, kernel_source_hash, triton_version
 from .progress import ProgressBar
+from .workload import CudaWorkload
 
 Timer = Callable[[Callable[[], object]], float]
 """Milliseconds one call of the thunk takes."""
@@ -40,8 +42,6 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 
 
 def do_bench(fn: Callable[[], object]) -> float:
-    import triton.testing
-
     return float(triton.testing.do_bench(fn, return_mode="median"))
 
 
@@ -162,8 +162,6 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     dtype = as_dtype(dtype)
     timer = timer or do_bench
     if workload is None:
-        from .workload import CudaWorkload
-
         workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads)
     path = Path(path) if path is not None else cache.cache_path()
     kernel = "sparse_attention"

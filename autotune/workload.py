@@ -14,8 +14,13 @@ from typing import Callable
 
 import torch
 
-from ..plan import HeadPlan, LayerPlan, Pattern
+from ..call_masks import CallMasks
 from ..defaults import DEFAULTS
+from ..dense import dense_attention
+from ..kernels.attend import sparse_attention_triton
+from ..kernels.index import build_index_gpu
+from ..plan import HeadPlan, LayerPlan, Pattern
+from ..sparse_path import sparse_on_gpu
 from .cache import TuneEntry
 from .identity import DeviceIdentity, device_identity
 
@@ -377,8 +382,6 @@ class CudaWorkload:
 
     def _at(self, length: int):
         if self._length != length:
-            from ..kernels.index import build_index_gpu
-
             # one length at a time: at 1M tokens the inputs alone take gigabytes
             self._inputs = None
             torch.cuda.empty_cache()
@@ -391,15 +394,11 @@ class CudaWorkload:
 
     def kernel(self, length: int, config: TuneEntry) -> Callable[[], object]:
         """The attention kernel alone on a prebuilt index: what the launch config changes."""
-        from ..kernels.attend import sparse_attention_triton
-
         q, k, v, scale, index = self._at(length)
         return lambda: sparse_attention_triton(q, k, v, index, *self.plan.op_arguments(), scale=scale, **config.launch())
 
     def dense_walk(self, length: int, config: TuneEntry) -> Callable[[], object]:
         """The kernel's launch for forced-dense heads, every head forced: dense work, no list read."""
-        from ..kernels.attend import sparse_attention_triton
-
         q, k, v, scale, index = self._at(length)
         every_head = torch.ones(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
         return lambda: sparse_attention_triton(q, k, v, index, *self.plan.op_arguments(), scale=scale,
@@ -407,15 +406,10 @@ class CudaWorkload:
 
     def sparse(self, length: int, config: TuneEntry, dense_walk: TuneEntry) -> Callable[[], object]:
         """The op's sparse path: index (with the quality guard's mass estimate when it is on), then the kernel."""
-        from ..op import sparse_on_gpu
-
         q, k, v, scale, _ = self._at(length)
-        masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
-        return lambda: sparse_on_gpu(q, k, v, self.plan, scale, masks, self.guard_threshold, config, dense_walk)
+        return lambda: sparse_on_gpu(q, k, v, self.plan, scale, CallMasks(), self.guard_threshold, config, dense_walk)
 
     def dense(self, length: int) -> Callable[[], object]:
         """The op's dense path (fused SDPA, causal, GQA without repeat_kv)."""
-        from ..op import dense_attention
-
         q, k, v, scale, _ = self._at(length)
-        return lambda: dense_attention(q, k, v, None, None, scale, 0, 0)
+        return lambda: dense_attention(q, k, v, CallMasks(), scale)

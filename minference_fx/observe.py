@@ -14,7 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .op import dense_attention
+from .call_masks import CallMasks
+from .dense import dense_attention
+from .op import dense_walk_launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,8 @@ def observed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor],
     scale: float, q_offset: int, window: int, layer: int, observer: int,
 ) -> torch.Tensor:
-    out = dense_attention(q, k, v, key_mask, doc_ids, scale, q_offset, window)
+    masks = CallMasks(key_mask, doc_ids, q_offset, window)
+    out = dense_attention(q, k, v, masks, scale, walk=dense_walk_launch(q, k, masks))
     fn = _OBSERVERS.get(observer)
     if fn is None:
         raise RuntimeError(f"minference::observed_attention: observer {observer} is not registered (was it unregistered?)")

@@ -7,6 +7,7 @@ about GPU tile sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from enum import Enum
 
 
@@ -90,3 +91,10 @@ class LayerPlan:
                 # a HeadPlan does not know its place: name the head so a plan of 32 heads says which one is bad
                 raise ValueError(f"head {h} of the plan: {e}") from None
         return LayerPlan(tuple(heads))
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_plan(patterns: tuple, budget_a: tuple, budget_b: tuple) -> LayerPlan:
+    """:meth:`LayerPlan.from_op_arguments`, remembered: the op and the background precompile build a site's plan
+    from its constant arguments at every call, and a model has few distinct ones."""
+    return LayerPlan.from_op_arguments(patterns, budget_a, budget_b)

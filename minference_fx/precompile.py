@@ -23,6 +23,11 @@ from typing import Optional
 
 import torch
 
+from .autotune import cache, dispatch
+from .call_masks import CallMasks
+from .plan import layer_plan
+from .sparse_path import sparse_on_gpu
+
 log = logging.getLogger("minference_fx")
 
 # Query length of the dummy call: long enough that every index kernel runs (several query tiles and
@@ -101,15 +106,11 @@ def _dummy(shape: tuple, order: tuple, spec: KernelSpec) -> torch.Tensor:
 def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
     """Distinct launch configs the sparse path can use for this shape, as (sparse walk, dense walk) pairs: one
     per length bucket it runs at."""
-    from .autotune import cache, dispatch
-
     group = spec.q_heads // spec.kv_heads
     # the stored crossover, never an on-miss tuning run from this thread
     min_len = spec.min_sparse_len
     if min_len < 0:
-        from .op import _layer_plan
-
-        plan = _layer_plan(spec.patterns, spec.budget_a, spec.budget_b)
+        plan = layer_plan(spec.patterns, spec.budget_a, spec.budget_b)
         min_len = cache.lookup_crossover(dispatch.crossover_key(q.device, q.dtype, spec.head_dim, group),
                                          untuned=dispatch.untuned_crossover(plan))
     if min_len >= cache.DENSE_ALWAYS:
@@ -124,17 +125,15 @@ def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
 
 def compile_spec(spec: KernelSpec) -> int:
     """Run the op's GPU path for ``spec`` at every launch config it may use; returns how many ran."""
-    from .op import _layer_plan, sparse_on_gpu
-
     # batch 1 whatever the real batch: only the batch stride's divisibility is specialised on, and it matches
     n, b = DUMMY_LEN, 1
     q = _dummy((b, spec.q_heads, n, spec.head_dim), spec.q_order, spec)
     k = _dummy((b, spec.kv_heads, n, spec.head_dim), spec.k_order, spec)
     v = _dummy((b, spec.kv_heads, n, spec.head_dim), spec.v_order, spec)
-    masks = dict(key_mask=torch.ones(b, n, dtype=torch.bool, device=spec.device) if spec.has_key_mask else None,
-                 doc_ids=torch.zeros(b, n, dtype=torch.int64, device=spec.device) if spec.has_doc_ids else None,
-                 q_offset=0, window=spec.window)
-    plan = _layer_plan(spec.patterns, spec.budget_a, spec.budget_b)  # the op's own plan, cached
+    masks = CallMasks(key_mask=torch.ones(b, n, dtype=torch.bool, device=spec.device) if spec.has_key_mask else None,
+                      doc_ids=torch.zeros(b, n, dtype=torch.int64, device=spec.device) if spec.has_doc_ids else None,
+                      q_offset=0, window=spec.window)
+    plan = layer_plan(spec.patterns, spec.budget_a, spec.budget_b)  # the op's own plan, cached
     configs = launch_configs(spec, q, k)
     for tuned, walk in configs:
         sparse_on_gpu(q, k, v, plan, spec.scale, masks, spec.guard_threshold, tuned, walk)

@@ -12,7 +12,7 @@ near-dense is routed back at the call after. Measured on random weights (every h
 layers of the Llama-3-8B shape: 0.98x -> 1.04x HF eager at 128K; at 256K the dense walk keeps up with
 cuDNN and routing changes nothing (``results/bench_prefill_h200_2026-12-01_v15*``, ``_v16_256k*`` in git history at 6fb579a).
 Under a padding mask (``generate`` always passes one) a call of one batch row routes too: routed heads
-run SDPA without the mask, and the row again masked if the mask hides keys (``op.routable``); with
+run SDPA without the mask, and the row again masked if the mask hides keys (``dense.routable``); with
 generate's all-ones mask, 0.98x -> 1.04x at 128K (``results/bench_prefill_h200_2026-12-01_v19*``, BENCHMARKS.md). A padded batch does not route.
 
 A site whose every head is routed runs the whole layer through SDPA, and its index then only serves to see
@@ -44,9 +44,22 @@ import torch
 NO_SITE = -1
 """the op's ``route_site`` when routing is off"""
 
+RECHECK_EVERY = 8
+"""an all-routed site builds its index at one call in this many (the others skip it)"""
+RECHECK_GROWTH = 2
+"""... and at once at a prompt this many times the last checked one: a head near-dense at a short prompt is
+often sparse at a long one (the budgets stay fixed while the causal rows grow)"""
+
+MAX_SITES = 1 << 16
+"""Sites whose decisions are kept, most recently observed first. Every compile creates new sites and
+nothing says when a compiled model is gone, so the oldest are forgotten past this many: a forgotten
+site that is still called only starts over (nothing routed until its next call), never runs wrong."""
+
 
 @dataclasses.dataclass
-class _SiteState:
+class SiteState:
+    """What a router remembers of one site."""
+
     heads: int
     routed: tuple = ()
     host: Optional[torch.Tensor] = None
@@ -59,94 +72,8 @@ class _SiteState:
     """calls since then that skipped the index (every head routed)"""
 
 
-RECHECK_EVERY = 8
-"""an all-routed site builds its index at one call in this many (the others skip it)"""
-RECHECK_GROWTH = 2
-"""... and at once at a prompt this many times the last checked one: a head near-dense at a short prompt is
-often sparse at a long one (the budgets stay fixed while the causal rows grow)"""
-
-MAX_SITES = 1 << 16
-"""Sites whose decisions are kept, most recently observed first. Every compile creates new sites and
-nothing says when a compiled model is gone, so the oldest are forgotten past this many: a forgotten
-site that is still called only starts over (nothing routed until its next call), never runs wrong."""
-
-_STATES: collections.OrderedDict[int, _SiteState] = collections.OrderedDict()
-_LOCK = threading.Lock()
-_SITE_IDS = itertools.count()
-# set by index_at_every_call for its own thread (a context variable, not RECHECK_EVERY: another thread's
-# model keeps skipping while a probe runs)
-_EVERY_CALL = contextvars.ContextVar("minference_fx_index_at_every_call", default=False)
-
-
-def new_site() -> int:
-    """A process-unique id for one rewritten attention site (the op's ``route_site``)."""
-    with _LOCK:
-        return next(_SITE_IDS)
-
-
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def routed_heads(site: int, heads: int, device: torch.device) -> tuple:
-    """The query heads ``site`` sends to SDPA at this call: those that ran dense in every batch row at
-    its latest observed call with the same head count; () for a new site or ``NO_SITE``."""
-    state = _STATES.get(site)
-    if site == NO_SITE or state is None or state.heads != heads:
-        return ()
-    if state.ready is not None and not _capturing(device) and state.ready.query():
-        state.routed = _heads(state.host)
-        state.ready = None
-    return state.routed
-
-
-def index_due(site: int, length: int, device: torch.device) -> bool:
-    """Whether this call of ``site``, whose every head is routed, builds its index (``RECHECK_EVERY``,
-    ``RECHECK_GROWTH``) at query ``length``; when not, it counts as skipped. A CUDA graph capture counts
-    nothing: the graph replays whichever it took."""
-    state = _STATES.get(site)
-    if (state is None or _EVERY_CALL.get() or length >= RECHECK_GROWTH * state.checked_len
-            or state.skipped >= RECHECK_EVERY - 1):
-        return True
-    if not _capturing(device):
-        state.skipped += 1
-    return False
-
-
-@contextlib.contextmanager
-def index_at_every_call():
-    """Inside, every call builds its index (``index_due`` always True): for a probe that counts what the index
-    decides, such as the prefill benchmark's guard counters. Only this thread's calls: others keep skipping."""
-    token = _EVERY_CALL.set(True)
-    try:
-        yield
-    finally:
-        _EVERY_CALL.reset(token)
-
-
-def observe(site: int, ran_dense: torch.Tensor, length: int) -> None:
-    """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense, at query
-    ``length``) for the next call of ``site``. On the GPU: an asynchronous copy, read when it has landed."""
-    if site == NO_SITE or _capturing(ran_dense.device):
-        return
-    heads = ran_dense.shape[1]
-    every_row = ran_dense.all(0)
-    state = _STATES.get(site)
-    if state is None or state.heads != heads:
-        state = _STATES[site] = _SiteState(heads)
-        while len(_STATES) > MAX_SITES:
-            _STATES.popitem(last=False)
-    _STATES.move_to_end(site)
-    state.checked_len, state.skipped = length, 0
-    if not ran_dense.is_cuda:
-        state.routed = _heads(every_row)
-        return
-    if state.host is None:
-        state.host = torch.empty(heads, dtype=torch.uint8, pin_memory=True)
-    state.host.copy_(every_row.to(torch.uint8), non_blocking=True)
-    if state.ready is None:
-        state.ready = torch.cuda.Event()
-    state.ready.record(torch.cuda.current_stream(ran_dense.device))
 
 
 def _heads(dense: torch.Tensor) -> tuple:
@@ -154,11 +81,98 @@ def _heads(dense: torch.Tensor) -> tuple:
     return tuple(dense.nonzero().flatten().tolist())
 
 
-def routed_count() -> int:
-    """Heads routed to SDPA at the latest call of every site (what the host knows now, no sync)."""
-    return sum(len(state.routed) for state in _STATES.values())
+class Router:
+    """The routing state of a set of sites: each site's last decision, the ids handed out, the recheck policy.
+
+    The op reads and writes :data:`ROUTER`, the process's; a test or a benchmark can build its own."""
+
+    def __init__(self, *, recheck_every: int = RECHECK_EVERY, recheck_growth: int = RECHECK_GROWTH,
+                 max_sites: int = MAX_SITES):
+        self.recheck_every = recheck_every
+        self.recheck_growth = recheck_growth
+        self.max_sites = max_sites
+        self.states: collections.OrderedDict[int, SiteState] = collections.OrderedDict()
+        """per site id, most recently observed last"""
+        self._lock = threading.Lock()
+        self._site_ids = itertools.count()
+        # set by index_at_every_call for its own thread (a context variable, not recheck_every: another thread's
+        # model keeps skipping while a probe runs)
+        self._every_call = contextvars.ContextVar(f"minference_fx_index_at_every_call_{id(self)}", default=False)
+
+    def new_site(self) -> int:
+        """A unique id (for this router) for one rewritten attention site (the op's ``route_site``)."""
+        with self._lock:
+            return next(self._site_ids)
+
+    def routed_heads(self, site: int, heads: int, device: torch.device) -> tuple:
+        """The query heads ``site`` sends to SDPA at this call: those that ran dense in every batch row at
+        its latest observed call with the same head count; () for a new site or ``NO_SITE``."""
+        state = self.states.get(site)
+        if site == NO_SITE or state is None or state.heads != heads:
+            return ()
+        if state.ready is not None and not _capturing(device) and state.ready.query():
+            state.routed = _heads(state.host)
+            state.ready = None
+        return state.routed
+
+    def index_due(self, site: int, length: int, device: torch.device) -> bool:
+        """Whether this call of ``site``, whose every head is routed, builds its index (``recheck_every``,
+        ``recheck_growth``) at query ``length``; when not, it counts as skipped. A CUDA graph capture counts
+        nothing: the graph replays whichever it took."""
+        state = self.states.get(site)
+        if (state is None or self._every_call.get() or length >= self.recheck_growth * state.checked_len
+                or state.skipped >= self.recheck_every - 1):
+            return True
+        if not _capturing(device):
+            state.skipped += 1
+        return False
+
+    @contextlib.contextmanager
+    def index_at_every_call(self):
+        """Inside, every call builds its index (``index_due`` always True): for a probe that counts what the
+        index decides, such as the prefill benchmark's guard counters. Only this thread's calls: others keep
+        skipping."""
+        token = self._every_call.set(True)
+        try:
+            yield
+        finally:
+            self._every_call.reset(token)
+
+    def observe(self, site: int, ran_dense: torch.Tensor, length: int) -> None:
+        """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense, at
+        query ``length``) for the next call of ``site``. On the GPU: an asynchronous copy, read when it has
+        landed."""
+        if site == NO_SITE or _capturing(ran_dense.device):
+            return
+        heads = ran_dense.shape[1]
+        every_row = ran_dense.all(0)
+        state = self.states.get(site)
+        if state is None or state.heads != heads:
+            state = self.states[site] = SiteState(heads)
+            while len(self.states) > self.max_sites:
+                self.states.popitem(last=False)
+        self.states.move_to_end(site)
+        state.checked_len, state.skipped = length, 0
+        if not ran_dense.is_cuda:
+            state.routed = _heads(every_row)
+            return
+        if state.host is None:
+            state.host = torch.empty(heads, dtype=torch.uint8, pin_memory=True)
+        state.host.copy_(every_row.to(torch.uint8), non_blocking=True)
+        if state.ready is None:
+            state.ready = torch.cuda.Event()
+        state.ready.record(torch.cuda.current_stream(ran_dense.device))
+
+    def routed_count(self) -> int:
+        """Heads routed to SDPA at the latest call of every site (what the host knows now, no sync)."""
+        return sum(len(state.routed) for state in self.states.values())
+
+    def reset(self) -> None:
+        """Forget every site's decisions (tests; a benchmark between variants)."""
+        self.states.clear()
 
 
-def reset() -> None:
-    """Forget every site's decisions (tests; a benchmark between variants)."""
-    _STATES.clear()
+ROUTER = Router()
+"""The process's router: every compiled site's ids and decisions, what the op reads and writes."""
+
+new_site = ROUTER.new_site  # the rewrite pass numbers its sites with it

@@ -56,10 +56,11 @@ from typing import Callable, Optional
 import torch
 
 from . import observe
+from .call_masks import CallMasks
 from .config import HeadEntry, Provenance, SemanticConfig, _tool_version, model_identity_from_hf
 from .defaults import DEFAULTS
+from .dense import near_dense_heads
 from .kernels import guard, reference
-from .op import near_dense_heads
 from .plan import HeadPlan, LayerPlan, Pattern
 
 METRIC = ("relative L2 error of the head's attention output vs dense and attention-mass recall of its index "
@@ -144,7 +145,7 @@ def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last
     B, hq, sq, _ = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     group = hq // hkv
-    masks = dict(key_mask=call.key_mask, doc_ids=call.doc_ids, q_offset=call.q_offset, window=call.window)
+    masks = CallMasks(call.key_mask, call.doc_ids, call.q_offset, call.window)
     rows, weights, n_last = sample_rows(sq, last_rows=last_rows, strata=strata, generator=generator)
     rows, weights = rows.to(q.device), weights.to(q.device)
     pos = reference.query_positions(sq, call.q_offset, None, q.device)[rows]
@@ -162,9 +163,9 @@ def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last
                 out[m].append(torch.full((hq,), value))
             continue
         plan = LayerPlan((cand,) * hq)
-        index = reference.build_index(q, k, plan, scale=call.scale, **masks)
+        index = reference.build_index(q, k, plan, scale=call.scale, **masks.kwargs())
         # the op runs a near-dense index dense (kernels.guard.near_dense): score what it computes
-        near = near_dense_heads(index, plan, sq, skv, call.q_offset, masks["key_mask"])
+        near = near_dense_heads(index, plan, sq, skv, call.q_offset, masks.key_mask)
         if bool(near.any()):  # offline: a host check costs nothing here
             index = guard.densify(index, near, sq, skv, call.q_offset)
         kept = prob * (_row_key_mask(index, rows, skv) & base)

@@ -12,7 +12,7 @@ import torch
 from autotune_fakes import fake_tuning
 
 import minference_fx.kernels.reference as reference
-import minference_fx.op as op_module
+import minference_fx.dense as dense_module
 from minference_fx.autotune import cache, dispatch, identity, space, tuner
 from minference_fx.autotune.cache import CrossoverKey, Table, TuneEntry, TuneKey, seq_bucket
 from minference_fx.autotune.identity import DeviceIdentity
@@ -512,8 +512,8 @@ def _qkv(sq):
 
 def _spy_paths(monkeypatch):
     ran = []
-    dense, sparse = op_module.dense_attention, reference.sparse_attention_reference
-    monkeypatch.setattr(op_module, "dense_attention", lambda *a, **kw: ran.append("dense") or dense(*a, **kw))
+    dense, sparse = dense_module.dense_attention, reference.sparse_attention_reference
+    monkeypatch.setattr(dense_module, "dense_attention", lambda *a, **kw: ran.append("dense") or dense(*a, **kw))
     monkeypatch.setattr(reference, "sparse_attention_reference", lambda *a, **kw: ran.append("sparse") or sparse(*a, **kw))
     return ran
 

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 import minference_fx.kernels.reference as reference
-from minference_fx.op import dense_attention
+from minference_fx.call_masks import CallMasks
+from minference_fx.dense import dense_attention
 
 OP = torch.ops.minference.sparse_attention.default
 VS = ([2, 2, 2, 2], [1000] * 4, [6096] * 4)
@@ -35,7 +36,7 @@ def test_dense_path_equals_reference_with_padding_window_and_offset():
     q, k, v = _qkv(sq=40, skv=100, b=2)
     key_mask = torch.ones(2, 100, dtype=torch.bool)
     key_mask[1, :70] = False  # left padding that hides every key of some rows
-    got = dense_attention(q, k, v, key_mask, None, 0.25, 60, 17)
+    got = dense_attention(q, k, v, CallMasks(key_mask, None, 60, 17), 0.25)
     want = reference.dense_attention_reference(q, k, v, scale=0.25, key_mask=key_mask, q_offset=60, window=17)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -47,7 +48,7 @@ def test_dense_walk_equals_the_masked_dense_path(case):
     here) reads exactly what the mask-building SDPA path reads: padding that hides whole rows, a window, a
     query offset, packed documents."""
     from minference_fx.autotune.cache import DEFAULT_ENTRIES, TuneEntry
-    from minference_fx.op import dense_walk
+    from minference_fx.dense import dense_walk
 
     q, k, v = _qkv(sq=150, skv=150, b=2)
     key_mask = doc_ids = None
@@ -59,9 +60,10 @@ def test_dense_walk_equals_the_masked_dense_path(case):
         q, offset, window = q[:, :, :90], 60, 33
     else:
         doc_ids = torch.tensor([[0] * 40 + [1] * 110, [0] * 100 + [1] * 50])
-    want = dense_attention(q, k, v, key_mask, doc_ids, 0.25, offset, window)
+    masks = CallMasks(key_mask, doc_ids, offset, window)
+    want = dense_attention(q, k, v, masks, 0.25)
     for launch in (DEFAULT_ENTRIES["dense_walk"], TuneEntry(64, 128, 4, 2)):
-        got = dense_walk(q, k, v, key_mask, doc_ids, 0.25, offset, window, launch=launch)
+        got = dense_walk(q, k, v, masks, 0.25, launch)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -70,29 +72,32 @@ def test_dense_walk_equals_the_masked_dense_path(case):
 def test_dense_walk_over_an_unmasked_sdpa_output_runs_only_the_padded_rows_again(padded_rows):
     """dense_walk(out=...), the GPU's masked prefill of one prompt: SDPA wrote every row without the padding
     mask; the rows the mask hides keys of run again with it, the others keep what SDPA wrote (a sentinel here)."""
-    from minference_fx.op import dense_walk
+    from minference_fx.autotune.dispatch import launch_config
+    from minference_fx.dense import dense_walk
 
     q, k, v = _qkv(sq=150, skv=150, b=2)
     key_mask = torch.ones(2, 150, dtype=torch.bool)
     for r in padded_rows:
         key_mask[r, :70] = False
-    sdpa = dense_attention(q, k, v, None, None, 0.25, 0, 0)
+    walk = launch_config(q, k, "dense_walk")  # the default dense_walk looked up before it took one
+    sdpa = dense_attention(q, k, v, CallMasks(), 0.25)
     sdpa[1] += 100.0  # what a re-run would overwrite
-    got = dense_walk(q, k, v, key_mask, None, 0.25, 0, 0, out=sdpa.clone())
-    want = dense_attention(q, k, v, key_mask, None, 0.25, 0, 0)
+    got = dense_walk(q, k, v, CallMasks(key_mask), 0.25, walk, out=sdpa.clone())
+    want = dense_attention(q, k, v, CallMasks(key_mask), 0.25)
     for r in range(2):
         if r in padded_rows:
             torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(got[r], sdpa[r])
     with pytest.raises(ValueError, match="with documents or a window"):  # rows SDPA wrote unmasked would stand
-        dense_walk(q, k, v, key_mask, None, 0.25, 0, 7, out=sdpa.clone())
+        dense_walk(q, k, v, CallMasks(key_mask, window=7), 0.25, walk, out=sdpa.clone())
 
 
 def test_dense_walk_reads_a_one_row_or_strided_mask_as_the_masked_sdpa_does():
     """Callers past the op's entry (observe's dense path) hand dense_walk the mask as they got it: a [1, S] mask
     over a batch of 2 and a strided one read as the mask-building path reads them (errors of 3 before)."""
-    from minference_fx.op import dense_walk, masked_sdpa
+    from minference_fx.autotune.dispatch import launch_config
+    from minference_fx.dense import dense_walk, masked_sdpa
 
     q, k, v = _qkv(sq=150, skv=150, b=2)
     one_row = torch.ones(1, 150, dtype=torch.bool)
@@ -100,8 +105,8 @@ def test_dense_walk_reads_a_one_row_or_strided_mask_as_the_masked_sdpa_does():
     strided = torch.ones(2, 300, dtype=torch.bool)
     strided[1, :140] = False
     for key_mask in (one_row, strided[:, ::2]):
-        torch.testing.assert_close(dense_walk(q, k, v, key_mask, None, 0.25, 0, 0),
-                                   masked_sdpa(q, k, v, key_mask, None, 0.25, 0, 0), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense_walk(q, k, v, CallMasks(key_mask), 0.25, launch_config(q, k, "dense_walk")),
+                                   masked_sdpa(q, k, v, CallMasks(key_mask), 0.25), rtol=1e-5, atol=1e-5)
 
 
 def test_fake_gives_contiguous_shape_of_q():
@@ -172,10 +177,11 @@ def test_the_kernels_get_one_mask_row_per_batch_row_with_adjacent_entries(monkey
     from minference_fx import op
     from minference_fx.autotune.cache import DEFAULT_ENTRIES
     from minference_fx.plan import LayerPlan
+    from minference_fx.sparse_path import sparse_on_gpu
 
     q, k, v = _qkv(sq=130, skv=130, b=2)
     seen = []
-    monkeypatch.setattr(op, "_sparse_impl", lambda q, k, v, key_mask, doc_ids, *rest: seen.append((key_mask, doc_ids)))
+    monkeypatch.setattr(op, "run_call", lambda call, q, k, v: seen.append((call.masks.key_mask, call.masks.doc_ids)))
     one_row = torch.ones(1, 130, dtype=torch.bool)
     one_row[0, :40] = False
     strided = torch.ones(2, 260, dtype=torch.bool)[:, ::2]
@@ -190,9 +196,9 @@ def test_the_kernels_get_one_mask_row_per_batch_row_with_adjacent_entries(monkey
     # what the kernels then read (the GPU path under the interpreter) is what the CPU op's reference reads
     plan = LayerPlan.from_op_arguments(*VS)
     for key_mask, doc_ids in ((one_row, None), (None, docs)):
-        masks = dict(key_mask=op.rows_per_batch(key_mask, 2), doc_ids=op.rows_per_batch(doc_ids, 2),
-                     q_offset=0, window=0)
-        got = op.sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRIES["sparse_attention"]).out
+        masks = CallMasks(key_mask, doc_ids).rows_per_batch(2)
+        got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRIES["sparse_attention"],
+                            DEFAULT_ENTRIES["dense_walk"]).out
         want = OP(q, k, v, key_mask, doc_ids, 0.25, 0, 0, *VS, 0)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -209,9 +215,9 @@ def test_a_prompt_left_padded_by_whole_tiles_reads_the_keys_it_reads_unpadded(pa
     GPU path (interpreted). Before, the sinks were the padding's: off by 0.91 (A-shape), 0.70 (vertical-slash), 3.2
     (block-sparse). At 384 + 64 block-sparse keeps most tiles: the near-dense rule counted the padding's tiles, so
     the unpadded prompt ran dense and the padded one sparse (off by 0.46)."""
-    from minference_fx import op
     from minference_fx.autotune.cache import DEFAULT_ENTRIES
     from minference_fx.plan import PATTERN_CODES, LayerPlan, Pattern
+    from minference_fx.sparse_path import sparse_on_gpu
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, L, 32, generator=g) for h in (4, 2, 2))
@@ -225,9 +231,8 @@ def test_a_prompt_left_padded_by_whole_tiles_reads_the_keys_it_reads_unpadded(pa
     unpadded = OP(q, k, v, None, None, 0.2, 0, 0, *plan_args, 0)
     padded = OP(qp, kp, vp, key_mask, None, 0.2, 0, 0, *plan_args, 0)[:, :, P:]
     torch.testing.assert_close(padded, unpadded, rtol=0, atol=1e-5)
-    masks = dict(key_mask=key_mask, doc_ids=None, q_offset=0, window=0)
-    on_gpu_path = op.sparse_on_gpu(qp, kp, vp, LayerPlan.from_op_arguments(*plan_args), 0.2, masks, 0.0,
-                                   DEFAULT_ENTRIES["sparse_attention"], DEFAULT_ENTRIES["dense_walk"]).out
+    on_gpu_path = sparse_on_gpu(qp, kp, vp, LayerPlan.from_op_arguments(*plan_args), 0.2, CallMasks(key_mask), 0.0,
+                                DEFAULT_ENTRIES["sparse_attention"], DEFAULT_ENTRIES["dense_walk"]).out
     torch.testing.assert_close(on_gpu_path[:, :, P:], unpadded, rtol=0, atol=1e-5)
     if L == 400:  # sparse, so the keys read are the plan's
         assert (unpadded - reference.dense_attention_reference(q, k, v, scale=0.2)).abs().max() > 1e-2
@@ -253,15 +258,15 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded, mo
     """sparse_on_gpu (Triton under the interpreter here): the plan's dense heads come from SDPA (in a padded
     batch of two from the kernel's dense walk: SDPA could only read the mask materialised, or run the padded
     row twice), the others from the kernel, and together they equal the reference on the same plan."""
-    from minference_fx import op
-    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx import dense
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
     from minference_fx.kernels import guard
-    from minference_fx.op import sparse_on_gpu
     from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+    from minference_fx.sparse_path import sparse_on_gpu
 
     by_sdpa = []
-    real = op._dense_heads_by_sdpa
-    monkeypatch.setattr(op, "_dense_heads_by_sdpa", lambda *a: by_sdpa.append(a[4]) or real(*a))
+    real = dense.dense_heads_by_sdpa
+    monkeypatch.setattr(dense, "dense_heads_by_sdpa", lambda *a: by_sdpa.append(a[4]) or real(*a))
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 200, 32, generator=g)
@@ -272,12 +277,12 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded, mo
     if padded:
         key_mask = torch.ones(2, 200, dtype=torch.bool)
         key_mask[1, :90] = False  # left padding: the first rows of batch 1 read nothing
-    masks = dict(key_mask=key_mask, doc_ids=None, q_offset=0, window=0)
-    got, force, _ = sparse_on_gpu(q, k, v, plan, 0.2, masks, 0.0, DEFAULT_ENTRY)
-    index = reference.build_index(q, k, plan, scale=0.2, **masks)
-    near = op.near_dense_heads(index, plan, 200, 200, 0, key_mask)  # the op runs these dense (batch 1's VS head)
+    masks = CallMasks(key_mask)
+    got, force, _ = sparse_on_gpu(q, k, v, plan, 0.2, masks, 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"])
+    index = reference.build_index(q, k, plan, scale=0.2, **masks.kwargs())
+    near = dense.near_dense_heads(index, plan, 200, 200, 0, key_mask)  # the op runs these dense (batch 1's VS head)
     index = guard.densify(index, near, 200, 200, 0) if bool(near.any()) else index
-    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.2, index=index, **masks)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.2, index=index, **masks.kwargs())
     assert force is None and torch.isfinite(got).all()
     torch.testing.assert_close(got, want.to(got.dtype), atol=2e-5, rtol=2e-5)
     assert by_sdpa == ([] if padded else [(1, 3)])
@@ -287,10 +292,10 @@ def test_gpu_path_runs_rows_whose_keys_are_all_valid_without_the_mask(monkeypatc
     """With a padding mask, the rows whose keys are all valid (generate's all-ones mask) run the sparse walk
     and the dense walk without the mask and the padded rows with it, each launch leaving the other's rows
     alone. Together they equal the reference, rows that see no key included."""
-    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
     from minference_fx.kernels import attend
-    from minference_fx.op import sparse_on_gpu
     from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+    from minference_fx.sparse_path import sparse_on_gpu
 
     launches = []
     real = attend.sparse_attention_triton
@@ -309,15 +314,15 @@ def test_gpu_path_runs_rows_whose_keys_are_all_valid_without_the_mask(monkeypatc
                       HeadPlan(Pattern.VERTICAL_SLASH, 20, 40), HeadPlan(Pattern.DENSE)))
     key_mask = torch.ones(2, 640, dtype=torch.bool)
     key_mask[1, :300] = False
-    masks = dict(key_mask=key_mask, doc_ids=None, q_offset=0, window=0)
-    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY).out
+    masks = CallMasks(key_mask)
+    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"]).out
     # head 1 (block-sparse, 8 tiles a query tile: 52 of 55 causal tiles at 640 tokens) is near-dense and head 3
     # the plan's dense head: in a padded batch they run in the dense walk
     assert launches == [("skip", False, [True, False]), ("skip", True, [False, True]),
                         ("only", False, [True, False]), ("only", True, [False, True])]
-    index = reference.build_index(q, k, plan, scale=0.25, **masks)
+    index = reference.build_index(q, k, plan, scale=0.25, **masks.kwargs())
     index = _densify_near_dense(index, q, k, plan)
-    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index, **masks)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index, **masks.kwargs())
     assert torch.isfinite(got).all() and not got[1, :, :300].any()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -325,7 +330,7 @@ def test_gpu_path_runs_rows_whose_keys_are_all_valid_without_the_mask(monkeypatc
 def _densify_near_dense(index, q, k, plan):
     """The reference index with the near-dense (batch, head) pairs densified, as the op runs them."""
     from minference_fx.kernels import guard
-    from minference_fx.op import near_dense_heads
+    from minference_fx.dense import near_dense_heads
 
     near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], 0)
     return guard.densify(index, near, q.shape[-2], k.shape[-2], 0)
@@ -336,16 +341,16 @@ def test_a_head_whose_index_keeps_nearly_every_tile_runs_dense(path):
     """Block-sparse with 8 tiles per query tile keeps 52 of the 55 causal tiles of 640 tokens (>= 90 %):
     the head runs dense, so the op equals dense SDPA, which the index alone would not give. With 7 tiles
     (49 of 55) it stays sparse and equals the reference on its index."""
-    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
     from minference_fx.kernels import guard
-    from minference_fx.op import sparse_on_gpu
     from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+    from minference_fx.sparse_path import sparse_on_gpu
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 4, 640, 16, generator=g)
     k, v = (torch.randn(1, 2, 640, 16, generator=g) for _ in range(2))
     dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
-    masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+    masks = CallMasks()
     assert guard.causal_tiles(640, 640, 0) == 55
     for tiles, promoted in ((8, True), (7, False)):
         plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, tiles),) * 4)
@@ -354,7 +359,7 @@ def test_a_head_whose_index_keeps_nearly_every_tile_runs_dense(path):
         if path == "cpu":
             got = OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0)
         else:
-            got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY).out
+            got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"]).out
         on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index)
         assert (on_index - dense).abs().max() > 1e-3  # the index alone misses keys that matter
         torch.testing.assert_close(got, dense if promoted else on_index, atol=2e-5, rtol=2e-5)
@@ -363,18 +368,17 @@ def test_a_head_whose_index_keeps_nearly_every_tile_runs_dense(path):
 def test_gpu_path_without_listed_heads_runs_one_launch_and_matches_the_reference(monkeypatch):
     """A plan of A-shape and dense heads lists nothing, so nothing can be near-dense: one sparse launch, no
     force table, and the result is the reference's."""
-    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
     from minference_fx.kernels import attend
-    from minference_fx.op import sparse_on_gpu
     from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+    from minference_fx.sparse_path import sparse_on_gpu
 
     launches = []
     real = attend.sparse_attention_triton
     monkeypatch.setattr(attend, "sparse_attention_triton", lambda *a, **kw: launches.append(kw.get("forced")) or real(*a, **kw))
     q, k, v = _qkv(200, 200)
     plan = LayerPlan((HeadPlan(Pattern.A_SHAPE, 16, 64), HeadPlan(Pattern.DENSE)) * 2)
-    masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
-    got, weak, _ = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY)
+    got, weak, _ = sparse_on_gpu(q, k, v, plan, 0.25, CallMasks(), 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"])
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=reference.build_index(q, k, plan, scale=0.25))
     assert launches == [None] and weak is None
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 import minference_fx.kernels.reference as reference
 from minference_fx import recent_reports, routing
+from minference_fx.call_masks import CallMasks
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 OP = torch.ops.minference.sparse_attention.default
@@ -12,9 +13,9 @@ OP = torch.ops.minference.sparse_attention.default
 
 @pytest.fixture(autouse=True)
 def _fresh_routing():
-    routing.reset()
+    routing.ROUTER.reset()
     yield
-    routing.reset()
+    routing.ROUTER.reset()
 
 
 def _qkv(n, seed=5):
@@ -25,64 +26,66 @@ def _qkv(n, seed=5):
 
 
 def test_a_head_is_routed_only_when_it_ran_dense_in_every_batch_row():
-    site = routing.new_site()
-    assert routing.routed_heads(site, 4, torch.device("cpu")) == ()  # nothing observed yet
+    router = routing.Router()
+    site = router.new_site()
+    assert router.routed_heads(site, 4, torch.device("cpu")) == ()  # nothing observed yet
     ran_dense = torch.tensor([[True, True, False, True], [True, False, False, True]])
-    routing.observe(site, ran_dense, 100)
-    assert routing.routed_heads(site, 4, torch.device("cpu")) == (0, 3)
-    assert routing.routed_heads(site, 8, torch.device("cpu")) == ()  # another head count: not this decision
-    assert routing.routed_heads(routing.NO_SITE, 4, torch.device("cpu")) == ()
-    routing.observe(routing.NO_SITE, ran_dense, 100)
-    assert routing.routed_count() == 2
-    assert routing.new_site() != site
+    router.observe(site, ran_dense, 100)
+    assert router.routed_heads(site, 4, torch.device("cpu")) == (0, 3)
+    assert router.routed_heads(site, 8, torch.device("cpu")) == ()  # another head count: not this decision
+    assert router.routed_heads(routing.NO_SITE, 4, torch.device("cpu")) == ()
+    router.observe(routing.NO_SITE, ran_dense, 100)
+    assert router.routed_count() == 2
+    assert router.new_site() != site
 
 
-def test_only_the_most_recently_observed_sites_are_kept(monkeypatch):
-    monkeypatch.setattr(routing, "MAX_SITES", 3)
+def test_only_the_most_recently_observed_sites_are_kept():
+    router = routing.Router(max_sites=3)
     dense = torch.tensor([[True, False]])
-    sites = [routing.new_site() for _ in range(5)]
+    sites = [router.new_site() for _ in range(5)]
     for site in sites[:3]:
-        routing.observe(site, dense, 100)
-    routing.observe(sites[0], dense, 100)  # observed again: now the most recent
+        router.observe(site, dense, 100)
+    router.observe(sites[0], dense, 100)  # observed again: now the most recent
     for site in sites[3:]:
-        routing.observe(site, dense, 100)
-    kept = [s for s in sites if routing.routed_heads(s, 2, torch.device("cpu"))]
+        router.observe(site, dense, 100)
+    kept = [s for s in sites if router.routed_heads(s, 2, torch.device("cpu"))]
     assert kept == [sites[0], sites[3], sites[4]]
-    assert routing.routed_count() == 3
+    assert router.routed_count() == 3
 
 
-def test_an_all_routed_site_checks_its_index_once_in_a_while_and_when_the_prompt_doubles(monkeypatch):
-    monkeypatch.setattr(routing, "RECHECK_EVERY", 3)
+def test_an_all_routed_site_checks_its_index_once_in_a_while_and_when_the_prompt_doubles():
+    router = routing.Router(recheck_every=3)
     cpu = torch.device("cpu")
-    site = routing.new_site()
-    assert routing.index_due(site, 1000, cpu)  # nothing observed yet
-    routing.observe(site, torch.ones(1, 4, dtype=torch.bool), 1000)
-    assert [routing.index_due(site, 1500, cpu) for _ in range(3)] == [False, False, True]
-    routing.observe(site, torch.ones(1, 4, dtype=torch.bool), 1500)
-    assert not routing.index_due(site, 2999, cpu) and routing.index_due(site, 3000, cpu)
+    site = router.new_site()
+    assert router.index_due(site, 1000, cpu)  # nothing observed yet
+    router.observe(site, torch.ones(1, 4, dtype=torch.bool), 1000)
+    assert [router.index_due(site, 1500, cpu) for _ in range(3)] == [False, False, True]
+    router.observe(site, torch.ones(1, 4, dtype=torch.bool), 1500)
+    assert not router.index_due(site, 2999, cpu) and router.index_due(site, 3000, cpu)
 
 
 def test_index_at_every_call_makes_its_own_threads_calls_check_and_no_others():
     import threading
 
     cpu = torch.device("cpu")
-    site = routing.new_site()
-    routing.observe(site, torch.ones(1, 4, dtype=torch.bool), 1000)
+    router = routing.Router()
+    site = router.new_site()
+    router.observe(site, torch.ones(1, 4, dtype=torch.bool), 1000)
     seen_elsewhere = []
-    with routing.index_at_every_call():
-        assert all(routing.index_due(site, 1000, cpu) for _ in range(2 * routing.RECHECK_EVERY))
-        other = threading.Thread(target=lambda: seen_elsewhere.append(routing.index_due(site, 1000, cpu)))
+    with router.index_at_every_call():
+        assert all(router.index_due(site, 1000, cpu) for _ in range(2 * router.recheck_every))
+        other = threading.Thread(target=lambda: seen_elsewhere.append(router.index_due(site, 1000, cpu)))
         other.start()
         other.join()
     assert seen_elsewhere == [False]  # the other thread's call skipped, and counted
-    assert [routing.index_due(site, 1000, cpu) for _ in range(routing.RECHECK_EVERY - 1)][-1]
+    assert [router.index_due(site, 1000, cpu) for _ in range(router.recheck_every - 1)][-1]
 
 
 def test_op_skips_the_index_of_an_all_routed_site_between_checks(monkeypatch):
     """Every head near-dense at 640 tokens routes all of them: the next seven calls of that length run dense
     attention with no index built, the eighth builds it again (and still runs dense: routed); a prompt of twice
     the length builds it at once. A padding mask is still read."""
-    from minference_fx.op import dense_attention
+    from minference_fx.dense import dense_attention
 
     built = []
     real_build = reference.build_index
@@ -91,17 +94,17 @@ def test_op_skips_the_index_of_an_all_routed_site_between_checks(monkeypatch):
     site = routing.new_site()
     call = lambda qkv, mask=None: OP(*qkv, mask, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
     call(_qkv(640))
-    assert built == [640] and routing.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)
+    assert built == [640] and routing.ROUTER.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)
     q, k, v = _qkv(640, seed=6)
     mask = _left_padded(640, 200)
-    for i in range(routing.RECHECK_EVERY - 1):
+    for i in range(routing.ROUTER.recheck_every - 1):
         masked = i % 2 == 1
         got = call((q, k, v), mask if masked else None)
-        torch.testing.assert_close(got, dense_attention(q, k, v, mask if masked else None, None, 0.25, 0, 0),
+        torch.testing.assert_close(got, dense_attention(q, k, v, CallMasks(mask if masked else None), 0.25),
                                    atol=2e-5, rtol=2e-5)
         assert bool(got[0, :, :200].any()) is not masked  # rows that see no key are zeros
     assert built == [640]
-    torch.testing.assert_close(call((q, k, v)), dense_attention(q, k, v, None, None, 0.25, 0, 0), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(call((q, k, v)), dense_attention(q, k, v, CallMasks(), 0.25), atol=2e-5, rtol=2e-5)
     assert built == [640, 640]
     call(_qkv(640))
     assert built == [640, 640]
@@ -113,22 +116,23 @@ def test_gpu_path_runs_routed_heads_dense_and_reports_what_their_index_said():
     """sparse_on_gpu (Triton under the interpreter): block-sparse with 7 tiles per query tile keeps 49 of the
     55 causal tiles of 640 tokens, not near-dense. Routed heads 0 and 2 still equal dense attention, the others
     the reference on their index; ``ran_dense`` comes from the index (False), not from the routing."""
-    from minference_fx.autotune.cache import DEFAULT_ENTRY
-    from minference_fx.op import sparse_on_gpu
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
+    from minference_fx.sparse_path import sparse_on_gpu
 
+    walk = DEFAULT_ENTRIES["dense_walk"]
     q, k, v = _qkv(640)
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 7),) * 4)
-    masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+    masks = CallMasks()
     dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
     on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25,
                                                     index=reference.build_index(q, k, plan, scale=0.25))
-    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 2))
+    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, walk, routed=(0, 2))
     assert not got.ran_dense.any()
     torch.testing.assert_close(got.out[:, [0, 2]], dense[:, [0, 2]], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got.out[:, [1, 3]], on_index[:, [1, 3]], atol=2e-5, rtol=2e-5)
     assert (on_index[:, [0, 2]] - dense[:, [0, 2]]).abs().max() > 1e-3  # routing changed those heads
 
-    every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
+    every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, walk, routed=(0, 1, 2, 3))
     torch.testing.assert_close(every.out, dense, atol=2e-5, rtol=2e-5)
     assert every.ran_dense is not None and not every.ran_dense.any()
 
@@ -149,7 +153,7 @@ def test_op_routes_a_head_that_was_near_dense_at_the_previous_call(route):
     assert (on_index - dense).abs().max() > 1e-3
     torch.testing.assert_close(got, dense if route else on_index, atol=2e-5, rtol=2e-5)
     # the 1280-token call was sparse by its own index, so the call after it routes nothing
-    assert routing.routed_heads(site, 4, q.device) == ()
+    assert routing.ROUTER.routed_heads(site, 4, q.device) == ()
 
 
 def _left_padded(n, pad, batch=1):
@@ -170,16 +174,16 @@ def test_one_prompt_under_a_padding_mask_routes_and_a_padded_row_reads_the_mask(
     at the site's previous call runs dense, and a left-padded row still reads its mask (masked dense
     attention, rows that see no key 0). The CPU op runs the reference; the GPU path's launches are checked
     below."""
-    from minference_fx.op import dense_attention
+    from minference_fx.dense import dense_attention
 
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
     site = routing.new_site()
     OP(*_qkv(640), _left_padded(640, 0), None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
-    assert routing.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)  # near-dense at 640 tokens
+    assert routing.ROUTER.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3)  # near-dense at 640 tokens
     q, k, v = _qkv(1280, seed=6)
     mask = _left_padded(1280, 300)
     got = OP(q, k, v, mask, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
-    want = dense_attention(q, k, v, mask, None, 0.25, 0, 0)
+    want = dense_attention(q, k, v, CallMasks(mask), 0.25)
     on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, key_mask=mask,
                                                     index=reference.build_index(q, k, plan, scale=0.25, key_mask=mask))
     assert (on_index - want).abs().max() > 1e-3
@@ -199,7 +203,7 @@ def test_a_padded_batch_or_documents_neither_route_nor_record(mask):
     else:
         docs = (torch.arange(640) >= 320).long()[None]
         OP(*_qkv(640), None, docs, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
-    assert routing.routed_count() == 0 and site not in routing._STATES
+    assert routing.ROUTER.routed_count() == 0 and site not in routing.ROUTER.states
 
 
 def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_without_it_then_the_padded_row_masked(monkeypatch):
@@ -207,43 +211,44 @@ def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_without_it_then
     without the mask, then the masked dense walk runs them again; they equal masked dense attention, the others
     the reference on their own index. Every head routed: the layer is one maskless SDPA call plus that launch,
     and under an all-ones mask exactly SDPA's causal result. In a padded batch of two nothing is routed."""
-    from minference_fx import op
-    from minference_fx.autotune.cache import DEFAULT_ENTRY
-    from minference_fx.op import dense_attention, sparse_on_gpu
+    from minference_fx import dense
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
+    from minference_fx.sparse_path import sparse_on_gpu
 
+    walk = DEFAULT_ENTRIES["dense_walk"]
     sdpa_masks = []
-    real_heads, real_dense = op._dense_heads_by_sdpa, op.dense_attention
-    monkeypatch.setattr(op, "_dense_heads_by_sdpa", lambda *a: sdpa_masks.append(a[-1]["key_mask"]) or real_heads(*a))
-    monkeypatch.setattr(op, "dense_attention", lambda q, k, v, key_mask, *a: sdpa_masks.append(key_mask) or real_dense(q, k, v, key_mask, *a))
+    real_heads, real_dense = dense.dense_heads_by_sdpa, dense.dense_attention
+    monkeypatch.setattr(dense, "dense_heads_by_sdpa", lambda *a: sdpa_masks.append(a[-1].key_mask) or real_heads(*a))
+    monkeypatch.setattr(dense, "dense_attention", lambda q, k, v, masks, *a, **kw: sdpa_masks.append(masks.key_mask) or real_dense(q, k, v, masks, *a, **kw))
     # 384 tokens, 150 of them padding (640 before, BS(5): 30 of 36 tiles; the interpreter's time grows with the causal
     # tile pairs): 7 of the 10 causal tiles past the padding (they start at the first kept key), not near-dense; in the
     # batch of two the unpadded row keeps 11 of 21, not near-dense either
     q, k, v = _qkv(384, seed=5)
     mask = _left_padded(384, 150)
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2),) * 4)
-    masks = dict(key_mask=mask, doc_ids=None, q_offset=0, window=0)
-    dense = dense_attention(q, k, v, mask, None, 0.25, 0, 0)
+    masks = CallMasks(mask)
+    want_dense = real_dense(q, k, v, masks, 0.25)
     sdpa_masks.clear()
     on_index = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, key_mask=mask,
                                                     index=reference.build_index(q, k, plan, scale=0.25, key_mask=mask))
-    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 2))
-    torch.testing.assert_close(got.out[:, [0, 2]], dense[:, [0, 2]], atol=2e-5, rtol=2e-5)
+    got = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, walk, routed=(0, 2))
+    torch.testing.assert_close(got.out[:, [0, 2]], want_dense[:, [0, 2]], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got.out[:, [1, 3]], on_index[:, [1, 3]], atol=2e-5, rtol=2e-5)
     unmasked = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
-    assert (unmasked - dense).abs().max() > 1e-3  # the mask changed the result: the launch after SDPA read it
-    every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
-    torch.testing.assert_close(every.out, dense, atol=2e-5, rtol=2e-5)
+    assert (unmasked - want_dense).abs().max() > 1e-3  # the mask changed the result: the launch after SDPA read it
+    every = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, walk, routed=(0, 1, 2, 3))
+    torch.testing.assert_close(every.out, want_dense, atol=2e-5, rtol=2e-5)
     assert not every.out[0, :, :150].any()
-    ones = dict(masks, key_mask=_left_padded(384, 0))
-    assert torch.equal(sparse_on_gpu(q, k, v, plan, 0.25, ones, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3)).out, unmasked)
+    ones = CallMasks(_left_padded(384, 0))
+    assert torch.equal(sparse_on_gpu(q, k, v, plan, 0.25, ones, 0.0, DEFAULT_ENTRY, walk, routed=(0, 1, 2, 3)).out, unmasked)
     assert len(sdpa_masks) == 4 and all(m is None for m in sdpa_masks)  # SDPA (heads 0, 2, then two layers) never read the mask
 
     two = _batch_of_two(384, 5)
-    batch_masks = dict(masks, key_mask=_left_padded(384, 150, batch=2))
-    unrouted = reference.sparse_attention_reference(*two, plan, scale=0.25, key_mask=batch_masks["key_mask"],
+    batch_masks = CallMasks(_left_padded(384, 150, batch=2))
+    unrouted = reference.sparse_attention_reference(*two, plan, scale=0.25, key_mask=batch_masks.key_mask,
                                                     index=reference.build_index(*two[:2], plan, scale=0.25,
-                                                                                key_mask=batch_masks["key_mask"]))
-    got = sparse_on_gpu(*two, plan, 0.25, batch_masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3))
+                                                                                key_mask=batch_masks.key_mask))
+    got = sparse_on_gpu(*two, plan, 0.25, batch_masks, 0.0, DEFAULT_ENTRY, walk, routed=(0, 1, 2, 3))
     torch.testing.assert_close(got.out, unrouted, atol=2e-5, rtol=2e-5)
 
 
@@ -251,9 +256,10 @@ def test_an_all_routed_layer_launches_the_same_with_its_index_built_or_skipped(m
     """A CUDA graph is recorded at the call after a warm-up; with every head routed the warm-up may build the
     index and the recorded call skip it. Both must then launch the same attention work (the same kernel
     arguments' shapes and modes), or the capture would meet a kernel variant, or a cuDNN shape, first."""
-    from minference_fx import op
-    from minference_fx.autotune.cache import DEFAULT_ENTRY
+    from minference_fx import dense
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
     from minference_fx.kernels import attend
+    from minference_fx.sparse_path import sparse_on_gpu
 
     launches = []
     real = attend.sparse_attention_triton
@@ -266,17 +272,18 @@ def test_an_all_routed_layer_launches_the_same_with_its_index_built_or_skipped(m
 
     monkeypatch.setattr(attend, "sparse_attention_triton", record)
     sdpa = []
-    real_dense = op.dense_attention
-    monkeypatch.setattr(op, "dense_attention", lambda q, k, v, key_mask, *a: sdpa.append((q.shape, key_mask)) or real_dense(q, k, v, key_mask, *a))
+    real_dense = dense.dense_attention
+    monkeypatch.setattr(dense, "dense_attention", lambda q, k, v, masks, *a, **kw: sdpa.append((q.shape, masks.key_mask)) or real_dense(q, k, v, masks, *a, **kw))
     # the padded prompt of the test above (384 tokens, 150 padding, 7 of 10 tiles: not near-dense)
     q, k, v = _qkv(384, seed=5)
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2),) * 4)
-    masks = dict(key_mask=_left_padded(384, 150), doc_ids=None, q_offset=0, window=0)
-    built = op.sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, routed=(0, 1, 2, 3)).out
+    masks = CallMasks(_left_padded(384, 150))
+    walk = DEFAULT_ENTRIES["dense_walk"]
+    built = sparse_on_gpu(q, k, v, plan, 0.25, masks, 0.0, DEFAULT_ENTRY, walk, routed=(0, 1, 2, 3)).out
     with_index, sdpa_with_index = launches[:], sdpa[:]
     launches.clear()
     sdpa.clear()
-    skipped = op._every_head_routed(q, k, v, masks["key_mask"], 0.25, 0)
+    skipped = dense.every_head_routed(q, k, v, masks, 0.25, walk)
     assert launches == with_index and len(launches) == 1 and launches[0][1:] == ("only", True)
     assert sdpa == sdpa_with_index == [(q.shape, None)]
     torch.testing.assert_close(skipped, built, atol=0, rtol=0)
@@ -294,7 +301,7 @@ def test_each_rewritten_site_gets_its_own_routing_state_unless_turned_off(route_
     q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
     opts = {"inner": "eager", "min_sparse_len": 0, "route_dense": route_dense}
     out = torch.compile(_TwoLayers(), backend="minference", options=opts)(q, k, v)
-    assert len(routing._STATES) == (2 if route_dense else 0)
+    assert len(routing.ROUTER.states) == (2 if route_dense else 0)
     assert ("routing off" in recent_reports()[-1].table()) is not route_dense
     # attention fed straight into attention: the second op reads the first op's output; the default budgets
     # cover all 128 keys, so the result is dense attention twice

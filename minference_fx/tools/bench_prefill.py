@@ -66,7 +66,7 @@ from ..backend import recent_reports
 from ..defaults import DEFAULTS
 from ..config import default_config, model_identity_from_hf
 from ..kernels import guard
-from ..op import NEAR_DENSE_STATS
+from ..dense import NEAR_DENSE_STATS
 from ..plan import HeadPlan, LayerPlan, Pattern
 from . import assets, bench
 from .assets import smollm2_yarn_factor
@@ -531,7 +531,7 @@ def _guard_probe(step, device: torch.device) -> dict:
     near_before = dataclasses.replace(NEAR_DENSE_STATS)
     guard.STATS_ON_GPU = True
     try:
-        with routing.index_at_every_call():
+        with routing.ROUTER.index_at_every_call():
             step()
         _sync(device)
     finally:
@@ -566,7 +566,7 @@ def run_variant(model, name: str, lengths, *, reps: int = 3, warmup: int = 1, se
                 budgets: Optional[tuple] = None, config_path: Optional[str] = None,
                 prompts: PromptBatch = PromptBatch(), pattern: str = "vertical_slash") -> tuple[list, VariantSummary]:
     torch._dynamo.reset()
-    routing.reset()  # one variant's routing decisions never reach the next (in-process runs)
+    routing.ROUTER.reset()  # one variant's routing decisions never reach the next (in-process runs)
     reports_before = {id(r) for r in recent_reports()}
     variant = make_variant(name, model, minference_options)
     try:
@@ -632,7 +632,7 @@ def _run(variant: Variant, model, name: str, lengths, *, reps, warmup, seed, gua
                 cell.times_ms = [_time_ms(step, device) for _ in range(max(1, reps))]
                 cell.ttft_ms = statistics.median(cell.times_ms)
                 if name.startswith("minference"):
-                    cell.routed_heads = routing.routed_count()
+                    cell.routed_heads = routing.ROUTER.routed_count()
                 if device.type == "cuda":
                     cell.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
                 if (guard_probe and name.startswith("minference") and not variant.cuda_graphs

@@ -42,10 +42,11 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .. import configs, guard_stats, observe
+from ..call_masks import CallMasks
 from ..config import SemanticConfig, default_config, load_config, model_identity_from_hf
+from ..dense import guard_mass, guarded_heads, near_dense_heads, weak_heads
 from ..kernels import reference
 from ..kernels.index import build_index_gpu
-from ..op import guard_mass, guarded_heads, near_dense_heads, weak_heads
 from ..plan import LISTED_PATTERNS, LayerPlan, Pattern
 from ..search import physical_density
 from . import assets, ruler, stdlib_code
@@ -452,9 +453,9 @@ def head_recall(q, k, plan: LayerPlan, *, scale: float, rows: int, guard_thresho
     n = keys.sum(-1)
     ranked = prob.sort(dim=-1, descending=True).values.cumsum(-1)
     oracle = ranked.gather(-1, (n - 1).clamp(min=0)[..., None])[..., 0] * (n > 0)
-    # the op's run-time rules (op.dense_rules) on this index, their inputs kept so any threshold can be read off
+    # the op's run-time rules (dense.dense_rules) on this index, their inputs kept so any threshold can be read off
     near = near_dense_heads(index, plan, sq, skv, 0)[0].cpu()
-    mass = guard_mass(q, k, index, scale, dict(key_mask=None, doc_ids=None, q_offset=0, window=0)).cpu()
+    mass = guard_mass(q, k, index, scale, CallMasks()).cpu()
     fires = near | weak_heads(mass, plan, guard_threshold)[0] if guard_threshold > 0 else near
     checked = torch.tensor(guarded_heads(plan))
     return LayerRecall(recall.mean((0, 2)), oracle.mean((0, 2)), physical_density(index, sq, skv).float(), fires,
