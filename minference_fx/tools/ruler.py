@@ -151,7 +151,8 @@ def _with_inserts(tokenizer, haystack: str, n_tokens: int, inserts: list[tuple[f
 CONTEXT_MARK = "\u27e6CONTEXT\u27e7"  # a placeholder no template rewrites, split out after rendering
 
 
-def prompt_frame(tokenizer, instruction: str, question: str, answer_prefix: str, chat: bool) -> tuple[list[int], list[int]]:
+def prompt_frame(tokenizer, instruction: str, question: str, answer_prefix: str,
+                 chat: bool) -> tuple[list[int], list[int]]:
     """(ids before the context, ids after it: the question and the answer prefix) in the chosen style."""
     if chat:
         if not getattr(tokenizer, "chat_template", None):
@@ -267,8 +268,10 @@ def variable_tracking(tokenizer, haystack: str, length: int, seed: int, *, depth
     inserts: list[tuple[float, str]] = []
     for c in range(chains):
         chain = names[c * (hops + 1) : (c + 1) * (hops + 1)]
-        depths = [depth] + sorted(rng.uniform(depth, 1.0) for _ in range(hops)) if c == 0 else sorted(
-            rng.random() for _ in range(hops + 1))
+        if c == 0:  # the asked chain
+            depths = [depth] + sorted(rng.uniform(depth, 1.0) for _ in range(hops))
+        else:
+            depths = sorted(rng.random() for _ in range(hops + 1))
         inserts.append((depths[0], ASSIGN_VALUE.format(name=chain[0], value=values[c])))
         inserts += [(d, ASSIGN_NAME.format(name=n, source=s)) for d, n, s in zip(depths[1:], chain[1:], chain)]
     asked = names[: hops + 1]
