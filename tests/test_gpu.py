@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
 from minference_fx.kernels.attend import sparse_attention_triton
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
@@ -135,7 +136,7 @@ def test_fuzz_op_against_reference_on_1000_shapes():
             for row in range(b):
                 starts[row, rng.sample(range(1, skv), min(rng.randint(1, 4), skv - 1))] = 1
             doc_ids = starts.cumsum(1).to(torch.int32).cuda()
-        masks = dict(key_mask=key_mask, doc_ids=doc_ids, q_offset=offset, window=window)
+        masks = CallMasks(key_mask, doc_ids, offset, window)
         hq = hkv * group
         g = torch.Generator(device="cuda").manual_seed(case)
         q = torch.randn(b, hq, sq, d, device="cuda", generator=g).to(dtype)
@@ -145,14 +146,14 @@ def test_fuzz_op_against_reference_on_1000_shapes():
         scale = d ** -0.5
         from minference_fx.kernels.index import build_index_gpu
 
-        index = build_index_gpu(q, k, plan, scale=scale, **masks)
+        index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
         # every launch config the tuner may pick: TMA copies (the default) for bf16; pointer loads or
         # two key tiles a step for fp16 (tied to the dtype: each pairing is one more set of compiles)
         launch = {} if dtype == torch.bfloat16 else rng.choice([dict(kv_desc=False), dict(block_n=128, num_stages=3),
                                                                dict(block_m=32)])
-        out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **masks, **launch)
-        want = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale, **masks,
-                                                    index=_full_index(index, q, k, plan, masks, scale))
+        out = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **masks.kwargs(), **launch)
+        want = reference.sparse_attention_reference(q.float(), k.float(), v.float(), plan, scale=scale,
+                                                    index=_full_index(index, q, k, plan, masks, scale), **masks.kwargs())
         assert torch.isfinite(out).all(), case
         err = (out.float() - want).abs().max().item()
         worst = max(worst, err)
@@ -164,7 +165,7 @@ def test_fuzz_op_against_reference_on_1000_shapes():
 
 def _full_index(gpu_index, q, k, plan, masks, scale):
     """The GPU index lists only VS/BS heads; take dense/A-shape heads' tiles from the reference."""
-    ref = reference.build_index(q, k, plan, scale=scale, **masks)
+    ref = reference.build_index(q, k, plan, scale=scale, **masks.kwargs())
     implicit = torch.tensor([h.pattern in (Pattern.DENSE, Pattern.A_SHAPE) for h in plan.heads], device=q.device)
     t = max(ref.tile_index.shape[-1], gpu_index.tile_index.shape[-1])
     c = max(ref.col_index.shape[-1], gpu_index.col_index.shape[-1])
@@ -327,7 +328,8 @@ def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(batch):
     crossover and for routed heads) builds no [Sq, Skv] mask (256 MiB at 16K): a padded batch runs the dense
     walk, one prompt cuDNN then its row again in the walk. Either gives the result of the mask-building SDPA
     path, rows that see no key included."""
-    from minference_fx import op
+    from minference_fx import dense
+    from minference_fx.autotune.dispatch import launch_config
     from minference_fx.autotune.workload import structured_qkv
 
     n = 16384
@@ -335,15 +337,16 @@ def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(batch):
                for t in structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=4))
     key_mask = torch.ones(batch, n, dtype=torch.bool, device="cuda")
     key_mask[-1, :1000] = False  # left padding: rows 0-999 of the last prompt read nothing
-    assert n * n > op.MASKED_SDPA_MAX_PAIRS
-    op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)  # compile outside the measured call
+    assert n * n > dense.MASKED_SDPA_MAX_PAIRS
+    masks, walk = CallMasks(key_mask), launch_config(q, k, "dense_walk")
+    dense.dense_attention(q, k, v, masks, 0.125, walk)  # compile outside the measured call
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    got = op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)
+    got = dense.dense_attention(q, k, v, masks, 0.125, walk)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < batch * n * n // 8  # the output is 16 MiB a row, a mask 256
-    want = op.masked_sdpa(q, k, v, key_mask, None, 0.125, 0, 0)
+    want = dense.masked_sdpa(q, k, v, masks, 0.125)
     assert torch.isfinite(got).all() and not got[-1, :, :1000].any()
     assert _rel(got, want) < 1e-2
 
@@ -352,11 +355,12 @@ def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_kee
     """generate's prefill of one prompt below the crossover, past the pair limit: SDPA never reads a mask,
     all-ones or left-padded, and the result is the mask-building path's; a decode step still passes its small
     mask to SDPA (a second launch per token would cost more)."""
-    from minference_fx import op
+    from minference_fx import dense
+    from minference_fx.autotune.dispatch import launch_config
     from minference_fx.autotune.workload import structured_qkv
 
     n = 8192
-    assert n * n > op.MASKED_SDPA_MAX_PAIRS
+    assert n * n > dense.MASKED_SDPA_MAX_PAIRS
     q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=5)
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -368,16 +372,17 @@ def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_kee
     for pad in (0, 300):
         key_mask = torch.ones(1, n, dtype=torch.bool, device="cuda")
         key_mask[:, :pad] = False
-        want = op.masked_sdpa(q, k, v, key_mask, None, 0.125, 0, 0)
+        want = dense.masked_sdpa(q, k, v, CallMasks(key_mask), 0.125)
+        walk = launch_config(q, k, "dense_walk")
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-        got = op.dense_attention(q, k, v, key_mask, None, 0.125, 0, 0)
+        got = dense.dense_attention(q, k, v, CallMasks(key_mask), 0.125, walk)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
         assert seen == [False], (pad, seen)
         seen.clear()
         assert torch.isfinite(got).all() and not got[:, :, :pad].any()
         assert _rel(got, want) < 1e-2
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    op.dense_attention(q[:, :, -1:], k, v, key_mask, None, 0.125, n - 1, 0)
+    dense.dense_attention(q[:, :, -1:], k, v, CallMasks(key_mask, q_offset=n - 1), 0.125)
     assert seen == [True]
 
 
@@ -425,7 +430,7 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     """Diffuse Q/K at 16K make every VS head near-dense: after that call (and the copy it queued has landed)
     the site routes all 8 heads, so its next calls run cuDNN on the whole layer even for structured inputs,
     whose own index is sparse. The first of them skips the index (every head routed), the second checks it
-    (``RECHECK_EVERY`` 2 here), so the call after that routes only the heads it found near-dense. A CUDA
+    (``recheck_every`` 2 here), so the call after that routes only the heads it found near-dense. A CUDA
     graph captured on a routed site reads and queues nothing while capturing and replays the routed path."""
     import torch.nn.functional as F
 
@@ -439,12 +444,12 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     g = torch.Generator(device="cuda").manual_seed(0)
     diffuse = [(1.28 * torch.randn(1, h, n, 128, device="cuda", generator=g)).bfloat16() for h in (8, 2, 2)]
     structured = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
-    monkeypatch.setattr(routing, "RECHECK_EVERY", 2)
+    monkeypatch.setattr(routing.ROUTER, "recheck_every", 2)
     site = routing.new_site()
     args = (scale, 0, 0, *plan.op_arguments(), 0, 0.0)
     OP(*diffuse, None, None, *args, site)
     torch.cuda.synchronize()
-    assert routing.routed_heads(site, 8, diffuse[0].device) == tuple(range(8))
+    assert routing.ROUTER.routed_heads(site, 8, diffuse[0].device) == tuple(range(8))
     q, k, v = structured
     near = guard.near_dense(build_index_gpu(q, k, plan, scale=scale), n, n, 0)[0].tolist()
     assert not all(near)
@@ -454,15 +459,15 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     routed = OP(q, k, v, None, None, *args, site)
     assert torch.equal(routed, dense)  # the whole layer went to the same SDPA call
     torch.cuda.synchronize()
-    assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # that call skipped the index
+    assert routing.ROUTER.routed_heads(site, 8, q.device) == tuple(range(8))  # that call skipped the index
     assert torch.equal(OP(q, k, v, None, None, *args, site), dense)  # this one checks it, still routed
     torch.cuda.synchronize()
-    assert routing.routed_heads(site, 8, q.device) == tuple(h for h in range(8) if near[h])
+    assert routing.ROUTER.routed_heads(site, 8, q.device) == tuple(h for h in range(8) if near[h])
     torch.testing.assert_close(OP(q, k, v, None, None, *args, site), OP(q, k, v, None, None, *args))
 
     OP(*diffuse, None, None, *args, site)
     torch.cuda.synchronize()
-    assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # read before the capture, which reads nothing
+    assert routing.ROUTER.routed_heads(site, 8, q.device) == tuple(range(8))  # read before the capture, which reads nothing
     static = [t.clone() for t in structured]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -470,7 +475,7 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, dense)
-    assert routing.routed_heads(site, 8, q.device) == tuple(range(8))  # the capture observed nothing
+    assert routing.ROUTER.routed_heads(site, 8, q.device) == tuple(range(8))  # the capture observed nothing
 
 
 @pytest.mark.parametrize("recheck_every", [1, 8], ids=["index checked", "index skipped"])
@@ -479,13 +484,13 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
     routes all 8 heads. Under an all-ones mask its next call is cuDNN's causal result exactly; on a left-padded
     row it runs cuDNN without the mask, then the row again in the masked dense walk, and equals masked dense
     attention (rows that see no key 0); a CUDA graph of that call replays it. So whether the call builds the
-    index (``sparse_on_gpu``) or skips it (``_every_head_routed``)."""
+    index (``sparse_on_gpu``) or skips it (``dense.every_head_routed``)."""
     import torch.nn.functional as F
 
     from minference_fx import routing
     from minference_fx.autotune.workload import structured_qkv
 
-    monkeypatch.setattr(routing, "RECHECK_EVERY", recheck_every)
+    monkeypatch.setattr(routing.ROUTER, "recheck_every", recheck_every)
 
     n, pad, scale = 16384, 3000, 128 ** -0.5
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
@@ -500,7 +505,7 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
     def route_all():  # the structured calls may un-route heads: diffuse Q/K route all 8 again
         OP(*diffuse, ones, None, *args, site)
         torch.cuda.synchronize()
-        assert routing.routed_heads(site, 8, ones.device) == tuple(range(8))  # read now: a capture reads nothing
+        assert routing.ROUTER.routed_heads(site, 8, ones.device) == tuple(range(8))  # read now: a capture reads nothing
 
     q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
     route_all()

@@ -219,7 +219,8 @@ def test_gpu_path_under_a_padding_mask_runs_routed_heads_by_sdpa_without_it_then
     sdpa_masks = []
     real_heads, real_dense = dense.dense_heads_by_sdpa, dense.dense_attention
     monkeypatch.setattr(dense, "dense_heads_by_sdpa", lambda *a: sdpa_masks.append(a[-1].key_mask) or real_heads(*a))
-    monkeypatch.setattr(dense, "dense_attention", lambda q, k, v, masks, *a, **kw: sdpa_masks.append(masks.key_mask) or real_dense(q, k, v, masks, *a, **kw))
+    monkeypatch.setattr(dense, "dense_attention",
+                        lambda q, k, v, masks, *a, **kw: sdpa_masks.append(masks.key_mask) or real_dense(q, k, v, masks, *a, **kw))
     # 384 tokens, 150 of them padding (640 before, BS(5): 30 of 36 tiles; the interpreter's time grows with the causal
     # tile pairs): 7 of the 10 causal tiles past the padding (they start at the first kept key), not near-dense; in the
     # batch of two the unpadded row keeps 11 of 21, not near-dense either
@@ -273,7 +274,8 @@ def test_an_all_routed_layer_launches_the_same_with_its_index_built_or_skipped(m
     monkeypatch.setattr(attend, "sparse_attention_triton", record)
     sdpa = []
     real_dense = dense.dense_attention
-    monkeypatch.setattr(dense, "dense_attention", lambda q, k, v, masks, *a, **kw: sdpa.append((q.shape, masks.key_mask)) or real_dense(q, k, v, masks, *a, **kw))
+    monkeypatch.setattr(dense, "dense_attention",
+                        lambda q, k, v, masks, *a, **kw: sdpa.append((q.shape, masks.key_mask)) or real_dense(q, k, v, masks, *a, **kw))
     # the padded prompt of the test above (384 tokens, 150 padding, 7 of 10 tiles: not near-dense)
     q, k, v = _qkv(384, seed=5)
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2),) * 4)
