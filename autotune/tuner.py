@@ -34,7 +34,7 @@ CROSSOVER_MARGIN = 0.5
 # never the faster one there, so longer prompts are tuned for launch configs only.
 CROSSOVER_LENGTHS = tuple(1 << p for p in range(10, 17))  # 1K .. 64K
 
-# The sparse kernel launched for the forced-dense (batch, head) pairs only (see ``op.sparse_on_gpu``).
+# The sparse kernel launched for the forced-dense (batch, head) pairs only (see ``sparse_path.sparse_on_gpu``).
 DENSE_WALK = "dense_walk"
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,

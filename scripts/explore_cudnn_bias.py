@@ -14,8 +14,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from minference_fx import op
+from minference_fx.autotune.dispatch import launch_config
 from minference_fx.autotune.workload import structured_qkv
+from minference_fx.call_masks import CallMasks
+from minference_fx.dense import dense_walk
 from minference_fx.tools.bench import _ms
 from minference_fx.cli import parse_lengths
 
@@ -33,13 +35,14 @@ def main() -> None:
         try:
             out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kr, vr, bias, False, 0.0, True, False,
                                                                      scale=0.125)[0]
-            want = op.dense_walk(q, k, v, key_mask, None, 0.125, 0, 0)
+            walk = launch_config(q, k, "dense_walk")
+            want = dense_walk(q, k, v, CallMasks(key_mask), 0.125, walk)
             rows = slice(n // 8, n)  # rows before the first valid key read nothing: their value is undefined
             err = ((out[:, :, rows].float() - want[:, :, rows].float()).norm() / want[:, :, rows].float().norm()).item()
             t_bias = _ms(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, kr, vr, bias, False, 0.0, True,
                                                                                    False, scale=0.125), 1)
             t_plain = _ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True), 1)
-            t_walk = _ms(lambda: op.dense_walk(q, k, v, key_mask, None, 0.125, 0, 0), 1)
+            t_walk = _ms(lambda: dense_walk(q, k, v, CallMasks(key_mask), 0.125, walk), 1)
             print(f"{n}: cuDNN causal + expanded padding bias runs; rel err vs dense walk {err:.2e}; "
                   f"{t_bias:.2f} ms vs maskless SDPA {t_plain:.2f} ms vs dense walk {t_walk:.2f} ms")
         except Exception as exc:  # what the probe is for: whether cuDNN takes it at all

@@ -114,8 +114,9 @@ def diffuse(n: int) -> None:
 
 def split_dense_heads(n: int) -> None:
     from minference_fx.autotune.dispatch import launch_config
+    from minference_fx.call_masks import CallMasks
     from minference_fx.kernels.attend import sparse_attention_triton
-    from minference_fx.op import sparse_on_gpu
+    from minference_fx.sparse_path import sparse_on_gpu
 
     vs, bs, dense = (HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.BLOCK_SPARSE, 64),
                      HeadPlan(Pattern.DENSE))
@@ -128,14 +129,14 @@ def split_dense_heads(n: int) -> None:
     for label, (shape, plan) in cases.items():
         q, k, v = structured_qkv(n, **shape)
         scale = shape["head_dim"] ** -0.5
-        masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
-        tuned = launch_config(q, k)
+        masks = CallMasks()
+        tuned, walk = launch_config(q, k), launch_config(q, k, "dense_walk")
 
         def in_kernel():
             index = build_index_gpu(q, k, plan, scale=scale)
             return sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=scale, **tuned.launch())
 
-        split = lambda: sparse_on_gpu(q, k, v, plan, scale, masks, 0.0, tuned)[0]  # noqa: E731
+        split = lambda: sparse_on_gpu(q, k, v, plan, scale, masks, 0.0, tuned, walk)[0]  # noqa: E731
         err = (split().float() - in_kernel().float()).abs().max().item()
         old, new = _ms(in_kernel, 3), _ms(split, 3)
         print(f"split @ {n} {label}: every head in the kernel {old:.2f} ms, dense heads by SDPA {new:.2f} ms, "

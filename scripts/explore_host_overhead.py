@@ -18,9 +18,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
 from minference_fx.autotune.workload import structured_qkv
+from minference_fx.call_masks import CallMasks
 from minference_fx.cli import parse_lengths
-from minference_fx.op import sparse_on_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.sparse_path import sparse_on_gpu
 
 CALLS = 20
 
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="64/3/3,128/4/8")
     parser.add_argument("--kernels", type=int, default=0, help="also list this many GPU kernels by time")
     args = parser.parse_args()
-    masks = dict(key_mask=None, doc_ids=None, q_offset=0, window=0)
+    masks = CallMasks()
     for shape in args.shapes.split(","):
         head_dim, group, kv_heads = (int(x) for x in shape.split("/"))
         plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * (kv_heads * group))

@@ -2,9 +2,9 @@
 
 Under torch.compile HF always hands attention a padding mask (``generate`` passes an all-ones one), so the
 op's dense calls (below the crossover, routed and static dense heads) carry a key mask. SDPA takes no
-padding mask beside ``is_causal``: the mask-building path (``op.masked_sdpa``) materialises [B, 1, Sq, Skv]
-(a byte per pair) and SDPA runs a masked kernel; the sparse kernel's dense walk (``op.dense_walk``) reads the
-key mask per tile; ``op.dense_attention`` picks between them (for one prompt: cuDNN without the mask, then
+padding mask beside ``is_causal``: the mask-building path (``dense.masked_sdpa``) materialises [B, 1, Sq, Skv]
+(a byte per pair) and SDPA runs a masked kernel; the sparse kernel's dense walk (``dense.dense_walk``) reads the
+key mask per tile; ``dense.dense_attention`` picks between them (for one prompt: cuDNN without the mask, then
 the row again in the walk if padded). For each shape and length this prints cuDNN without a mask (what an
 all-ones mask could at best cost) and each path, with each one's peak memory over its inputs. ``--pad F``
 left-pads the prompt by F of its length.
@@ -18,8 +18,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from minference_fx import op
+from minference_fx import dense
+from minference_fx.autotune.dispatch import launch_config
 from minference_fx.autotune.workload import structured_qkv
+from minference_fx.call_masks import CallMasks
 from minference_fx.tools.bench import LLAMA3_8B, _ms
 from minference_fx.cli import parse_lengths
 
@@ -53,12 +55,13 @@ def main() -> None:
             scale = shape["head_dim"] ** -0.5
             mask = torch.ones(1, n, dtype=torch.bool, device="cuda")
             mask[:, :int(a.pad * n)] = False
+            masks, walk = CallMasks(mask), launch_config(q, k, "dense_walk")
             runs = {
                 "SDPA is_causal, no mask": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                                   enable_gqa=True),
-                "mask + SDPA": lambda: op.masked_sdpa(q, k, v, mask, None, scale, 0, 0),
-                "dense walk": lambda: op.dense_walk(q, k, v, mask, None, scale, 0, 0),
-                "op.dense_attention": lambda: op.dense_attention(q, k, v, mask, None, scale, 0, 0),
+                "mask + SDPA": lambda: dense.masked_sdpa(q, k, v, masks, scale),
+                "dense walk": lambda: dense.dense_walk(q, k, v, masks, scale, walk),
+                "dense_attention": lambda: dense.dense_attention(q, k, v, masks, scale, walk),
             }
             results = {label: measure(fn, n >= 1 << 17) for label, fn in runs.items()}
             base = results["SDPA is_causal, no mask"][0]

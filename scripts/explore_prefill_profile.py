@@ -49,7 +49,7 @@ def time_captured_layer(captured: dict) -> None:
     from explore_dense import cudnn_ms  # scripts/ is on sys.path when run as a script
 
     from minference_fx.tools.bench import _ms
-    from minference_fx.op import sparse_on_gpu
+    from minference_fx.sparse_path import sparse_on_gpu
 
     q, k, v = captured["qkv"]
     print(f"op inputs: q {tuple(q.shape)} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}")
@@ -67,13 +67,13 @@ def time_stages(q, k, v, plan, scale, masks, guard_threshold, tuned, *_rest, **_
     from minference_fx.tools.bench import _ms
     from minference_fx.kernels.attend import sparse_attention_triton
     from minference_fx.kernels.index import build_index_gpu
-    from minference_fx.op import _split
+    from minference_fx.dense import split_plan
 
-    split = _split(plan)
-    index_ms = _ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks), 3)
-    index = build_index_gpu(q, k, plan, scale=scale, **masks)
+    split = split_plan(plan)
+    index_ms = _ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()), 3)
+    index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
     walk_ms = _ms(lambda: sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale,
-                                                  **tuned.launch(), **masks), 3)
+                                                  **tuned.launch(), **masks.kwargs()), 3)
     listed = [h for h, on in enumerate(split.listed_mask) if on]
     tiles = index.tile_count[:, listed].float().mean().item()
     cols = index.col_count[:, listed].float().mean().item()
@@ -84,10 +84,10 @@ def time_stages(q, k, v, plan, scale, masks, guard_threshold, tuned, *_rest, **_
 
 def capture_layer_inputs(model, ids, length: int) -> dict:
     """The first layer's arguments of the op's GPU path at ``length`` in a compiled forward (cloned, strides kept)."""
-    import minference_fx.op as op_module
+    import minference_fx.sparse_path as sparse_path  # the op calls sparse_path.sparse_on_gpu through the module
 
     captured = {}
-    real = op_module.sparse_on_gpu
+    real = sparse_path.sparse_on_gpu
 
     def capture(q, k, v, *rest, **kwargs):
         if q.shape[-2] == length and "qkv" not in captured:  # not the background precompile's short calls
@@ -95,12 +95,12 @@ def capture_layer_inputs(model, ids, length: int) -> dict:
             captured["rest"] = rest
         return real(q, k, v, *rest, **kwargs)
 
-    op_module.sparse_on_gpu = capture
+    sparse_path.sparse_on_gpu = capture
     try:
         with torch.no_grad():
             make_variant("minference", model).fn(input_ids=ids, logits_to_keep=1)
     finally:
-        op_module.sparse_on_gpu = real
+        sparse_path.sparse_on_gpu = real
     return captured
 
 

@@ -382,3 +382,26 @@ def test_gpu_path_without_listed_heads_runs_one_launch_and_matches_the_reference
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=reference.build_index(q, k, plan, scale=0.25))
     assert launches == [None] and weak is None
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_plan_call_names_the_path_of_each_call():
+    """The op plans a call before any attention work (op.plan_call): the path, the crossover it compared the
+    length with, the guard threshold it runs with (0 where no head is vertical-slash)."""
+    from minference_fx import op, routing
+    from minference_fx.plan import LayerPlan
+
+    q, k, _ = _qkv()
+    plan = LayerPlan.from_op_arguments(*VS)
+
+    def planned(q, k, plan=plan, min_sparse_len=0, guard_threshold=0.0):
+        return op.plan_call(q, k, CallMasks(), 0.25, plan, min_sparse_len, guard_threshold, router=routing.Router())
+
+    assert planned(q[:0], k[:0]).path is op.CallPath.EMPTY
+    assert planned(q, k, min_sparse_len=8192).path is op.CallPath.DENSE_BY_LENGTH
+    assert planned(q, k, plan=LayerPlan.from_op_arguments([0] * 4, [0] * 4, [0] * 4)).path is op.CallPath.DENSE_LAYER
+    assert planned(q, k[:, :, :0]).path is op.CallPath.NO_KEYS
+    sparse = planned(q, k, guard_threshold=0.8)
+    assert (sparse.path, sparse.min_sparse_len, sparse.guard_threshold) == (op.CallPath.SPARSE_CPU, 0, 0.8)
+    assert sparse.sparse_launch is None and sparse.walk_launch is None  # the CPU path launches no kernel
+    block_sparse = LayerPlan.from_op_arguments([3] * 4, [1] * 4, [0] * 4)
+    assert planned(q, k, plan=block_sparse, guard_threshold=0.8).guard_threshold == 0.0

@@ -315,3 +315,26 @@ def test_route_dense_must_be_a_bool():
 
     with pytest.raises(ValueError, match="route_dense='yes'; expected True or False"):
         BackendOptions.from_user({"route_dense": "yes"})
+
+
+def test_plan_call_reads_and_run_call_records_the_router_it_is_given():
+    """A router of its own: calls planned with it route by it and are recorded in it; the process's router
+    (the op's) never hears of them."""
+    from minference_fx import op
+
+    router = routing.Router()
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)  # near-dense at 640 tokens
+    site = router.new_site()
+
+    def call(q, k, v):
+        planned = op.plan_call(q, k, CallMasks(), 0.25, plan, 0, 0.0, site, router)
+        return planned, op.run_call(planned, q, k, v)
+
+    first, _ = call(*_qkv(640))
+    assert first.path is op.CallPath.SPARSE_CPU and first.routed == ()
+    assert router.routed_heads(site, 4, torch.device("cpu")) == (0, 1, 2, 3) and not routing.ROUTER.states
+    q, k, v = _qkv(640, seed=6)
+    second, out = call(q, k, v)
+    assert second.path is op.CallPath.ALL_ROUTED and second.routed == (0, 1, 2, 3)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True))
+    assert not routing.ROUTER.states
