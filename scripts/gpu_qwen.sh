@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The Qwen2.5-Coder-1.5B session on one GPU machine, in steps that outlast single device calls: each step runs
+# in its own process session (setsid), so it goes on between calls while the machine stays warm, and writes
+# under $STATE (kept on the machine); `status` prints where each stands, `collect` packs the results into $OUT.
+#
+#   scripts/gpu_qwen.sh start STEP...   run the steps one after another in the background
+#   scripts/gpu_qwen.sh status          the tail of every step's log
+#   scripts/gpu_qwen.sh collect         $OUT/qwen_results.tar.gz: logs, JSON, the tuned cache, the config
+#
+# Steps: tune (d128/g6, the model's shape), tests (the GPU suite but the fuzz), kernels (bench kernels, both input
+# families), search (the model's per-head config at 32K), prefill (TTFT 4K-128K, eager vs minference with the
+# searched config), eval32 / eval128 (RULER-style tasks, NIAH, NLL on Austen and on code, dense vs sparse).
+# The model must have been converted first (scripts/device_model.py convert).
+set -uo pipefail
+STATE=${STATE:-/root/mfx-state}
+export MINFERENCE_FX_CACHE_DIR=${MINFERENCE_FX_CACHE_DIR:-/root/mfx}
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+mkdir -p "$STATE" "$MINFERENCE_FX_CACHE_DIR"
+CONFIG=$STATE/qwen2.5-coder-1.5b_32k.json
+MODEL=qwen2.5-coder-1.5b
+
+install() {
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$STATE/install.log" 2>&1 || { cat "$STATE/install.log"; return 1; }
+}
+
+step() {   # $1: step name; its log is $STATE/$1.txt
+  local t0=$SECONDS
+  echo "== $1 started $(date -u +%H:%M:%S)"
+  case $1 in
+    tune) timeout 420 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16
+          minference-fx autotune --show ;;
+    tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
+             --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
+    kernels) timeout 300 minference-fx bench kernels --lengths 32k,128k --families structured,scattered \
+               --out "$STATE/bench_kernels.json" ;;
+    search) timeout 420 minference-fx search --model $MODEL --lengths 32k --samples 1 --out "$CONFIG" ;;
+    prefill) timeout 540 minference-fx bench prefill --model $MODEL --lengths 4k,16k,32k,64k,128k \
+               --variants eager,minference $( [ -f "$CONFIG" ] && echo --config "$CONFIG" ) --reps 3 \
+               --out "$STATE/bench_prefill_qwen.json" ;;
+    eval32|eval128) timeout 540 minference-fx eval --model $MODEL --lengths ${1#eval}k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 $( [ -f "$CONFIG" ] && echo --config "$CONFIG" ) --out "$STATE/$1_qwen.json" ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+  echo "== $1 rc=$? took $((SECONDS - t0)) s"
+}
+
+case ${1:-status} in
+  start)
+    shift
+    install || exit 1
+    setsid bash -c "for s in $*; do bash '$0' run \$s > '$STATE'/\$s.txt 2>&1; done" </dev/null >/dev/null 2>&1 &
+    echo "started: $*" ;;
+  run) step "$2" ;;
+  status)
+    for f in "$STATE"/*.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; tail -n "${TAIL:-4}" "$f"; }; done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+  collect)
+    cp "$MINFERENCE_FX_CACHE_DIR"/autotune*.json "$STATE"/ 2>/dev/null
+    tar -czf "$OUT/qwen_results.tar.gz" -C "$STATE" .
+    ls -la "$OUT" ;;
+esac
