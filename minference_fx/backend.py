@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch._logging import trace_structured
 
-from . import passes, precompile, verify
+from . import parallel, passes, precompile, verify
 from .autotune import dispatch
 from .config import ConfigMismatchError, Mismatch, SemanticConfig, traced_model_identities
 from .defaults import DEFAULTS
@@ -54,6 +54,15 @@ def _model_layer_count(gm: fx.GraphModule, sites) -> int:
     indices = [int(m.group(1)) for n in gm.graph.nodes if n.op == "placeholder" for m in [_LAYER_PARAM.search(n.name)] if m]
     indices += [s.layer for s in sites if s.layer is not None]
     return max(indices) + 1 if indices else 0
+
+
+def _model_query_heads(gm: fx.GraphModule, config: Optional[SemanticConfig]) -> Optional[int]:
+    """The query heads of the whole model the graph comes from: its transformers config's, else the semantic
+    config's (made for the whole model); None when neither says, or the traced models disagree."""
+    heads = {identity.num_q_heads for identity in traced_model_identities(gm)}
+    if not heads and config is not None:
+        heads = {config.model.num_q_heads}
+    return heads.pop() if len(heads) == 1 else None
 
 
 def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_offset: Optional[int]) -> None:
@@ -144,8 +153,14 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     traced_names = [site.node.name for site in sites]
     unread = passes.stats(gm).unread  # analyse ran the unread stage on these sites
     config = options.config
+    sites, share = parallel.read(gm, sites, derive=options.head_offset is None,
+                                 model_heads=lambda: _model_query_heads(gm, config))
+    head_offset = options.head_offset if options.head_offset is not None else share.first_head if share else None
+    if share is not None and head_offset != share.first_head:  # the option wins; a mismatch is most likely a mistake
+        log.warning("minference: head_offset=%d given, but the sharded weights say this rank's first query head is %d "
+                    "(%s); using %d", head_offset, share.first_head, share.describe(), head_offset)
     if config is not None:
-        check_config_fits(config, gm, sites, options.head_offset)
+        check_config_fits(config, gm, sites, head_offset)
     min_len = options.min_sparse_len
     if min_len is None:
         min_len = config.min_sparse_len if config is not None else DEFAULTS.min_sparse_len
@@ -158,7 +173,7 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
         if config is None:
             plan = LayerPlan((DEFAULTS.head,) * hq)
         else:
-            plan = config.layer_plan(site.layer, options.head_offset or 0, hq)
+            plan = config.layer_plan(site.layer, head_offset or 0, hq)
         plans[index_of[id(site.node)]] = plan
         return plan
 
@@ -166,7 +181,8 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     if guard is None:
         guard = config.guard_threshold if config is not None else DEFAULTS.guard_threshold
     sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense)
-    report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread))
+    report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread),
+                          share, head_offset or 0)
     _publish(report)
     checks = [verify.SiteCheck(f"{i} (layer {site.layer}, {site.source or traced})", traced, site.node.name)
               for i, (site, traced) in enumerate(zip(sites, traced_names)) if not site.blocker]

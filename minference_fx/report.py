@@ -4,9 +4,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections import Counter
+from typing import TYPE_CHECKING, Optional
 
 from .kernels.guard import STATS
 from .passes.site import AttentionSite
+
+if TYPE_CHECKING:  # the report only holds and prints a share; parallel sits beside the backend, above the report
+    from .parallel import HeadShare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +83,15 @@ class Report:
     route_dense: bool = True
     unread: tuple = ()
     """one line per softmax that looks like attention but no site holds (``passes.unread``): where, and why"""
+    tensor_parallel: Optional["HeadShare"] = None
+    """this rank's share of the query heads as the sharded weights say (``parallel.read``); None: not sharded"""
+    head_offset: int = 0
+    """the global query head the sites' head 0 read in the config: the share's first head, or the option's"""
 
     @staticmethod
     def build(sites: list[AttentionSite], plans: dict, code_before: str, code_after: str, min_sparse_len: int,
-              guard_threshold: float = 0.0, route_dense: bool = True, unread: tuple = ()) -> "Report":
+              guard_threshold: float = 0.0, route_dense: bool = True, unread: tuple = (),
+              tensor_parallel: Optional["HeadShare"] = None, head_offset: int = 0) -> "Report":
         rows = []
         for i, site in enumerate(sites):
             mask = site.mask_info.describe() if site.mask_info else "?"
@@ -93,7 +102,8 @@ class Report:
                 reason=site.blocker or _rewritten_reason(min_sparse_len),
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
-        return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense, unread)
+        return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense, unread,
+                      tensor_parallel, head_offset)
 
     @property
     def rewritten(self) -> int:
@@ -120,6 +130,10 @@ class Report:
         out = ["  ".join(cell.ljust(w) for cell, w in zip(line[:-1], widths)) + "  " + line[-1] for line in lines]
         out.append(f"{self.rewritten}/{len(self.rows)} attention sites rewritten")
         out += [f"not read as attention, runs as written: {note}" for note in self.unread]
+        if self.tensor_parallel is not None:
+            out.append(self.tensor_parallel.describe())
+        if self.head_offset != (self.tensor_parallel.first_head if self.tensor_parallel else 0):
+            out.append(f"config heads read from global query head {self.head_offset} (options['head_offset'])")
         if self.rewritten and self.guard_threshold > 0:
             out.append(f"quality guard: vertical-slash heads under {self.guard_threshold:.2f} captured mass run dense; "
                        f"so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in {STATS.calls} calls")

@@ -126,3 +126,14 @@ def run(sites: list[AttentionSite], tree: Optional[ModuleTree]) -> list[Attentio
             out.append(dataclasses.replace(site, layer=indices[-1],
                                            layer_from=AMBIGUOUS if len(indices) > 1 else FROM_MODULE))
     return out
+
+
+def parameter_path(node: fx.Node) -> Optional[tuple]:
+    """The path of a parameter or buffer input as ``named_parameters`` spells it, split at the dots
+    (("model", "layers", "0", "self_attn", "q_proj", "weight")), from its source; None for another input."""
+    source = _source_of(node)
+    chain = _module_chain(source) if source is not None else []
+    key = getattr(source, "member", None) or getattr(source, "index", None)
+    if not chain or key is None:
+        return None
+    return chain[-1][1] + (str(key),)

@@ -1,5 +1,5 @@
 """Tiny random-weight HF models built from configs: no downloads."""
-from minference_fx.config import ModelIdentity, SemanticConfig, default_config, model_identity_from_hf
+from minference_fx.config import HeadEntry, ModelIdentity, SemanticConfig, default_config, model_identity_from_hf
 from minference_fx.plan import Pattern
 from minference_fx.tools.tiny import tiny_model  # noqa: F401  (the tests import it from here)
 
@@ -49,3 +49,16 @@ def sliding_cache_chunks(model, compiled, length: int, pad: int, bounds: tuple, 
         want, got = chunks(model), chunks(compiled)
     return want, got, reports_since(before), [mask[:, a:b].bool() for a, b in bounds]
 
+
+def per_head_config(model) -> SemanticConfig:
+    """The heads of each layer with plans that differ (dense, or A-shape with a sink and a window of 1 or 65 keys),
+    rotated from layer to layer, sparse from length 0. A prompt of at most 2 key tiles (128) reads every key in
+    each head (row tile and tile 0 are always read), so it equals dense; a longer one reads different tiles in
+    each head, so a plan read for the wrong heads changes the output."""
+    ident = model_identity_from_hf(model.config)
+    kinds = [HeadEntry(Pattern.DENSE, (0, 0), None), HeadEntry(Pattern.A_SHAPE, (1, 1), None),
+             HeadEntry(Pattern.A_SHAPE, (65, 1), None), HeadEntry(Pattern.A_SHAPE, (1, 65), None)]
+    config = default_config(ident, min_sparse_len=0)
+    config.layers = [[kinds[(head + 3 * layer) % len(kinds)] for head in range(ident.num_q_heads)]
+                     for layer in range(ident.num_layers)]
+    return config
