@@ -29,6 +29,11 @@ class Inspection:
         return tuple(note for report in self.reports for note in report.unread)
 
     @property
+    def tensor_parallel(self):
+        """This rank's share of the query heads (``parallel.HeadShare``) under tensor parallelism, else None."""
+        return next((r.tensor_parallel for r in self.reports if r.tensor_parallel is not None), None)
+
+    @property
     def rewritten(self) -> int:
         """Sites rewritten to the sparse op, over every graph; 0: the model runs dense."""
         return sum(r.rewritten for r in self.reports)
@@ -38,6 +43,8 @@ class Inspection:
         attention sites rewritten: the model runs dense"; then the most common reasons why sites stayed dense,
         with counts (``one_line``: all on one line)."""
         text = summarize(self.rows, self.unread, one_line=one_line)
+        if self.tensor_parallel is not None:  # each rank inspects its own slice of the heads: say which
+            text += f"; {self.tensor_parallel.describe()}" if one_line else f"\n  {self.tensor_parallel.describe()}"
         if self.traced_with_grad_off_only and self.rewritten:
             note = ("traced under no_grad; called with autograd on, as inspect() was, these sites stay dense: run the "
                     "prefill under torch.inference_mode() or torch.no_grad()")

@@ -33,8 +33,9 @@ class BackendOptions:
     """prompts shorter than this run dense SDPA; -1: this GPU's tuned crossover; None: the config's value,
     or the tuned crossover without a config"""
     head_offset: Optional[int] = None
-    """global index of this rank's first query head (tensor parallelism); None: the graph holds every head,
-    so each layer's head count must equal the config's"""
+    """global index of this rank's first query head (tensor parallelism); None: read from the sharded query
+    projection under HF tensor parallelism (``minference_fx.parallel``), else the graph holds every head, so each
+    layer's head count must equal the config's. Given, it wins over what the sharding says"""
     inductor_config: dict = dataclasses.field(default_factory=dict)
     """extra Inductor config patches"""
     mode: Optional[str] = None

@@ -57,9 +57,13 @@ class HeadShare:
     total_heads: int
     """query heads of the whole model"""
     projection: str
-    """the sharded weight the share was read from (``model.layers.0.self_attn.q_proj.weight``)"""
+    """the sharded weight the share was read from (``model.layers.0.self_attn.q_proj.weight``); "": the sites
+    hold every head (the projections' outputs are gathered, as Phi-3's fused ``qkv_proj`` is)"""
 
     def describe(self) -> str:
+        if not self.projection:
+            return (f"tensor parallel: rank {self.rank} of {self.world}; its sites hold all {self.total_heads} query heads "
+                    "(gathered projection outputs)")
         return (f"tensor parallel: rank {self.rank} of {self.world} holds query heads {self.first_head}.."
                 f"{self.first_head + self.num_heads - 1} of {self.total_heads} (rows of {self.projection}, Shard(0))")
 
@@ -109,14 +113,22 @@ def _read_within(start: fx.Node, inside: tuple, path_of) -> set:
     return reached
 
 
+def _rank_and_world(params: dict) -> tuple[int, int]:
+    """This rank's place in the mesh the graph's sharded parameters live on (the TP mesh)."""
+    mesh = next(iter(params.values())).value.device_mesh
+    if mesh.ndim == 1:
+        return mesh.get_local_rank(), mesh.size()
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
 def _share_of(site: AttentionSite, params: dict, path_of, model_heads: Optional[int]
               ) -> tuple[Optional[HeadShare], str]:
-    """This site's share of the heads; (None, "") when it holds every head of the model; or the reason its
-    share cannot be read."""
+    """This site's share of the heads, or the reason it cannot be read."""
     query = site.query.meta.get("example_value")
     heads = query.shape[1]
     if model_heads is not None and heads == model_heads:
-        return None, ""  # every head, in order: a gathered projection output ("colwise_gather_output", Phi-3)
+        # every head, in order: a gathered projection output ("colwise_gather_output", Phi-3's fused qkv_proj)
+        return HeadShare(*_rank_and_world(params), 0, heads, heads, ""), ""
     attention = path_of(site.node)
     if attention is None:
         return None, "tensor parallel: the site's module path is not known, so which sharded projection its query reads is not"
@@ -156,9 +168,9 @@ def _share_of(site: AttentionSite, params: dict, path_of, model_heads: Optional[
 def read(gm: fx.GraphModule, sites: list[AttentionSite], *, derive: bool = True,
          model_heads: Callable[[], Optional[int]] = lambda: None) -> tuple[list[AttentionSite], Optional[HeadShare]]:
     """The sites, kept dense where tensor parallelism makes them unreadable, and this rank's share of the heads
-    (None: the graph has no sharded parameter input, its sites hold every head, or no site's share could be
-    read). ``model_heads()``: the model's query heads where known (its HF config), called only for a sharded
-    graph, so that a site holding all of them is known to start at head 0 whatever its projection's sharding.
+    (None: the graph has no sharded parameter input, or no site's share could be read). ``model_heads()``: the
+    model's query heads where known (its HF config), called only for a sharded graph, so that a site holding all
+    of them is known to start at head 0 whatever its projection's sharding.
     ``derive=False`` (the user gave ``head_offset``, which wins) still reads the share, for the report, but
     keeps dense only the sites whose query is a DTensor, which the op cannot take."""
     sites = [s.blocked(_DTENSOR_QUERY) if DTensor is not None and isinstance(s.query.meta.get("example_value"), DTensor)
@@ -175,18 +187,16 @@ def read(gm: fx.GraphModule, sites: list[AttentionSite], *, derive: bool = True,
             paths[node] = tree.path_of(layers.module_path(stack)) if tree is not None and stack else None
         return paths[node]
 
-    share, held, out = None, None, []  # held: (first head, count) of the first site read; one offset per graph
+    share, out = None, []  # the first site's share is the graph's: one offset per graph
     for site in sites:
         if site.blocker:
             out.append(site)
             continue
         this, reason = _share_of(site, params, path_of, whole)
-        if not reason:
-            heads = (this.first_head, this.num_heads) if this else (0, whole)
-            if held is None:
-                held, share = heads, this
-            elif heads != held:
-                reason = (f"tensor parallel: this site holds query heads {heads[0]}..{heads[0] + heads[1] - 1}, "
-                          f"the graph's first site {held[0]}..{held[0] + held[1] - 1}")
+        if this is not None and share is None:
+            share = this
+        elif this is not None and (this.first_head, this.num_heads) != (share.first_head, share.num_heads):
+            reason = (f"tensor parallel: this site holds query heads {this.first_head}..{this.first_head + this.num_heads - 1}, "
+                      f"the graph's first site {share.first_head}..{share.first_head + share.num_heads - 1}")
         out.append(site.blocked(reason) if derive else site)
     return out, share

@@ -111,3 +111,17 @@ def test_an_explicit_head_offset_wins_and_a_wrong_one_shows(ranks, single):
     assert "options['head_offset']" in ranks[1]["given"]["table"]
     gap = (ranks[1]["wrong"] - single["long"]).abs().max().item()
     assert gap > 1e-3, f"rank 1 running rank 0's plans moved the logits by only {gap}"
+
+
+def test_shardings_whose_heads_cannot_be_read_stay_dense_with_the_reason(ranks):
+    for rank, got in enumerate(ranks):
+        neox = got["others"]["gpt_neox"]
+        assert neox["decisions"] == ["dense", "dense"] and neox["share"] is None, neox["summary"]
+        assert all("fused QKV" in reason for reason in neox["reasons"]), neox["summary"]
+
+
+def test_a_gathered_projection_holds_every_head_and_reads_the_config_from_head_0(ranks):
+    for rank, got in enumerate(ranks):
+        phi3 = got["others"]["phi3"]
+        assert phi3["decisions"] == ["sparse", "sparse"] and phi3["share"] == (0, 4), phi3["summary"]
+        assert f"rank {rank} of {WORLD}; its sites hold all 4 query heads" in phi3["summary"]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers.distributed import DistributedConfig
 
+from minference_fx import inspect
 from minference_fx.backend import recent_reports
 from tiny_models import per_head_config, tiny_model
 
@@ -28,11 +29,10 @@ def shard(model, world: int):
     return type(model).maybe_distribute_model(model, distributed, mesh)
 
 
-def compiled_logits(model, config, ids, **options):
+def compiled_logits(model, config, ids, inner="aot_eager", **options):
     with torch.no_grad():
         # dynamic from the first call: one graph serves both prompt lengths (a second compile would double the time)
-        compiled = torch.compile(model, backend="minference", dynamic=True,
-                                 options={"config": config, "inner": "aot_eager", **options})
+        compiled = torch.compile(model, backend="minference", dynamic=True, options={"config": config, "inner": inner, **options})
         return [compiled(x, use_cache=False).logits for x in ids]
 
 
@@ -55,9 +55,17 @@ def main(out: Path, family: str) -> None:
     long, short = compiled_logits(model, config, [ids, ids[0, :SHORT].unsqueeze(0)])
     derived = [summary(r) for r in recent_reports()]
     torch._dynamo.reset()
-    (wrong,) = compiled_logits(model, config, [ids], head_offset=0)
+    (wrong,) = compiled_logits(model, config, [ids], inner="eager", head_offset=0)  # eager: only the logits matter
     given = summary(recent_reports()[-1])
-    torch.save({"long": long, "short": short, "wrong": wrong, "derived": derived, "given": given}, out / f"rank{rank}.pt")
+    # other shardings: GPT-NeoX's fused query_key_value is colwise (whose heads a shard holds is not read: dense),
+    # Phi-3's fused qkv_proj is gathered (every rank holds every head: sparse from head 0)
+    others = {name: inspect(shard(tiny_model(name), world), ids[:, :64], use_cache=False) for name in ("gpt_neox", "phi3")}
+    others = {name: {"summary": found.summary(), "share": found.tensor_parallel and (found.tensor_parallel.first_head,
+                                                                                     found.tensor_parallel.num_heads),
+                     "decisions": [row.decision for row in found.rows], "reasons": [row.reason for row in found.rows]}
+              for name, found in others.items()}
+    torch.save({"long": long, "short": short, "wrong": wrong, "derived": derived, "given": given, "others": others},
+               out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
