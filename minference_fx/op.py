@@ -203,10 +203,10 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
     routing's record of the heads this call's index or guard ran dense."""
     if call.path is CallPath.EMPTY:
         return q.new_empty(q.shape)
-    if call.path in _DENSE_PATHS or (call.path is CallPath.ALL_ROUTED and not q.is_cuda):
-        return dense.dense_attention(q, k, v, call.masks, call.scale, walk=call.walk_launch)
-    if call.path is CallPath.ALL_ROUTED:
+    if call.path is CallPath.ALL_ROUTED and q.is_cuda:
         return dense.every_head_routed(q, k, v, call.masks, call.scale, call.walk_launch)
+    if call.path in _DENSE_PATHS or call.path is CallPath.ALL_ROUTED:  # the CPU's SDPA reads the mask itself
+        return dense.dense_attention(q, k, v, call.masks, call.scale, walk=call.walk_launch)
     if call.path is CallPath.SPARSE_GPU:
         result = sparse_path.sparse_on_gpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
                                            call.sparse_launch, call.walk_launch, call.routed)
