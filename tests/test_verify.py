@@ -28,7 +28,7 @@ def test_verify_passes_a_correct_rewrite_and_the_logits_are_eager_ones(family, u
 def test_verify_catches_a_wrong_rewrite_and_names_the_site(monkeypatch):
     """A pass bug injected here (every site's queries read 5 positions further on than they are) is caught at
     the first call, naming the first site, instead of returning wrong logits."""
-    monkeypatch.setattr(rewrite, "_q_offset_arg", lambda graph, info: 5)
+    monkeypatch.setattr(rewrite, "_q_offset_arg", lambda graph, info, keys: 5)
     model = tiny_model("llama").eval()
     with torch.no_grad(), pytest.raises(verify.VerifyError, match=r"attention site 0 \(layer 0, .*\) differs .* max abs error"):
         _compiled(model)(torch.randint(0, 128, (1, 40)), use_cache=False)
@@ -39,7 +39,7 @@ def test_verify_catches_a_wrong_rewrite_of_a_plain_module(monkeypatch):
         def forward(self, q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    monkeypatch.setattr(rewrite, "_q_offset_arg", lambda graph, info: -3)
+    monkeypatch.setattr(rewrite, "_q_offset_arg", lambda graph, info, keys: -3)
     q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
     with pytest.raises(verify.VerifyError, match="attention site 0"):
         _compiled(Causal())(q, k, v)
