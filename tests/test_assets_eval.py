@@ -279,14 +279,13 @@ def test_needle_prompts_go_to_the_models_device(monkeypatch):
     assert seen.value.args[0].type == "meta"
 
 
-def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
-    """``eval --budgets V S``: every head vertical-slash (V, S), named in the results; refused beside --config."""
-    from minference_fx import cli
+def stub_eval(monkeypatch) -> dict:
+    """The eval CLI on a tiny random model and a one-word text, its ``run_eval`` replaced by one that records the
+    keyword arguments it is given (returned) and returns empty results."""
     from minference_fx.tools import assets
     from minference_fx.tools.tiny import tiny_model
 
-    model = tiny_model("llama")
-    seen = {}
+    model, seen = tiny_model("llama"), {}
 
     def fake_run_eval(model, tok, text, **kwargs):
         seen.update(kwargs)
@@ -295,6 +294,14 @@ def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
     monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: (model, None, "tiny"))
     monkeypatch.setattr(assets, "austen_text", lambda path=None: "text")
     monkeypatch.setattr(evaluate, "run_eval", fake_run_eval)
+    return seen
+
+
+def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
+    """``eval --budgets V S``: every head vertical-slash (V, S), named in the results; refused beside --config."""
+    from minference_fx import cli
+
+    seen = stub_eval(monkeypatch)
     pngs = []
     monkeypatch.setattr(evaluate, "save_png", lambda results, path: pngs.append(path))
     assert cli.main(["eval", "--budgets", "200", "700", "--lengths", "1k", "--out", str(tmp_path / "e.json")]) == 0

@@ -52,11 +52,12 @@ def test_shapes_dtype_finite(qkv):
     assert q.dtype == torch.bfloat16 and torch.isfinite(q.float()).all() and torch.isfinite(k.float()).all()
 
 
-def test_deterministic_with_seed_and_chunking():
+@pytest.mark.parametrize("family", sorted(workload.FAMILIES))
+def test_deterministic_with_seed(family):
     kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=32, dtype=torch.float32, device="cpu")
-    a = workload.structured_qkv(1000, seed=5, **kw)
-    b = workload.structured_qkv(1000, seed=5, **kw)
-    c = workload.structured_qkv(1000, seed=6, **kw)
+    a = workload.family_qkv(family, 1000, seed=5, **kw)
+    b = workload.family_qkv(family, 1000, seed=5, **kw)
+    c = workload.family_qkv(family, 1000, seed=6, **kw)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert not torch.equal(a[0], c[0]) and not torch.equal(a[1], c[1])

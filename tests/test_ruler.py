@@ -269,18 +269,9 @@ def test_quality_table_shows_mean_scores_and_ratios():
 
 def test_eval_cli_passes_the_ruler_options(monkeypatch):
     from minference_fx import cli
-    from minference_fx.tools import assets
-    from minference_fx.tools.tiny import tiny_model
+    from test_assets_eval import stub_eval
 
-    model, seen = tiny_model("llama"), {}
-
-    def fake_run_eval(model, tok, text, **kwargs):
-        seen.update(kwargs)
-        return evaluate.EvalResults(model="tiny", config=kwargs["config_name"], lengths=[1024], device="cpu")
-
-    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: (model, None, "tiny"))
-    monkeypatch.setattr(assets, "austen_text", lambda path=None: "text")
-    monkeypatch.setattr(evaluate, "run_eval", fake_run_eval)
+    seen = stub_eval(monkeypatch)
     assert cli.main(["eval", "--budgets", "200", "700", "--lengths", "1k", "--tasks", "ruler,ppl-code"]) == 0
     assert seen["tasks"] == ("ruler", "ppl-code") and seen["chat"] is None and seen["ppl_tokens"] is None
     assert seen["ruler_tasks"] == tuple(ruler.TASKS)  # the default lists every task
