@@ -10,6 +10,7 @@ import tokenize
 from importlib import resources
 
 import torch
+import triton
 
 # Every file whose code edit can change how fast the op's sparse path runs; reference.py is
 # in because it fixes BLOCK and the vertical-slash minima, guard.py for the mass estimate.
@@ -61,8 +62,6 @@ def kernel_source_hash() -> str:
 
 @functools.lru_cache(maxsize=None)
 def triton_version() -> str:
-    import triton
-
     return triton.__version__
 
 

@@ -16,6 +16,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from minference_fx.defaults import DEFAULTS
+from minference_fx.plan import LayerPlan
+
+from . import attend
+from .reference import SparseIndex
 
 HOPPER = ("cuda", 90, 32)
 
@@ -34,8 +43,6 @@ class _TargetOnlyDriver:
     """Enough of a Triton driver to compile for ``target``; launching raises."""
 
     def __init__(self, target):
-        from triton.backends.compiler import GPUTarget
-
         self.target = GPUTarget(*target)
 
     def get_current_device(self):
@@ -55,8 +62,6 @@ class _TargetOnlyDriver:
 
 
 def _ptxas() -> Path:
-    import triton
-
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
@@ -65,14 +70,6 @@ def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: in
     """Compile the sparse walk (bf16, vertical-slash heads) for ``target`` and read ptxas's report.
 
     Needs ``TRITON_INTERPRET`` unset or 0 when Triton was imported (the interpreter compiles nothing)."""
-    import triton
-    from triton.runtime import driver
-
-    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
-
-    from . import attend
-    from .reference import SparseIndex
-
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("kernel codegen needs TRITON_INTERPRET=0: the interpreter compiles nothing")
     b, hq, hkv, s = 1, 8, 2, 1024
@@ -81,7 +78,7 @@ def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: in
     m = s // 64
     index = SparseIndex(torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int16),
                         torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int32))
-    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * hq)
+    plan = LayerPlan((DEFAULTS.head,) * hq)
     kernel = attend._sparse_attn_fwd
     before = set(id(x) for cache in kernel.device_caches.values() for x in cache[0].values())
     previous = driver._active  # reset_active() would build the default driver, which needs a GPU

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .site import (CASTS, AttentionSite, call_arg, dtype_of, first_reason, is_call, is_mT, is_lifted_scalar,
                    written_between)
+from .unfuse import why_not_opened
 
 _SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
@@ -426,8 +427,6 @@ def _opaque_site(node: fx.Node) -> AttentionSite:
         blocker = ("FlexAttention call (its score_mod and block mask are code the pass does not read); load HF "
                    "models with attn_implementation='sdpa' or 'eager' to make them sparse")
     else:
-        from .unfuse import why_not_opened
-
         why = why_not_opened(node)
         blocker = f"{_FUSED_MHA[node.target]} runs as one fused call ({name}) that stays fused: {why}"
     return AttentionSite(
