@@ -16,7 +16,9 @@ STATE=${STATE:-/root/mfx-state}
 export MINFERENCE_FX_CACHE_DIR=${MINFERENCE_FX_CACHE_DIR:-/root/mfx}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 mkdir -p "$STATE" "$MINFERENCE_FX_CACHE_DIR"
+# the config searched here at 32K (step search) when it exists, else the shipped one (searched at 8K on a CPU)
 CONFIG=$STATE/qwen2.5-coder-1.5b_32k.json
+[ -f "$CONFIG" ] || CONFIG=configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json
 MODEL=qwen2.5-coder-1.5b
 
 install() {
@@ -33,7 +35,8 @@ step() {   # $1: step name; its log is $STATE/$1.txt
              --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
     kernels) timeout 300 minference-fx bench kernels --lengths 32k,128k --families structured,scattered \
                --out "$STATE/bench_kernels.json" ;;
-    search) timeout 420 minference-fx search --model $MODEL --lengths 32k --samples 1 --out "$CONFIG" ;;
+    search) timeout 420 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
+              --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
     prefill) timeout 540 minference-fx bench prefill --model $MODEL --lengths 4k,16k,32k,64k,128k \
                --variants eager,minference $( [ -f "$CONFIG" ] && echo --config "$CONFIG" ) --reps 3 \
                --out "$STATE/bench_prefill_qwen.json" ;;
