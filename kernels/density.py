@@ -33,17 +33,8 @@ import torch
 from minference_fx.plan import PATTERN_CODES, LayerPlan, Pattern
 
 from .index import vs_estimate
-from .reference import (
-    BLOCK,
-    VS_FORCED_COLUMNS,
-    VS_FORCED_DIAGONALS,
-    VS_LAST_Q,
-    VS_MIN_COLUMNS,
-    VS_MIN_DIAGONALS,
-    SparseIndex,
-    _masked_softmax,
-    check_index_inputs,
-)
+from . import reference as ref
+from .reference import BLOCK, SparseIndex, _masked_softmax, check_index_inputs
 from .tables import int_table
 
 # Above any position (padding of the ascending diagonal lists, for searchsorted).
@@ -111,7 +102,7 @@ def _vs_scores_torch(q, k, scale, q_offset):
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
     dev = q.device
-    last = min(VS_LAST_Q, sq)
+    last = min(ref.VS_LAST_Q, sq)
     pos = q_offset + torch.arange(sq - last, sq, device=dev)
     j = torch.arange(skv, device=dev)
     allowed = j[None, :] <= pos[:, None]  # [last, Skv]
@@ -173,9 +164,9 @@ def key_selection(vertical: torch.Tensor, slash: torch.Tensor, plan: LayerPlan) 
     if len(plan.heads) != Hq:
         raise ValueError(f"plan has {len(plan.heads)} heads, the scores have {Hq}")
     vs = [hp.pattern is Pattern.VERTICAL_SLASH for hp in plan.heads]
-    n_cols = [min(max(hp.budget_a, VS_MIN_COLUMNS), skv) if v else 0 for hp, v in zip(plan.heads, vs)]
-    n_diags = [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) if v else 0 for hp, v in zip(plan.heads, vs)]
-    return KeySelection(_top_picks(vertical, VS_FORCED_COLUMNS, n_cols), _top_picks(slash, VS_FORCED_DIAGONALS, n_diags))
+    n_cols = [min(max(hp.budget_a, ref.VS_MIN_COLUMNS), skv) if v else 0 for hp, v in zip(plan.heads, vs)]
+    n_diags = [min(max(hp.budget_b, ref.VS_MIN_DIAGONALS), skv) if v else 0 for hp, v in zip(plan.heads, vs)]
+    return KeySelection(_top_picks(vertical, ref.VS_FORCED_COLUMNS, n_cols), _top_picks(slash, ref.VS_FORCED_DIAGONALS, n_diags))
 
 
 def selection_of(q, k, plan: LayerPlan, *, scale, q_offset: int = 0) -> KeySelection:

@@ -370,7 +370,7 @@ class _Evaluator:
             return _Unknown(f"{n.target} at {n.name}")
         if isinstance(src, _Tensor):
             if n.target == "expand" and _keeps_last_axis(n):
-                self.table_of[n] = self._table(n.args[0])  # position_ids.expand(B, -1): the same rows
+                self.table_of[n] = self.table_root(n.args[0])  # position_ids.expand(B, -1): the same rows
             return src.derived(n)  # same data, converted: pass the converted node on
         return src
 
@@ -462,10 +462,10 @@ class _Evaluator:
             if isinstance(pre, _Range) and _shift(pre.offset, 1) == src.offset:
                 return _Const(1)  # consecutive positions: one document
         if isinstance(src, _Tensor) and _one_step_per_position(n, dim, prepend):
-            self.steps_of[n] = ("diff", self._table(src.node))
+            self.steps_of[n] = ("diff", self.table_root(src.node))
         return _Tensor(n)
 
-    def _table(self, node: fx.Node) -> fx.Node:
+    def table_root(self, node: fx.Node) -> fx.Node:
         """The [B, S] table whose rows ``node`` holds (itself unless it is an expansion of one)."""
         return self.table_of.get(node, node)
 
@@ -714,7 +714,7 @@ def _positions_within_runs(preds: frozenset, evaluator: "_Evaluator"):
         if not isinstance(pred, PositionOrder):
             out.add(pred)
             continue
-        table = evaluator._table(pred.source)
+        table = evaluator.table_root(pred.source)
         runs = [d for d in preds if isinstance(d, SameDocument) and evaluator.steps_of.get(d.source) == ("runs", table)
                 and (d.q_off, d.k_off) == (pred.q_off, pred.k_off)]
         if not runs:
