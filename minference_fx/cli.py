@@ -14,7 +14,7 @@ from .config import ConfigError
 from .defaults import DEFAULTS
 from .inspection import inspect
 from .plan import Pattern
-from .tools import assets, bench, bench_prefill, demo, evaluate, tiny
+from .tools import assets, bench, bench_prefill, breakdown, demo, evaluate, tiny
 
 
 def build_model(spec: str, attn: str, layers: int | None = None):
@@ -99,6 +99,17 @@ def _bench(args) -> int:
             pattern=args.pattern)
         print(result.table())
         if args.out:
+            print(f"wrote {args.out}")
+        return 0
+    if args.what == "breakdown":
+        lengths = parse_lengths(args.lengths)
+        if len(lengths) != 1 or args.model not in assets.REAL_MODELS:
+            sys.exit(f"bench breakdown: one length (--lengths 128k) and --model {' or '.join(assets.REAL_MODELS)}")
+        result = breakdown.breakdown(args.model, lengths[0], config_path=args.config, reps=args.reps,
+                                     guard_threshold=args.guard_threshold, command=command)
+        print(result.table())
+        if args.out:
+            result.save(args.out)
             print(f"wrote {args.out}")
         return 0
     if args.what == "kernels":
@@ -276,12 +287,14 @@ def main(argv=None) -> int:
     p.add_argument("--diff", action="store_true", help="print the unified diff of the graph code")
     p.set_defaults(run=_inspect)
     b = sub.add_parser("bench", help="GPU benchmarks: print a table, write JSON")
-    b.add_argument("what", choices=["kernels", "prefill"], help="kernels: index + kernel vs dense attention; "
-                   "prefill: time to first token of a Llama-3-8B-shaped model, eager vs Inductor vs minference")
+    b.add_argument("what", choices=["kernels", "prefill", "breakdown"], help="kernels: index + kernel vs dense attention; "
+                   "prefill: time to first token of a Llama-3-8B-shaped model, eager vs Inductor vs minference; "
+                   "breakdown: where a real model's compiled prefill spends its time at one length (index, sparse "
+                   "walk, dense heads, the rest), its densities and the arithmetic bounds")
     b.add_argument("--lengths", default="8k,32k,128k")
     b.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help=f"vertical columns and slash diagonals of every head (default: MInference's {DEFAULTS.budgets})")
-    b.add_argument("--config", default=None, help="prefill: semantic config JSON for the minference variants (instead of --budgets)")
+    b.add_argument("--config", default=None, help="prefill, breakdown: semantic config JSON for the minference variants (instead of --budgets)")
     b.add_argument("--pattern", default="vertical_slash", choices=["vertical_slash", "a_shape"],
                    help="prefill, with --budgets: every head this pattern; a_shape reads the budgets as (sink, window)")
     b.add_argument("--guard-threshold", type=float, default=None,

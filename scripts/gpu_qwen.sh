@@ -9,7 +9,9 @@
 #
 # Steps: tune (d128/g6, the model's shape), tests (the GPU suite but the fuzz), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K), prefill (TTFT 4K-128K, eager vs minference with the
-# searched config), eval32 / eval128 (RULER-style tasks, NIAH, NLL on Austen and on code, dense vs sparse).
+# searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
+# from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
+# tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -37,11 +39,20 @@ step() {   # $1: step name; its log is $STATE/$1.txt
                --out "$STATE/bench_kernels.json" ;;
     search) timeout 420 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
-    prefill) timeout 540 minference-fx bench prefill --model $MODEL --lengths 4k,16k,32k,64k,128k \
-               --variants eager,minference $( [ -f "$CONFIG" ] && echo --config "$CONFIG" ) --reps 3 \
+    prefill) timeout 580 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
+               --variants eager,inductor,minference,minference-noguard --config "$CONFIG" --reps 3 \
                --out "$STATE/bench_prefill_qwen.json" ;;
+    prefill_sparse4k)  # the same config sparse from 4K instead of from the tuned crossover
+          python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['defaults']['min_sparse_len']=4096; json.dump(c, open(sys.argv[2], 'w'))" \
+            "$CONFIG" "$STATE/config_sparse4k.json"
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k --variants eager,minference \
+            --config "$STATE/config_sparse4k.json" --reps 3 --out "$STATE/bench_prefill_qwen_sparse4k.json" ;;
+    breakdown) timeout 400 minference-fx bench breakdown --model $MODEL --lengths 128k --config "$CONFIG" \
+                 --out "$STATE/breakdown_qwen_128k.json" ;;
     eval32|eval128) timeout 540 minference-fx eval --model $MODEL --lengths ${1#eval}k --tasks ruler,ruler-code,ppl,ppl-code,niah \
-            --ppl-tokens 1024 $( [ -f "$CONFIG" ] && echo --config "$CONFIG" ) --out "$STATE/$1_qwen.json" ;;
+            --ppl-tokens 1024 --config "$CONFIG" --out "$STATE/$1_qwen.json" ;;
+    evalg0) timeout 400 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code --ppl-tokens 1024 \
+              --config "$CONFIG" --guard-threshold 0 --out "$STATE/evalg0_qwen.json" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
   echo "== $1 rc=$? took $((SECONDS - t0)) s"

@@ -1,0 +1,234 @@
+"""``minference-fx bench breakdown``: where a real model's prefill time goes at one length, and what bounds it.
+
+One model, one prompt length, the same process and inputs for every number:
+
+1. **Eager and compiled wall time.** HF eager (SDPA, cuDNN first) and ``torch.compile(model, backend="minference")``
+   with the given semantic config, each the median of ``reps`` forwards after warm-ups (the compiled one warms up
+   twice, so routing has seen a call).
+2. **Each attention call, taken apart.** One more compiled forward runs with the op's GPU path
+   (``sparse_path.sparse_on_gpu``) wrapped: at every call of the prompt's length the wrapper times, on that call's
+   own inputs, the whole path, the online index alone, the plan's dense heads through fused SDPA alone, and the
+   whole layer dense through fused SDPA (what eager's attention costs there). The sparse walk is what is left of
+   the path. It also counts what the index keeps and walks (:mod:`minference_fx.kernels.density`, with the pairs
+   that call ran dense counted whole) and what the config asks (:func:`asked_density`).
+3. **The rest.** Non-attention work is the compiled forward's wall time less its attention paths; eager's is its
+   wall time less the layers' dense attention.
+
+The arithmetic bounds put the compiled model's non-attention time beside dense attention scaled by a density:
+the physical one (what the walk computes, at cuDNN's rate per tile) and the one the config asks. A measurement
+tool: the wrapper syncs the device, which the op itself never does.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import statistics
+from typing import Callable, Optional
+
+import torch
+
+from .. import dense, sparse_path
+from ..call_masks import CallMasks
+from ..kernels.density import index_density, selection_of
+from ..kernels.index import build_index_gpu
+from ..plan import LayerPlan, Pattern
+from . import assets
+from .bench_prefill import _sdpa_context, build_real, environment, text_prompt_ids
+
+BLOCK_ROWS = 64
+"""rows of a block-sparse head's key block (``kernels.reference.BLOCK``)"""
+
+
+def asked_density(plan: LayerPlan, length: int) -> float:
+    """The share of causal (query, key) pairs the plan's budgets ask for at ``length``, every head pooled: a row
+    ``r`` of a head keeps ``min(r + 1, keys)`` with ``keys`` the budgets' sum (vertical-slash: columns +
+    diagonals; A-shape: sink + window; block-sparse: blocks x 64), a dense head all ``r + 1``."""
+    rows = torch.arange(1, length + 1, dtype=torch.float64)
+    causal = float(rows.sum())
+    kept = 0.0
+    for head in plan.heads:
+        if head.pattern is Pattern.DENSE:
+            kept += causal
+            continue
+        keys = head.budget_a * BLOCK_ROWS if head.pattern is Pattern.BLOCK_SPARSE else head.budget_a + head.budget_b
+        kept += float(rows.clamp(max=max(keys, 1)).sum())
+    return kept / (causal * len(plan.heads))
+
+
+def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
+    """Median milliseconds of ``fn`` on the device after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@dataclasses.dataclass
+class LayerRow:
+    """One attention call of the prompt's length, taken apart (milliseconds, densities as shares)."""
+
+    call: int
+    path_ms: float
+    """the op's GPU path: index, sparse walk, dense heads"""
+    index_ms: float
+    dense_heads_ms: float
+    """the plan's dense heads through fused SDPA (0 without any)"""
+    dense_layer_ms: float
+    """every head dense through fused SDPA: the layer's attention in eager"""
+    physical: float
+    logical: float
+    asked: float
+    plan_dense_heads: int
+    ran_dense_pairs: int
+    """(batch, head) pairs this call's index or guard ran dense"""
+    routed_heads: int
+
+    @property
+    def walk_ms(self) -> float:
+        return max(self.path_ms - self.index_ms - self.dense_heads_ms, 0.0)
+
+
+@dataclasses.dataclass
+class Breakdown:
+    meta: dict
+    eager_ms: float
+    compiled_ms: float
+    layers: list[LayerRow]
+
+    def totals(self) -> dict:
+        rows = self.layers
+        attention = sum(r.path_ms for r in rows)
+        dense_attention = sum(r.dense_layer_ms for r in rows)
+        non_attention = self.compiled_ms - attention
+        weight = dense_attention or 1.0
+        physical = sum(r.physical * r.dense_layer_ms for r in rows) / weight
+        asked = sum(r.asked * r.dense_layer_ms for r in rows) / weight
+        return dict(
+            index_ms=sum(r.index_ms for r in rows), walk_ms=sum(r.walk_ms for r in rows),
+            dense_heads_ms=sum(r.dense_heads_ms for r in rows), attention_ms=attention,
+            non_attention_ms=non_attention, eager_attention_ms=dense_attention,
+            eager_non_attention_ms=self.eager_ms - dense_attention,
+            physical_density=statistics.fmean(r.physical for r in rows) if rows else None,
+            logical_density=statistics.fmean(r.logical for r in rows) if rows else None,
+            asked_density=statistics.fmean(r.asked for r in rows) if rows else None,
+            bound_physical_ms=non_attention + physical * dense_attention,
+            bound_asked_ms=non_attention + asked * dense_attention,
+        )
+
+    def table(self) -> str:
+        t = self.totals()
+        n = len(self.layers)
+        share = lambda ms: f"{100 * ms / self.compiled_ms:5.1f} %"  # noqa: E731
+        lines = [
+            f"{self.meta['model']} at {self.meta['length']} tokens, {self.meta['config']}",
+            f"{'part':<44}{'ms':>10}  share of compiled",
+            f"{'index (' + str(n) + ' calls)':<44}{t['index_ms']:>10.1f}  {share(t['index_ms'])}",
+            f"{'sparse walk (and pairs forced dense)':<44}{t['walk_ms']:>10.1f}  {share(t['walk_ms'])}",
+            f"{'plan-dense heads (fused SDPA)':<44}{t['dense_heads_ms']:>10.1f}  {share(t['dense_heads_ms'])}",
+            f"{'non-attention (compiled)':<44}{t['non_attention_ms']:>10.1f}  {share(t['non_attention_ms'])}",
+            f"{'compiled total (wall)':<44}{self.compiled_ms:>10.1f}  {self.eager_ms / self.compiled_ms:.2f}x eager",
+            f"{'eager total (wall)':<44}{self.eager_ms:>10.1f}",
+            f"{'  of which dense attention (fused SDPA)':<44}{t['eager_attention_ms']:>10.1f}",
+            f"{'  non-attention (eager)':<44}{t['eager_non_attention_ms']:>10.1f}",
+            f"density, mean over calls: asked by the config {t['asked_density']:.4f}, index logical "
+            f"{t['logical_density']:.4f}, physical {t['physical_density']:.4f}",
+            f"plan-dense heads {sum(r.plan_dense_heads for r in self.layers)}, pairs run dense by index or guard "
+            f"{sum(r.ran_dense_pairs for r in self.layers)}, routed heads {sum(r.routed_heads for r in self.layers)}",
+            f"bound (compiled non-attention + dense attention x density): physical {t['bound_physical_ms']:.1f} ms "
+            f"({self.eager_ms / t['bound_physical_ms']:.2f}x eager), asked {t['bound_asked_ms']:.1f} ms "
+            f"({self.eager_ms / t['bound_asked_ms']:.2f}x eager)",
+        ]
+        return "\n".join(lines)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"meta": self.meta, "eager_ms": self.eager_ms, "compiled_ms": self.compiled_ms,
+                       "totals": self.totals(), "layers": [dataclasses.asdict(r) for r in self.layers]}, f, indent=1)
+
+
+def _take_apart(length: int, rows: list[LayerRow]):
+    """A stand-in for ``sparse_path.sparse_on_gpu`` that times every call of ``length`` rows into ``rows``."""
+    real = sparse_path.sparse_on_gpu
+
+    def wrapper(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
+                routed: tuple = ()):
+        result = real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed)
+        if q.shape[-2] != length:  # the background precompile's short calls
+            return result
+        path_ms = _time_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed))
+        index_ms = _time_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
+        split = dense.split_plan(plan)
+        heads = split.dense_heads
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        dense_heads_ms = _time_ms(lambda: dense.dense_heads_by_sdpa(
+            q, k, v, out, heads, dense.kv_heads_of(heads, group), scale, masks)) if heads else 0.0
+        dense_layer_ms = _time_ms(lambda: dense.dense_attention(q, k, v, masks, scale))
+        index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
+        selection = selection_of(q, k, plan, scale=scale, q_offset=masks.q_offset)
+        density = index_density(index, plan, selection, sq=q.shape[-2], skv=k.shape[-2], q_offset=masks.q_offset,
+                                force_dense=result.ran_dense)
+        physical, logical = density.overall()
+        rows.append(LayerRow(
+            call=len(rows), path_ms=path_ms, index_ms=index_ms, dense_heads_ms=dense_heads_ms,
+            dense_layer_ms=dense_layer_ms, physical=physical, logical=logical, asked=asked_density(plan, length),
+            plan_dense_heads=len(heads),
+            ran_dense_pairs=int(result.ran_dense.sum()) if result.ran_dense is not None else 0,
+            routed_heads=len(routed)))
+        return result
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _wrapped(length: int, rows: list[LayerRow]):
+    real = sparse_path.sparse_on_gpu
+    sparse_path.sparse_on_gpu = _take_apart(length, rows)  # the op calls it through the module
+    try:
+        yield
+    finally:
+        sparse_path.sparse_on_gpu = real
+
+
+def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None, reps: int = 3,
+              guard_threshold: Optional[float] = None, command: Optional[str] = None) -> Breakdown:
+    """Time ``model_name`` (:data:`assets.REAL_MODELS`) at ``length`` tokens of Austen's prose, eager against the
+    backend with ``config_path`` (default: the backend's default semantic config), and take the compiled
+    forward's attention apart call by call."""
+    if model_name not in assets.REAL_MODELS:
+        raise ValueError(f"unknown model {model_name!r}; known: {', '.join(assets.REAL_MODELS)}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench breakdown needs a CUDA GPU")
+    device = torch.device("cuda")
+    model, tokenizer = build_real(model_name, length, device, torch.bfloat16)
+    ids = text_prompt_ids(tokenizer, length, 0, device)
+
+    def wall_ms(fn, variant: str) -> float:
+        def step():
+            with torch.inference_mode(), _sdpa_context(variant, device):
+                fn(input_ids=ids, logits_to_keep=1)
+        return _time_ms(step, reps)
+
+    eager_ms = wall_ms(model, "eager")
+    options = {k: v for k, v in (("config", config_path), ("guard_threshold", guard_threshold)) if v is not None}
+    compiled = torch.compile(model, backend="minference", options=options)
+    with torch.inference_mode():
+        compiled(input_ids=ids, logits_to_keep=1)  # compiles; routing sees its first call
+    compiled_ms = wall_ms(compiled, "minference")
+    rows: list[LayerRow] = []
+    with _wrapped(length, rows), torch.inference_mode():
+        compiled(input_ids=ids, logits_to_keep=1)
+    real = assets.REAL_MODELS[model_name]
+    meta = dict(command=command or "breakdown(...)", date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), **environment(device), model=real.title, model_name=model_name, length=length,
+        yarn_factor=real.yarn_factor(length), config=config_path or "the backend's default semantic config",
+        options=options, reps=reps, attention_calls=len(rows), layers=real.layers)
+    return Breakdown(meta, eager_ms, compiled_ms, rows)

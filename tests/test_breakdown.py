@@ -1,0 +1,50 @@
+"""``bench breakdown``'s arithmetic on CPU: the density a config asks for and the table's totals and bounds."""
+import json
+
+import pytest
+
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.tools.breakdown import Breakdown, LayerRow, asked_density
+
+
+def test_asked_density_known_answers():
+    n = 1000
+    causal = n * (n + 1) / 2
+    dense = LayerPlan((HeadPlan(Pattern.DENSE),))
+    assert asked_density(dense, n) == pytest.approx(1.0)
+    # 100 keys a row: rows 0..99 keep all of theirs, the 900 later ones 100 each
+    vs = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 60, 40),))
+    assert asked_density(vs, n) == pytest.approx((100 * 101 / 2 + 900 * 100) / causal)
+    a_shape = LayerPlan((HeadPlan(Pattern.A_SHAPE, 64, 36),))
+    assert asked_density(a_shape, n) == pytest.approx(asked_density(vs, n))
+    blocks = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2, 0),))  # 2 blocks of 64 keys
+    assert asked_density(blocks, n) == pytest.approx((128 * 129 / 2 + 872 * 128) / causal)
+    mixed = LayerPlan((HeadPlan(Pattern.DENSE), HeadPlan(Pattern.VERTICAL_SLASH, 60, 40)))
+    assert asked_density(mixed, n) == pytest.approx((1 + asked_density(vs, n)) / 2)
+    # budgets past the prompt keep every causal key
+    assert asked_density(LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 4000, 4000),)), n) == pytest.approx(1.0)
+
+
+def _row(call, path, index, dense_heads, dense_layer, physical):
+    return LayerRow(call=call, path_ms=path, index_ms=index, dense_heads_ms=dense_heads, dense_layer_ms=dense_layer,
+                    physical=physical, logical=physical / 2, asked=physical / 4, plan_dense_heads=1,
+                    ran_dense_pairs=0, routed_heads=0)
+
+
+def test_totals_and_bounds(tmp_path):
+    rows = [_row(0, 10.0, 2.0, 3.0, 40.0, 0.25), _row(1, 20.0, 2.0, 3.0, 40.0, 0.5)]
+    result = Breakdown({"model": "m", "length": 1024, "config": "c"}, eager_ms=200.0, compiled_ms=100.0, layers=rows)
+    t = result.totals()
+    assert t["index_ms"] == 4.0 and t["dense_heads_ms"] == 6.0
+    assert t["walk_ms"] == pytest.approx(30.0 - 4.0 - 6.0)
+    assert t["non_attention_ms"] == pytest.approx(70.0)
+    assert t["eager_attention_ms"] == 80.0 and t["eager_non_attention_ms"] == 120.0
+    # compiled non-attention + dense attention at the (time-weighted) density
+    assert t["bound_physical_ms"] == pytest.approx(70.0 + 0.375 * 80.0)
+    assert t["bound_asked_ms"] == pytest.approx(70.0 + 0.375 / 4 * 80.0)
+    table = result.table()
+    assert "2.00x eager" in table and "index (2 calls)" in table
+    path = tmp_path / "b.json"
+    result.save(str(path))
+    saved = json.loads(path.read_text())
+    assert saved["totals"]["walk_ms"] == pytest.approx(20.0) and len(saved["layers"]) == 2
