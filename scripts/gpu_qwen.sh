@@ -39,7 +39,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
                --out "$STATE/bench_kernels.json" ;;
     search) timeout 420 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
-    prefill) timeout 580 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
+    prefill) timeout 900 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
                --variants eager,inductor,minference,minference-noguard --config "$CONFIG" --reps 3 \
                --out "$STATE/bench_prefill_qwen.json" ;;
     prefill_sparse4k)  # the same config sparse from 4K instead of from the tuned crossover
@@ -49,9 +49,9 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config "$STATE/config_sparse4k.json" --reps 3 --out "$STATE/bench_prefill_qwen_sparse4k.json" ;;
     breakdown) timeout 400 minference-fx bench breakdown --model $MODEL --lengths 128k --config "$CONFIG" \
                  --out "$STATE/breakdown_qwen_128k.json" ;;
-    eval32|eval128) timeout 540 minference-fx eval --model $MODEL --lengths ${1#eval}k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+    eval32|eval128) timeout 900 minference-fx eval --model $MODEL --lengths ${1#eval}k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config "$CONFIG" --out "$STATE/$1_qwen.json" ;;
-    evalg0) timeout 400 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code --ppl-tokens 1024 \
+    evalg0) timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code --ppl-tokens 1024 \
               --config "$CONFIG" --guard-threshold 0 --out "$STATE/evalg0_qwen.json" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
