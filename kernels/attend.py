@@ -22,6 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import PATTERN_CODES, Pattern
 from .reference import BLOCK, SparseIndex, first_kept_keys
@@ -50,13 +51,15 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocRow, doc_q, window,
+def _visible(cols, pos, col_ok, b, masks,
              HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr = True):
     """[BLOCK_M, BLOCK_N] mask of the base rule: causal, padding, same document, window.
 
-    ``DocRow``: the batch row's document ids; ``doc_q``: the query rows' own, loaded once per program.
+    ``masks``: ``(KeyMask, stride_km, DocRow, doc_q, window)``; ``DocRow``: the batch row's document ids;
+    ``doc_q``: the query rows' own, loaded once per program.
 
     ``CAUSAL=False`` for tiles wholly before the query tile and inside the keys: only the optional masks apply."""
+    KeyMask, stride_km, DocRow, doc_q, window = masks
     if CAUSAL:
         ok = col_ok[None, :] & (cols[None, :] <= pos[:, None])
     else:
@@ -117,52 +120,60 @@ def _update(q, k_ptrs, v_ptrs, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, d,
-          d_ok, pos, b, KeyMask, stride_km, DocRow, doc_q, window,
+def _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, kv, prog, masks,
           HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
           CAUSAL: tl.constexpr = True, APPLY_MASK: tl.constexpr = True, FULL_TILE: tl.constexpr = False,
-          k_desc=None, v_desc=None, hk=0, row0=0, USE_DESC: tl.constexpr = False):
-    """Keys ``cols`` of one step (every walk's): the base rule's mask, then the online-softmax update."""
-    ok = _visible(cols, pos, col_ok, b, KeyMask, stride_km, DocRow, doc_q, window,
-                  HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CAUSAL)
-    return _update(q, k_base + cols[:, None] * stride_kn + d[None, :] * stride_kd,
-                   v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
+          row0=0, USE_DESC: tl.constexpr = False):
+    """Keys ``cols`` of one step (every walk's): the base rule's mask, then the online-softmax update.
+
+    The grouped arguments (built once per program by ``_sparse_attn_fwd``):
+
+    * ``kv``: ``(k_base, v_base, stride_k, stride_v, KDesc, VDesc)``: the (batch, kv head)'s K and V, their
+      strides (batch, head, key, dim) and TMA descriptors (read only with ``USE_DESC``, from key ``row0``);
+    * ``prog``: ``(b, hk, pos, d, d_ok, seq_k)``: the program's batch row, kv head, query positions, head-dim
+      lanes and key count;
+    * ``masks``: ``(KeyMask, stride_km, DocRow, doc_q, window)``, read as the ``HAS_*`` flags say."""
+    k_base, v_base, stride_k, stride_v, KDesc, VDesc = kv
+    b, hk, pos, d, d_ok, seq_k = prog
+    ok = _visible(cols, pos, col_ok, b, masks, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, CAUSAL=CAUSAL)
+    return _update(q, k_base + cols[:, None] * stride_k[2] + d[None, :] * stride_k[3],
+                   v_base + cols[:, None] * stride_v[2] + d[None, :] * stride_v[3],
                    ok, m_i, l_i, acc, qk_scale, DOT_PRECISION, d_ok, col_ok, APPLY_MASK=APPLY_MASK,
-                   FULL_TILE=FULL_TILE, k_desc=k_desc, v_desc=v_desc, b=b, hk=hk, row0=row0, USE_DESC=USE_DESC)
+                   FULL_TILE=FULL_TILE, k_desc=KDesc, v_desc=VDesc, b=b, hk=hk, row0=row0, USE_DESC=USE_DESC)
 
 
 @triton.jit
-def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                     KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocRow, doc_q, window,
+def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
                      HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, KV_DESC: tl.constexpr, CROSSING: tl.constexpr,
                      APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
     """Keys ``start .. start + BLOCK_N - 1`` (one whole tile, or one step of the dense walk): contiguous rows of
     K/V, so TMA can copy them when ``KV_DESC``. Unless ``CROSSING``, they lie inside the keys."""
+    seq_k = prog[5]
     cols = start + offs_n
     if CROSSING:
         col_ok = cols < seq_k
     else:
         col_ok = cols >= 0  # all true
-    return _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                 d, d_ok, pos, b, KeyMask, stride_km, DocRow, doc_q, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
-                 DOT_PRECISION, CAUSAL=CROSSING, APPLY_MASK=APPLY_MASK, FULL_TILE=FULL_TILE, k_desc=KDesc,
-                 v_desc=VDesc, hk=hk, row0=start, USE_DESC=KV_DESC)
+    return _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, kv, prog, masks, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
+                 DOT_PRECISION, CAUSAL=CROSSING, APPLY_MASK=APPLY_MASK, FULL_TILE=FULL_TILE, row0=start,
+                 USE_DESC=KV_DESC)
 
 
 @triton.jit
-def _tile_number(i, pattern, listed, tile_list, sink_first, sink_tiles, win_first, slot_ok=True):
+def _tile_number(i, tiles, slot_ok=True):
     """Key tile in slot i (scalar or vector) of a query tile's visits: listed (VS/BS), or enumerated for
-    dense and A-shape (sinks from tile ``sink_first``, then the window)."""
+    dense and A-shape (sinks from tile ``sink_first``, then the window).
+
+    ``tiles``: ``(pattern, listed, tile_list, sink_first, sink_tiles, win_first)``."""
+    pattern, listed, tile_list, sink_first, sink_tiles, win_first = tiles
     n = tl.where(i < sink_tiles, sink_first + i, win_first + i - sink_tiles)
     n = tl.where(pattern == DENSE, i, n)
     return tl.where(listed, tl.load(tile_list + i, mask=listed & slot_ok, other=0), n)
 
 
 @triton.jit
-def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_first, sink_tiles, win_first,
-                k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocRow, doc_q, window,
+def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, tiles, kv, prog, masks, offs_n,
                 HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, TILE: tl.constexpr, KV_DESC: tl.constexpr,
                 CROSSING: tl.constexpr, APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
@@ -171,15 +182,17 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
     ``CROSSING``: the slots whose tiles may cross the diagonal or the end of the keys (causal mask, bounds);
     the others lie wholly before the query rows and inside the keys. BLOCK_N == TILE walks a tile a step
     (TMA copies when ``KV_DESC``); otherwise a step holds part of one tile (BLOCK_N < TILE) or several listed
-    tiles side by side (BLOCK_N > TILE: a gather, so no TMA), step v holding slots (v*BLOCK_N + offs_n) // TILE."""
+    tiles side by side (BLOCK_N > TILE: a gather, so no TMA), step v holding slots (v*BLOCK_N + offs_n) // TILE.
+
+    ``tiles``: the query tile's visits (see ``_tile_number``); ``kv``, ``prog``, ``masks``: as ``_step`` reads them."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
+    seq_k = prog[5]
     if BLOCK_N == TILE:
         for i in range(first, stop):
-            n = _tile_number(i, pattern, listed, tile_list, sink_first, sink_tiles, win_first)
-            m_i, l_i, acc = _contiguous_step(n * TILE, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
-                                             stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k,
-                                             KeyMask, stride_km, DocRow, doc_q, window, HAS_KEY_MASK, HAS_DOC,
-                                             HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING, APPLY_MASK, FULL_TILE)
+            n = _tile_number(i, tiles)
+            m_i, l_i, acc = _contiguous_step(n * TILE, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
+                                             HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING,
+                                             APPLY_MASK, FULL_TILE)
     else:
         lo = first * TILE // BLOCK_N
         if CROSSING:
@@ -190,23 +203,21 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_l
             at = v * BLOCK_N + offs_n
             if CROSSING:
                 slot_ok = at // TILE < stop
-                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_first, sink_tiles, win_first, slot_ok)
+                n = _tile_number(at // TILE, tiles, slot_ok)
                 cols = n * TILE + at % TILE
                 col_ok = slot_ok & (cols < seq_k)
             else:
-                n = _tile_number(at // TILE, pattern, listed, tile_list, sink_first, sink_tiles, win_first)
+                n = _tile_number(at // TILE, tiles)
                 cols = n * TILE + at % TILE
                 col_ok = cols >= 0
-            m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
-                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, DocRow, doc_q, window,
-                                  HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, CAUSAL=CROSSING,
-                                  APPLY_MASK=APPLY_MASK, FULL_TILE=FULL_TILE)
+            m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, kv, prog, masks, HAS_KEY_MASK, HAS_DOC,
+                                  HAS_WINDOW, DOT_PRECISION, CAUSAL=CROSSING, APPLY_MASK=APPLY_MASK,
+                                  FULL_TILE=FULL_TILE)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, DocRow, doc_q, window,
+def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
                HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                DOT_PRECISION: tl.constexpr, KV_DESC: tl.constexpr, CROSSING: tl.constexpr, APPLY_MASK: tl.constexpr,
                FULL_TILE: tl.constexpr):
@@ -215,10 +226,8 @@ def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, st
     ``KV_DESC``) and the pipeline never waits on a list entry."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     for start in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _contiguous_step(start, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
-                                         stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k,
-                                         KeyMask, stride_km, DocRow, doc_q, window, HAS_KEY_MASK, HAS_DOC,
-                                         HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING, APPLY_MASK, FULL_TILE)
+        m_i, l_i, acc = _contiguous_step(start, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n, HAS_KEY_MASK,
+                                         HAS_DOC, HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING, APPLY_MASK, FULL_TILE)
     return m_i, l_i, acc
 
 
@@ -226,25 +235,27 @@ def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, st
 # compile new variants as prompts vary. So do the index's and the masks' strides (query
 # tiles, list capacities, key count), which are read a scalar or a row at a time anyway.
 # Q/K/V/Out strides stay specialised (vectorised loads); a multiple of 16 for any length.
+# They come as one tuple a tensor, (batch, head, row, dim). The unspecialised strides stay
+# separate arguments: Triton specialises every int inside a tuple argument whatever
+# do_not_specialize says (3.6 and 3.8 alike).
 @triton.jit(do_not_specialize=["num_heads", "group", "seq_q", "seq_k", "q_offset", "window",
                                "stride_tc_bh", "stride_ti_bh", "stride_ti_m", "stride_cc_bh", "stride_ci_bh",
                                "stride_ci_m", "stride_km", "stride_doc", "stride_lb", "stride_lh"])
 def _sparse_attn_fwd(
-    Q, K, V, Out,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
+    Q, K, V, Out, stride_q, stride_k, stride_v, stride_o,
     KDesc, VDesc,
-    TileCount, TileIndex, ColCount, ColIndex,
-    stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
-    Patterns, BudgetA, BudgetB, ForceDense,
+    Index, stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
+    Plan, ForceDense,
     KeyMask, stride_km, FirstKey, DocIds, stride_doc, Lse, stride_lb, stride_lh,
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
+    """``Index``: the tables ``(TileCount, TileIndex, ColCount, ColIndex)``, [B*H, M] and [B*H, M, cap];
+    ``Plan``: the per-head tables ``(Patterns, BudgetA, BudgetB)``."""
+    TileCount, TileIndex, ColCount, ColIndex = Index
+    Patterns, BudgetA, BudgetB = Plan
     if FORCE_MODE == FORCE_ONLY:
         # the dense walk's programs differ in length by the causal triangle: launching the longest first
         # leaves short ones for the last wave
@@ -293,15 +304,18 @@ def _sparse_attn_fwd(
         first_key = tl.load(FirstKey + b)
     sees_keys = pos_hi >= first_key
     # load q: it stays in SRAM throughout (a skipped program reads and writes nothing)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + d[None, :] * stride_qd,
+    q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + rows[:, None] * stride_q[2] + d[None, :] * stride_q[3],
                 mask=(row_ok & runs)[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b * stride_kb + hk * stride_kh
+    k_base = K + b * stride_k[0] + hk * stride_k[1]
     # the query rows' documents hold for the whole program; rows past the queries read no id
     doc_row = DocIds + b * stride_doc
     doc_q = pos
     if HAS_DOC:
         doc_q = tl.load(doc_row + pos, mask=row_ok, other=-2)
-    v_base = V + b * stride_vb + hk * stride_vh
+    v_base = V + b * stride_v[0] + hk * stride_v[1]
+    kv = (k_base, v_base, stride_k, stride_v, KDesc, VDesc)
+    prog = (b, hk, pos, d, d_ok, seq_k)
+    masks = (KeyMask, stride_km, doc_row, doc_q, window)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -316,15 +330,12 @@ def _sparse_attn_fwd(
         key_lo = first_key // BLOCK_N * BLOCK_N
         if HAS_WINDOW:  # keys at or before pos_lo - window are out of every row's window
             key_lo = tl.maximum(tl.maximum(pos_lo - window + 1, 0) // BLOCK_N * BLOCK_N, key_lo)
-        m_i, l_i, acc = _walk_keys(key_lo, clear_end, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
-                                   stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask,
-                                   stride_km, doc_row, doc_q, window, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
-                                   DOT_PRECISION, KV_DESC, CROSSING=False, APPLY_MASK=EXTRA_MASKS,
-                                   FULL_TILE=HEAD_DIM == BLOCK_D)
-        m_i, l_i, acc = _walk_keys(tl.maximum(clear_end, key_lo), key_end, q, m_i, l_i, acc, qk_scale, k_base, v_base,
-                                   stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc, d, d_ok, offs_n, pos, b,
-                                   hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window, HAS_KEY_MASK, HAS_DOC,
-                                   HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
+        m_i, l_i, acc = _walk_keys(key_lo, clear_end, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
+                                   HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING=False,
+                                   APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
+        m_i, l_i, acc = _walk_keys(tl.maximum(clear_end, key_lo), key_end, q, m_i, l_i, acc, qk_scale, kv, prog, masks,
+                                   offs_n, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING=True,
+                                   APPLY_MASK=True, FULL_TILE=False)
     else:
         # -- stage 1: key tiles (TILE keys each), listed or enumerated from the pattern
         last_tile = tl.minimum(pos_hi, seq_k - 1) // TILE
@@ -357,14 +368,11 @@ def _sparse_attn_fwd(
         if BLOCK_M != TILE:
             crossing_last = tl.where(listed, tl.minimum(list_hi, seq_k - 1) // TILE, last_tile)
         n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
-        m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_first,
-                                    sink_tiles, win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window,
+        tiles = (pattern, listed, tile_list, sink_first, sink_tiles, win_first)
+        m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, tiles, kv, prog, masks, offs_n,
                                     HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
                                     CROSSING=False, APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
-        m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, pattern, listed, tile_list, sink_first,
-                                    sink_tiles, win_first, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, KDesc, VDesc,
-                                    d, d_ok, offs_n, pos, b, hk, seq_k, KeyMask, stride_km, doc_row, doc_q, window,
+        m_i, l_i, acc = _walk_tiles(n_clear, n_tiles, q, m_i, l_i, acc, qk_scale, tiles, kv, prog, masks, offs_n,
                                     HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
                                     CROSSING=True, APPLY_MASK=True, FULL_TILE=False)
 
@@ -376,13 +384,12 @@ def _sparse_attn_fwd(
             slot_ok = c0 + offs_n < n_cols
             cols = tl.load(col_list + c0 + offs_n, mask=slot_ok, other=0)
             col_ok = slot_ok & (cols >= 0) & (cols < seq_k)
-            m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_kn, stride_kd,
-                                  stride_vn, stride_vd, d, d_ok, pos, b, KeyMask, stride_km, doc_row, doc_q, window,
-                                  HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION)
+            m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, kv, prog, masks, HAS_KEY_MASK, HAS_DOC,
+                                  HAS_WINDOW, DOT_PRECISION)
 
     # epilogue: rows that saw no key are 0, not 0/0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + d[None, :] * stride_od,
+    tl.store(Out + b * stride_o[0] + h * stride_o[1] + rows[:, None] * stride_o[2] + d[None, :] * stride_o[3],
              out.to(Out.dtype.element_ty), mask=(row_ok & runs)[:, None] & d_ok[None, :])
     if RETURN_LSE:
         # m and l live in base 2 with the scale folded in: ln sum exp(scale * s) = ln2 * (m + log2 l)
@@ -475,20 +482,16 @@ def sparse_attention_triton(
     # the sparse walk's 128-key steps gather two listed tiles (no TMA); the dense walk's are contiguous
     use_desc = kv_desc and (block_n == BLOCK or dense_only) and _tma_ok(k, block_d) and _tma_ok(v, block_d)
     if use_desc:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in (k, v))
     else:
         k_desc = v_desc = q  # unused
     grid = (triton.cdiv(sq, block_m), B * Hq)
     lse_t = lse if return_lse else q  # any pointer; unused without RETURN_LSE
     _sparse_attn_fwd[grid](
-        q, k, v, out,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        q, k, v, out, q.stride(), k.stride(), v.stride(), out.stride(),
         k_desc, v_desc,
-        tc, ti, cc, ci,
-        tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
-        pat_t, a_t, b_t, force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
+        (tc, ti, cc, ci), tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
+        (pat_t, a_t, b_t), force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
         km, km.stride(0) if key_mask is not None else 0, first_key, doc, doc.stride(0) if doc_ids is not None else 0,
         lse_t, Hq * sq if return_lse else 0, sq if return_lse else 0,
         Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,

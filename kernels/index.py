@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+# absolute imports, so that a saved older copy loads outside the package (scripts/explore_kernels.py --old-index)
+from minference_fx.kernels.guard import captured_mass
 from minference_fx.kernels.reference import (
     check_index_inputs,
     BLOCK,
@@ -96,12 +98,14 @@ def _rank_keys_kernel(VERT, SLASH_PARTS, KEY_V, KEY_S, FirstKey, total, skv, per
 
 
 @triton.jit
-def _vs_scores_block(q, K_base, KM_b, DOC_b, doc_row, pos, row_ok, j, sks, skd, skv, head_dim, window, scale,
+def _vs_scores_block(q, K_base, KM_b, DOC_b, doc_row, pos, row_ok, j, stride_k, skv, head_dim, window, scale,
                      HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Scaled scores [ROWS, BLOCK_N] of the estimate rows against keys ``j`` and where the base mask allows them."""
+    """Scaled scores [ROWS, BLOCK_N] of the estimate rows against keys ``j`` and where the base mask allows them.
+
+    ``stride_k``: K's strides (batch, head, key, dim)."""
     d = tl.arange(0, BLOCK_D)
     key_ok = j < skv
-    kt = tl.load(K_base + j.to(tl.int64)[None, :] * sks + d[:, None] * skd,
+    kt = tl.load(K_base + j.to(tl.int64)[None, :] * stride_k[2] + d[:, None] * stride_k[3],
                  mask=key_ok[None, :] & (d[:, None] < head_dim), other=0.0)
     if DOT_F32:
         # fp32 inputs must not drop to tf32; mixed or bf16-on-CPU inputs go through fp32
@@ -121,10 +125,12 @@ def _vs_scores_block(q, K_base, KM_b, DOC_b, doc_row, pos, row_ok, j, sks, skd, 
 
 
 @triton.jit
-def _vs_load_rows(Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, skb, skh, skmb, sdb,
+def _vs_load_rows(Q, KM, DOC, HEADS, slot_row, n_vs, group, stride_q, stride_k, skmb, sdb,
                   sq, last_q, q_offset, head_dim,
                   HAS_DOC: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The estimate rows of one (batch, head): q [ROWS, BLOCK_D], positions, validity, doc ids, base pointers."""
+    """The estimate rows of one (batch, head): q [ROWS, BLOCK_D], positions, validity, doc ids, base pointers.
+
+    ``stride_q``, ``stride_k``: Q's and K's strides (batch, head, row, dim)."""
     b = slot_row // n_vs
     h = tl.load(HEADS + slot_row % n_vs)
     kvh = h // group
@@ -133,10 +139,10 @@ def _vs_load_rows(Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, 
     row_ok = r < last_q
     qrow = sq - last_q + r
     pos = q_offset + qrow
-    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    q = tl.load(q_base + qrow.to(tl.int64)[:, None] * sqs + d[None, :] * sqd,
+    q_base = Q + b.to(tl.int64) * stride_q[0] + h.to(tl.int64) * stride_q[1]
+    q = tl.load(q_base + qrow.to(tl.int64)[:, None] * stride_q[2] + d[None, :] * stride_q[3],
                 mask=row_ok[:, None] & (d[None, :] < head_dim), other=0.0)
-    K_base = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    K_base = b.to(tl.int64) * stride_k[0] + kvh.to(tl.int64) * stride_k[1]
     KM_b = KM + b.to(tl.int64) * skmb
     DOC_b = DOC + b.to(tl.int64) * sdb
     if HAS_DOC:
@@ -149,7 +155,7 @@ def _vs_load_rows(Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, 
 @triton.jit(do_not_specialize=["n_vs", "group", "sq", "skv", "last_q", "q_offset", "window", "n_chunks"])
 def _vs_row_stats_kernel(
     Q, K, KM, DOC, HEADS, M_OUT, L_OUT,
-    sqb, sqh, sqs, sqd, skb, skh, sks, skd, skmb, sdb,
+    stride_q, stride_k, skmb, sdb,
     n_vs, group, sq, skv, last_q, q_offset, window, scale, n_chunks, head_dim,
     HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
@@ -158,7 +164,7 @@ def _vs_row_stats_kernel(
     chunk = tl.program_id(0)
     slot_row = tl.program_id(1)
     q, pos, row_ok, K_off, KM_b, DOC_b, doc_row = _vs_load_rows(
-        Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, skb, skh, skmb, sdb,
+        Q, KM, DOC, HEADS, slot_row, n_vs, group, stride_q, stride_k, skmb, sdb,
         sq, last_q, q_offset, head_dim, HAS_DOC, ROWS, BLOCK_D)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -167,7 +173,7 @@ def _vs_row_stats_kernel(
     stop = tl.minimum(tl.minimum(start + CHUNK, skv), q_offset + sq)
     for j0 in tl.range(start, stop, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        s, allowed = _vs_scores_block(q, K + K_off, KM_b, DOC_b, doc_row, pos, row_ok, j, sks, skd, skv, head_dim,
+        s, allowed = _vs_scores_block(q, K + K_off, KM_b, DOC_b, doc_row, pos, row_ok, j, stride_k, skv, head_dim,
                                       window, scale, HAS_KM, HAS_DOC, DOT_F32, BLOCK_D)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -183,7 +189,7 @@ def _vs_row_stats_kernel(
 @triton.jit(do_not_specialize=["n_vs", "group", "sq", "skv", "last_q", "q_offset", "window"])
 def _vs_colsum_kernel(
     Q, K, KM, DOC, HEADS, ROW_MAX, ROW_SUM, VERT, SLASH,
-    sqb, sqh, sqs, sqd, skb, skh, sks, skd, skmb, sdb,
+    stride_q, stride_k, skmb, sdb,
     n_vs, group, sq, skv, last_q, q_offset, window, scale, head_dim,
     HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -193,13 +199,13 @@ def _vs_colsum_kernel(
     kblk = tl.program_id(0)
     slot_row = tl.program_id(1)
     q, pos, row_ok, K_off, KM_b, DOC_b, doc_row = _vs_load_rows(
-        Q, KM, DOC, HEADS, slot_row, n_vs, group, sqb, sqh, sqs, sqd, skb, skh, skmb, sdb,
+        Q, KM, DOC, HEADS, slot_row, n_vs, group, stride_q, stride_k, skmb, sdb,
         sq, last_q, q_offset, head_dim, HAS_DOC, ROWS, BLOCK_D)
     r = tl.arange(0, ROWS)
     row_max = tl.load(ROW_MAX + slot_row.to(tl.int64) * ROWS + r)
     row_sum = tl.load(ROW_SUM + slot_row.to(tl.int64) * ROWS + r)
     j = kblk * BLOCK_N + tl.arange(0, BLOCK_N)
-    s, allowed = _vs_scores_block(q, K + K_off, KM_b, DOC_b, doc_row, pos, row_ok, j, sks, skd, skv, head_dim,
+    s, allowed = _vs_scores_block(q, K + K_off, KM_b, DOC_b, doc_row, pos, row_ok, j, stride_k, skv, head_dim,
                                   window, scale, HAS_KM, HAS_DOC, DOT_F32, BLOCK_D)
     # same arithmetic as the reference's masked softmax: exp(s - max) / total
     p = tl.where(allowed, tl.exp(s - row_max[:, None]) / row_sum[:, None], 0.0)
@@ -282,8 +288,7 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     dot_f32 = q.dtype != k.dtype or q.dtype == torch.float32 or (dev.type == "cpu" and q.dtype == torch.bfloat16)
     block_d = max(16, triton.next_power_of_2(D))
     common = dict(
-        sqb=q.stride(0), sqh=q.stride(1), sqs=q.stride(2), sqd=q.stride(3),
-        skb=k.stride(0), skh=k.stride(1), sks=k.stride(2), skd=k.stride(3), skmb=kmb, sdb=docb,
+        stride_q=q.stride(), stride_k=k.stride(), skmb=kmb, sdb=docb,
         n_vs=n_vs, group=group, sq=sq, skv=skv, last_q=last_q, q_offset=q_offset, window=window,
         scale=float(scale), head_dim=D,
         HAS_KM=key_mask is not None, HAS_DOC=doc_ids is not None, DOT_F32=dot_f32,
@@ -376,10 +381,13 @@ def _diag_prefix_kernel(MARKS, PREFIX, SHIFT_HITS, skv, q_offset, n_shift, shift
 
 @triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "n_tiles", "q_offset", "n_shift", "shift0", "n_cols", "tile_cap", "col_cap"])
 def _vs_to_tiles_kernel(
-    PREFIX, SHIFT_HITS, COLS, COL_END, HEADS, TILE_IDX, TILE_CNT, COL_IDX, COL_CNT,
+    PREFIX, SHIFT_HITS, COLS, COL_END, HEADS, OUT,
     n_vs, hq, m_tiles, sq, skv, n_tiles, q_offset, n_shift, shift0, n_cols, tile_cap, col_cap,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    """One (query tile, vertical-slash head) of the index: its tiles and leftover columns, written into
+    ``OUT = (TILE_IDX, TILE_CNT, COL_IDX, COL_CNT)`` (the index's tables, in :class:`SparseIndex` order)."""
+    TILE_IDX, TILE_CNT, COL_IDX, COL_CNT = OUT
     m = tl.program_id(0)
     slot_row = tl.program_id(1)
     b = slot_row // n_vs
@@ -476,15 +484,13 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
     col_end = torch.searchsorted(cols, hi.to(torch.int32).expand(B, n_vs, -1).contiguous(), right=True).to(torch.int32)
 
     _vs_to_tiles_kernel[(m_tiles, B * n_vs)](
-        prefix, shift_hits, cols, col_end, heads, out.tile_index, out.tile_count, out.col_index, out.col_count,
+        prefix, shift_hits, cols, col_end, heads, (out.tile_index, out.tile_count, out.col_index, out.col_count),
         n_vs, Hq, m_tiles, sq, skv, n_tiles, q_offset, n_shift, shift0, cols.shape[-1],
         out.tile_index.shape[-1], out.col_index.shape[-1],
         BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
     )
     if mass_out is not None:
         # the runtime guard's estimate: the last rows' mass inside the last query tile's key set
-        from .guard import captured_mass
-
         # only the last query tile: indexing the whole index with a head list would copy all of it
         hl = heads.long()
         last = slice(m_tiles - 1, m_tiles)
