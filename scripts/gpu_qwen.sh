@@ -6,7 +6,11 @@
 #   scripts/gpu_qwen.sh start STEP...   run the steps one after another in the background
 #   scripts/gpu_qwen.sh status          the tail of every step's log
 #   scripts/gpu_qwen.sh collect         $OUT/qwen_results.tar.gz: logs, JSON, the tuned cache, the config
+#   scripts/gpu_qwen.sh poll [SECONDS]  wait up to SECONDS (default 240) or until no step runs, then status and
+#                                       collect: every poll brings back all results so far
 #
+# The device tool gives a machine back after 30 s without a call, and what the steps wrote goes with it: while
+# steps run, keep calling `poll` (each call keeps the machine busy while it waits), never leave a gap.
 # Steps: tune (d128/g6, the model's shape), tests (the GPU suite but the fuzz), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
@@ -68,6 +72,10 @@ case ${1:-status} in
   status)
     for f in "$STATE"/*.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; tail -n "${TAIL:-4}" "$f"; }; done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+  poll)
+    for _ in $(seq "${2:-240}"); do pgrep -f "[g]pu_qwen.sh' run" >/dev/null || pgrep -f "[g]pu_qwen.sh run" >/dev/null || break; sleep 1; done
+    TAIL=${TAIL:-4} bash "$0" status
+    bash "$0" collect ;;
   collect)
     cp "$MINFERENCE_FX_CACHE_DIR"/autotune*.json "$STATE"/ 2>/dev/null
     tar -czf "$OUT/qwen_results.tar.gz" -C "$STATE" .
