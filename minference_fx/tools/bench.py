@@ -21,6 +21,7 @@ import datetime
 import json
 import math
 import platform
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -42,20 +43,26 @@ KERNEL_FAMILIES = tuple(FAMILIES)
 """The input families ``bench kernels`` runs by default: all of them."""
 
 
+def event_ms(fn, reps: int = 2) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn``, timed by CUDA events after one warm-up call: for calls long
+    enough (tens of ms and more) that one timing each is precise."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(statistics.median(times))
+
+
 def _ms(fn, reps_hint: float) -> float:
     """Median milliseconds of ``fn``. ``reps_hint`` <= 1 means a long call (seconds at 512K+): do_bench
     would still run it ~8 times to estimate its runtime, so time one warm-up and two calls instead."""
     if reps_hint <= 1:
-        fn()
-        times = []
-        for _ in range(2):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return float(sorted(times)[0] + sorted(times)[1]) / 2
+        return event_ms(fn, 2)
     return float(triton.testing.do_bench(fn, warmup=max(1, int(reps_hint)), rep=max(1, int(4 * reps_hint)), return_mode="median"))
 
 

@@ -25,7 +25,7 @@ import dataclasses
 import datetime
 import json
 import statistics
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -35,6 +35,7 @@ from ..kernels.density import index_density, selection_of
 from ..kernels.index import build_index_gpu
 from ..plan import LayerPlan, Pattern
 from . import assets
+from .bench import event_ms
 from .bench_prefill import _sdpa_context, build_real, environment, text_prompt_ids
 
 BLOCK_ROWS = 64
@@ -55,20 +56,6 @@ def asked_density(plan: LayerPlan, length: int) -> float:
         keys = head.budget_a * BLOCK_ROWS if head.pattern is Pattern.BLOCK_SPARSE else head.budget_a + head.budget_b
         kept += float(rows.clamp(max=max(keys, 1)).sum())
     return kept / (causal * len(plan.heads))
-
-
-def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
-    """Median milliseconds of ``fn`` on the device after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 @dataclasses.dataclass
@@ -163,16 +150,16 @@ def _take_apart(length: int, rows: list[LayerRow]):
         result = real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed)
         if q.shape[-2] != length:  # the background precompile's short calls
             return result
-        path_ms = _time_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed))
-        index_ms = _time_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
+        path_ms = event_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed))
+        index_ms = event_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
         # the heads the path hands to fused SDPA: the plan's dense ones and the routed ones
         heads = tuple(sorted(set(dense.split_plan(plan).dense_heads) | set(routed)))
         group = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         with _sdpa_context("eager", q.device):  # cuDNN first, as eager runs it
-            dense_heads_ms = _time_ms(lambda: dense.dense_heads_by_sdpa(
+            dense_heads_ms = event_ms(lambda: dense.dense_heads_by_sdpa(
                 q, k, v, out, heads, dense.kv_heads_of(heads, group), scale, masks)) if heads else 0.0
-            dense_layer_ms = _time_ms(lambda: dense.dense_attention(q, k, v, masks, scale))
+            dense_layer_ms = event_ms(lambda: dense.dense_attention(q, k, v, masks, scale))
         index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
         selection = selection_of(q, k, plan, scale=scale, q_offset=masks.q_offset)
         density = index_density(index, plan, selection, sq=q.shape[-2], skv=k.shape[-2], q_offset=masks.q_offset,
@@ -216,7 +203,7 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
         def step():
             with torch.inference_mode(), _sdpa_context(variant, device):
                 fn(input_ids=ids, logits_to_keep=1)
-        return _time_ms(step, reps)
+        return event_ms(step, reps)
 
     eager_ms = wall_ms(model, "eager")
     options = {k: v for k, v in (("config", config_path), ("guard_threshold", guard_threshold)) if v is not None}
