@@ -15,7 +15,8 @@
 # families), search (the model's per-head config at 32K), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
-# tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard).
+# tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
+# at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -55,6 +56,13 @@ step() {   # $1: step name; its log is $STATE/$1.txt
                  --out "$STATE/breakdown_qwen_128k.json" ;;
     eval32|eval128) timeout 900 minference-fx eval --model $MODEL --lengths ${1#eval}k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config "$CONFIG" --out "$STATE/$1_qwen.json" ;;
+    tradeoff)  # speed against fidelity by guard threshold at 64K and 128K: TTFT, then NLL and NIAH at 128K
+          for g in 0.5 0.65; do
+            timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+              --config "$CONFIG" --guard-threshold $g --reps 3 --out "$STATE/bench_prefill_qwen_guard$g.json"
+            timeout 400 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code,niah --ppl-tokens 1024 \
+              --config "$CONFIG" --guard-threshold $g --out "$STATE/eval128_qwen_guard$g.json"
+          done ;;
     evalg0) timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code --ppl-tokens 1024 \
               --config "$CONFIG" --guard-threshold 0 --out "$STATE/evalg0_qwen.json" ;;
     *) echo "unknown step $1"; return 2 ;;

@@ -31,6 +31,7 @@ Results are dataclasses; :class:`EvalResults` prints as tables and saves as JSON
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -45,7 +46,7 @@ from .. import configs, guard_stats, observe
 from ..call_masks import CallMasks
 from ..config import SemanticConfig, default_config, load_config, model_identity_from_hf
 from ..dense import guard_mass, guarded_heads, near_dense_heads, weak_heads
-from ..kernels import reference
+from ..kernels import guard, reference
 from ..kernels.index import build_index_gpu
 from ..plan import LISTED_PATTERNS, LayerPlan, Pattern
 from ..search import physical_density
@@ -804,6 +805,16 @@ def _guard_counts() -> dict:
     return dataclasses.asdict(guard_stats())
 
 
+@contextlib.contextmanager
+def _guard_counted():
+    switch = guard.STATS_ON_GPU
+    guard.STATS_ON_GPU = True
+    try:
+        yield
+    finally:
+        guard.STATS_ON_GPU = switch
+
+
 EVAL_TASKS = ("ppl", "ppl-code", "niah", "ruler", "ruler-code", "recall")
 SPARSE_RUN_TASKS = frozenset(EVAL_TASKS) - {"recall"}
 """the tasks that run the compiled sparse model (recall reads the index from a dense run)"""
@@ -834,34 +845,36 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         code = stdlib_code.stdlib_code()
     if code is not None:
         results.code_corpus = code.describe()
-    guard_before = _guard_counts()
-    calibrated = bool(config.provenance.calibration_data)
-    if SPARSE_RUN_TASKS & set(tasks):
-        compiled = sparse_model(model, config, inner=inner)
-    for task_name, corpus, out in (("ppl", None, results.ppl), ("ppl-code", code, results.ppl_code)):
-        if task_name not in tasks:
-            continue
-        for n in lengths:
-            ids = (held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated) if corpus is None
-                   else code_window_ids(tokenizer, corpus.text, n, seed=window_seed)).to(device)
-            row = compare_perplexity(model, compiled, ids, scored=ppl_tokens)
-            out.append(row)
-            progress(f"{task_name} L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} "
-                     f"({100 * row.rel_delta:+.3f}%) [{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
-    if "niah" in tasks:
-        results.niah = needle_grid(model, tokenizer, lengths, depths, seeds, compiled=compiled, text=text,
-                                   progress=progress)
-    if "ruler" in tasks:
-        results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=text, haystack_name="austen",
-                                    tasks=ruler_tasks, chat=chat, compiled=compiled, progress=progress)
-    if "ruler-code" in tasks:  # the aggregation task reads no haystack: its code run would repeat the prose one
-        in_code = [t for t in ruler_tasks if ruler.task(t).reads_haystack]
-        results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=code.text,
-                                    haystack_name="code", tasks=in_code, chat=chat, compiled=compiled,
-                                    progress=progress)
-    if SPARSE_RUN_TASKS & set(tasks):  # the guard only runs in the sparse model's calls
-        after = _guard_counts()
-        results.guard = {k: after[k] - guard_before.get(k, 0) for k in after}
+    # on the GPU the guard counts only when told to (a host sync per call): eval is no timing, so it counts
+    with _guard_counted():
+        guard_before = _guard_counts()
+        calibrated = bool(config.provenance.calibration_data)
+        if SPARSE_RUN_TASKS & set(tasks):
+            compiled = sparse_model(model, config, inner=inner)
+        for task_name, corpus, out in (("ppl", None, results.ppl), ("ppl-code", code, results.ppl_code)):
+            if task_name not in tasks:
+                continue
+            for n in lengths:
+                ids = (held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated) if corpus is None
+                       else code_window_ids(tokenizer, corpus.text, n, seed=window_seed)).to(device)
+                row = compare_perplexity(model, compiled, ids, scored=ppl_tokens)
+                out.append(row)
+                progress(f"{task_name} L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} "
+                         f"({100 * row.rel_delta:+.3f}%) [{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
+        if "niah" in tasks:
+            results.niah = needle_grid(model, tokenizer, lengths, depths, seeds, compiled=compiled, text=text,
+                                       progress=progress)
+        if "ruler" in tasks:
+            results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=text, haystack_name="austen",
+                                        tasks=ruler_tasks, chat=chat, compiled=compiled, progress=progress)
+        if "ruler-code" in tasks:  # the aggregation task reads no haystack: its code run would repeat the prose one
+            in_code = [t for t in ruler_tasks if ruler.task(t).reads_haystack]
+            results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=code.text,
+                                        haystack_name="code", tasks=in_code, chat=chat, compiled=compiled,
+                                        progress=progress)
+        if SPARSE_RUN_TASKS & set(tasks):  # the guard only runs in the sparse model's calls
+            after = _guard_counts()
+            results.guard = {k: after[k] - guard_before.get(k, 0) for k in after}
     if "recall" in tasks:
         for n in lengths:
             ids = held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated).to(device)
