@@ -180,7 +180,8 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     guard = options.guard_threshold
     if guard is None:
         guard = config.guard_threshold if config is not None else DEFAULTS.guard_threshold
-    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense)
+    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense,
+                         options.guard_escalation or ())
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread),
                           share, head_offset or 0)
     _publish(report)

@@ -84,6 +84,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _minference_options(args) -> dict | None:
+    """The backend options ``--guard-threshold`` and ``--guard-escalation`` give the minference variants."""
+    options = {}
+    if args.guard_threshold is not None:
+        options["guard_threshold"] = args.guard_threshold
+    if args.guard_escalation:
+        options["guard_escalation"] = tuple(args.guard_escalation)
+    return options or None
+
+
 def _bench(args) -> int:
     if not torch.cuda.is_available():
         sys.exit("minference-fx bench needs a CUDA GPU")
@@ -94,7 +104,7 @@ def _bench(args) -> int:
             reduce_overhead=args.reduce_overhead, reps=args.reps, isolate=not args.in_process,
             out=args.out, append=args.append, command=command, model_name=args.model,
             budgets=tuple(args.budgets) if args.budgets else None, config_path=args.config,
-            minference_options=None if args.guard_threshold is None else {"guard_threshold": args.guard_threshold},
+            minference_options=_minference_options(args),
             attention_mask=args.attention_mask, batch=args.batch, pad_fraction=args.pad_fraction,
             pattern=args.pattern)
         print(result.table())
@@ -106,7 +116,7 @@ def _bench(args) -> int:
         if len(lengths) != 1 or args.model not in assets.REAL_MODELS:
             sys.exit(f"bench breakdown: one length (--lengths 128k) and --model {' or '.join(assets.REAL_MODELS)}")
         result = breakdown.breakdown(args.model, lengths[0], config_path=args.config, reps=args.reps,
-                                     guard_threshold=args.guard_threshold, command=command)
+                                     minference_options=_minference_options(args), command=command)
         print(result.table())
         if args.out:
             result.save(args.out)
@@ -204,11 +214,14 @@ def _eval(args) -> int:
     if args.guard_threshold is not None:
         config = config.with_guard_threshold(args.guard_threshold)
         config_name += f", guard threshold {args.guard_threshold:g}"
+    if args.guard_escalation:
+        config_name += f", weak heads escalate to {tuple(args.guard_escalation)}"
     results = evaluate.run_eval(
         model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
         model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
         window_seed=args.window_seed, ruler_tasks=tuple(args.ruler_tasks.split(",")),
-        chat={"auto": None, "chat": True, "plain": False}[args.prompt], ppl_tokens=args.ppl_tokens)
+        chat={"auto": None, "chat": True, "plain": False}[args.prompt], ppl_tokens=args.ppl_tokens,
+        guard_escalation=tuple(args.guard_escalation) if args.guard_escalation else None)
     print("\n" + results.table())
     if args.out:  # without --out nothing is written: the table above is the result
         results.save(args.out)
@@ -254,6 +267,8 @@ def _add_asset_commands(sub) -> None:
                    help="every head vertical-slash with these budgets (instead of --config)")
     e.add_argument("--guard-threshold", type=float, default=None,
                    help="the quality guard's threshold in the sparse runs and the recall's guarded columns (default: the config's)")
+    e.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
+                   help="a head the guard finds weak first tries an index of these budgets (option guard_escalation)")
     e.add_argument("--data", default="austen", help="'austen' or a text file")
     e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -299,6 +314,8 @@ def main(argv=None) -> int:
                    help="prefill, with --budgets: every head this pattern; a_shape reads the budgets as (sink, window)")
     b.add_argument("--guard-threshold", type=float, default=None,
                    help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
+    b.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
+                   help="prefill: a head the guard finds weak first tries an index of these budgets (option guard_escalation)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--families", default="structured,scattered",
                    help="kernels: comma list of input families (structured: clustered slashes; scattered: slashes "

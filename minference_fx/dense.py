@@ -11,7 +11,9 @@ plan-dense heads       the plan's dense heads of a mixed layer (:class:`PlanSpli
 near-dense index       a listed (vertical-slash or block-sparse) pair whose index keeps >= 90 % of the causal
                        key tiles (:func:`near_dense_heads`, :func:`forced_on_gpu`)
 quality guard          a vertical-slash pair whose estimated captured mass is under the guard threshold
-                       (:func:`weak_heads`, :func:`guard_mass`; on the GPU the index builds the estimate)
+                       (:func:`weak_heads`, :func:`guard_mass`; on the GPU the index builds the estimate);
+                       with an escalation (the op's ``escalate_a``/``escalate_b``), only a pair still under
+                       it at those larger budgets (:meth:`LayerPlan.escalated`, :func:`take_index`)
 routed heads           the heads a site ran dense in every batch row at its previous call, where
                        :func:`routable` (``minference_fx.routing``)
 =====================  ==================================================================================
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from .call_masks import CallMasks
 from .kernels import attend, guard
-from .kernels.reference import BLOCK
+from .kernels.reference import BLOCK, SparseIndex
 from .kernels.tables import int_table
 from .plan import LISTED_PATTERNS, PATTERN_CODES, HeadPlan, LayerPlan, Pattern
 
@@ -322,3 +324,24 @@ def forced_on_gpu(index, plan: LayerPlan, q, k, masks: CallMasks,
     near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask)
     guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
     return near if weak is None else weak | near
+
+
+# --------------------------------------------------------------------------- the guard's escalation
+
+
+def take_index(base: SparseIndex, other: SparseIndex, take: torch.Tensor) -> SparseIndex:
+    """``base`` with the (batch, head) rows of ``other`` where ``take`` ([B, Hq] bool); the slot dims padded with
+    -1 to the wider of the two (sizes from the shapes: no host sync, nothing sized by the data)."""
+    def pad(t: torch.Tensor, width: int) -> torch.Tensor:
+        return F.pad(t, (0, width - t.shape[-1]), value=-1)
+
+    rows = take[:, :, None]
+    tiles = max(base.tile_index.shape[-1], other.tile_index.shape[-1])
+    cols = max(base.col_index.shape[-1], other.col_index.shape[-1])
+    return SparseIndex(
+        tile_count=torch.where(rows, other.tile_count, base.tile_count),
+        tile_index=torch.where(rows[..., None], pad(other.tile_index, tiles), pad(base.tile_index, tiles)),
+        col_count=torch.where(rows, other.col_count, base.col_count),
+        col_index=torch.where(rows[..., None], pad(other.col_index, cols), pad(base.col_index, cols)),
+    )
+

@@ -136,6 +136,8 @@ class CallPlan:
     device's tuned one (:func:`autotune.dispatch.tuned_min_sparse_len`); not looked up for an empty call"""
     guard_threshold: float = 0.0
     """the quality guard's threshold, 0 where it checks nothing (off, or no vertical-slash head)"""
+    escalation: tuple = ()
+    """(columns, diagonals) a weak vertical-slash head tries before it runs dense; () where it runs dense at once"""
     route_site: int = routing.NO_SITE
     router: Optional[routing.Router] = None
     """where the site's routing is read and this call's dense heads recorded"""
@@ -165,7 +167,8 @@ def dense_walk_launch(q, k, masks: CallMasks) -> Optional[TuneEntry]:
 
 
 def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_len: int, guard_threshold: float = 0.0,
-              route_site: int = routing.NO_SITE, router: Optional[routing.Router] = None) -> CallPlan:
+              route_site: int = routing.NO_SITE, router: Optional[routing.Router] = None,
+              escalation: tuple = ()) -> CallPlan:
     """Decide the path of one call from metadata and the host's state alone (no host sync, nothing sized by the
     data): the tuned crossover and launch configs (``autotune.dispatch``), and the site's routing in ``router``
     (default: the process's, :data:`routing.ROUTER`). Reading the routing counts a call that skips its index."""
@@ -185,8 +188,9 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
         return dataclasses.replace(call, path=dense_path, walk_launch=dense_walk_launch(q, k, masks))
     # routing sends heads to the fused SDPA; with documents or a window to read it has none to send them to
     can_route = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
-    call = dataclasses.replace(call, guard_threshold=guard_threshold if guard_threshold > 0 and split.n_vs else 0.0,
-                               routable=can_route,
+    guarded = guard_threshold > 0 and split.n_vs
+    call = dataclasses.replace(call, guard_threshold=guard_threshold if guarded else 0.0,
+                               escalation=tuple(escalation) if guarded else (), routable=can_route,
                                routed=router.routed_heads(route_site, q.shape[1], q.device) if can_route else ())
     if dense.all_routed(plan, call.routed) and not router.index_due(route_site, q.shape[-2], q.device):
         # the CPU's SDPA reads the mask itself; the GPU's runs again in the dense walk the rows it hides keys of
@@ -209,10 +213,10 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
         return dense.dense_attention(q, k, v, call.masks, call.scale, walk=call.walk_launch)
     if call.path is CallPath.SPARSE_GPU:
         result = sparse_path.sparse_on_gpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
-                                           call.sparse_launch, call.walk_launch, call.routed)
+                                           call.sparse_launch, call.walk_launch, call.routed, call.escalation)
     else:
         result = sparse_path.sparse_on_cpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
-                                           call.routed)
+                                           call.routed, call.escalation)
     if result.weak is not None:
         guard.record(result.weak, q.shape[0] * dense.split_plan(call.plan).n_vs)
     if result.ran_dense is not None and call.routable:
@@ -236,15 +240,21 @@ def sparse_attention(
     min_sparse_len: int,
     guard_threshold: float = 0.0,
     route_site: int = -1,
+    escalate_a: int = 0,
+    escalate_b: int = 0,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b)
+    if escalate_a < 0 or escalate_b < 0:
+        raise ValueError(f"minference::sparse_attention: escalate_a and escalate_b must be >= 0 (0, 0: a weak head "
+                         f"runs dense at once), got {escalate_a}, {escalate_b}")
     if q.is_cuda:
         # the first call, dense or sparse, waits for the kernels compiling in the background (at once when
         # none is): no CUDA work of that thread can then overlap a graph capture that follows this call
         precompile.wait()
     plan = layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
+    escalation = (escalate_a, escalate_b) if escalate_a or escalate_b else ()
     call = plan_call(q, k, call_masks(q, k, key_mask, doc_ids, q_offset, window), scale, plan, min_sparse_len,
-                     guard_threshold, route_site)
+                     guard_threshold, route_site, escalation=escalation)
     return run_call(call, q, k, v)
 
 
@@ -273,6 +283,6 @@ sparse_attention.register_autograd(_no_backward, setup_context=_refuse_autograd)
 
 @sparse_attention.register_fake
 def _sparse_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, min_sparse_len,
-                           guard_threshold=0.0, route_site=-1):
+                           guard_threshold=0.0, route_site=-1, escalate_a=0, escalate_b=0):
     # new_empty, not empty_like: q is often a transposed view and the real op returns contiguous
     return q.new_empty(q.shape)

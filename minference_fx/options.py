@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from .config import SemanticConfig, load_config
 from .defaults import TUNED_CROSSOVER
+from .plan import MAX_BUDGET
 
 # the modes of torch._inductor.list_mode_options(), written out so that reading the options imports no Inductor
 _INDUCTOR_MODES = ("default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
@@ -49,6 +50,11 @@ class BackendOptions:
     """a vertical-slash head whose estimated captured mass falls below this runs dense (0 turns the guard off);
     None: the config's value"""
 
+    guard_escalation: Optional[tuple[int, int]] = None
+    """(columns, diagonals), e.g. MInference's (1000, 6096): a vertical-slash head the guard finds weak first takes
+    an index at least that large (built beside its own, chosen on the device) and runs dense only if that still
+    keeps under the threshold; None: a weak head runs dense at once"""
+
     autotune: str = "off"
     """"off": a shape missing from the autotune cache runs a safe default (logged once); "on-miss": it is
     tuned on the GPU at its first call, once per process, and stored. Process-wide once turned on."""
@@ -72,7 +78,7 @@ class BackendOptions:
     one on the op's exact dense path, eagerly, and raises naming the first site whose output differs"""
 
     _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold",
-              "autotune", "precompile", "route_dense", "int64_indexing", "verify")
+              "guard_escalation", "autotune", "precompile", "route_dense", "int64_indexing", "verify")
     AUTOTUNE_POLICIES = ("off", "on-miss")
 
     @classmethod
@@ -96,6 +102,11 @@ class BackendOptions:
         guard = options.get("guard_threshold")
         if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not 0.0 <= guard <= 1.0):
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
+        escalation = options.get("guard_escalation")
+        if escalation is not None and (not isinstance(escalation, (tuple, list)) or len(escalation) != 2
+                                       or not all(_is_int(x) and 1 <= x <= MAX_BUDGET for x in escalation)):
+            problems.append(f"guard_escalation={escalation!r}; expected (columns, diagonals), two ints in "
+                            f"[1, {MAX_BUDGET}], or None")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
         for flag in ("precompile", "route_dense", "int64_indexing", "verify"):
@@ -123,6 +134,7 @@ class BackendOptions:
             mode=options.get("mode"),
             observer=options.get("observer"),
             guard_threshold=None if guard is None else float(guard),
+            guard_escalation=None if escalation is None else (int(escalation[0]), int(escalation[1])),
             autotune=options.get("autotune", "off"),
             precompile=options.get("precompile", True),
             route_dense=options.get("route_dense", True),

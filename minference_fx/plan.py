@@ -73,6 +73,15 @@ class LayerPlan:
             [h.budget_b for h in self.heads],
         )
 
+    def escalated(self, budgets: tuple[int, int]) -> "LayerPlan":
+        """The plan a call falls back to for the heads the quality guard finds weak: every vertical-slash head
+        with at least ``budgets`` (columns, diagonals), every other head dense (the fallback index lists only
+        vertical-slash heads, the only ones the guard checks)."""
+        columns, diagonals = budgets
+        return LayerPlan(tuple(
+            HeadPlan(Pattern.VERTICAL_SLASH, max(h.budget_a, columns), max(h.budget_b, diagonals))
+            if h.pattern is Pattern.VERTICAL_SLASH else HeadPlan(Pattern.DENSE) for h in self.heads))
+
     @staticmethod
     def from_op_arguments(patterns, budget_a, budget_b) -> "LayerPlan":
         if not (len(patterns) == len(budget_a) == len(budget_b)):

@@ -28,18 +28,26 @@ class SparseResult(NamedTuple):
 
 
 def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
-                  routed: tuple = ()) -> SparseResult:
+                  routed: tuple = (), escalation: tuple = ()) -> SparseResult:
     """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``walk`` (the dense walk): index, the
     heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
     ``routed`` ones through the device's fused SDPA without a mask (the whole layer in one call when that is
     every head) where :func:`dense.routable` (under a padding mask, one batch row: run again in the masked dense
     walk when padded), else in the kernel's dense walk (routing then changes nothing). The index still
-    covers routed heads, so ``ran_dense`` says whether they would have run dense."""
+    covers routed heads, so ``ran_dense`` says whether they would have run dense. With an ``escalation``
+    (columns, diagonals) the heads the guard finds weak take an index built at those budgets, and only those
+    still under the threshold there run dense (no host sync: both indexes are built, the rows chosen on the
+    device)."""
     split = dense.split_plan(plan)
     guarded = guard_threshold > 0
-    mass = torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if guarded else None
+    mass = _full_mass(q) if guarded else None
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
     weak = mass < guard_threshold if guarded else None
+    if guarded and escalation:
+        mass_up = _full_mass(q)
+        index_up = build_index_gpu(q, k, plan.escalated(escalation), scale=scale, mass_out=mass_up, **masks.kwargs())
+        index = dense.take_index(index, index_up, weak)
+        weak = weak & (mass_up < guard_threshold)
     force = ran_dense = dense.forced_on_gpu(index, plan, q, k, masks, weak)
     by_sdpa = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:
@@ -74,13 +82,18 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
 
 
 def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float,
-                  routed: tuple = ()) -> SparseResult:
+                  routed: tuple = (), escalation: tuple = ()) -> SparseResult:
     """The op's CPU path: the reference is the implementation (the Triton interpreter is for tests, not speed).
     Its index lists every head, the run-time rules (:func:`dense.dense_rules`) and the ``routed`` heads densify
-    it, and the reference attends over it; ``ran_dense`` leaves the routing out, as on the GPU."""
+    it, and the reference attends over it; ``ran_dense`` leaves the routing out, as on the GPU. With an
+    ``escalation``, weak heads first take an index at those budgets, as on the GPU."""
     split = dense.split_plan(plan)
     index = reference.build_index(q, k, plan, scale=scale, **masks.kwargs())
     near, weak = dense.dense_rules(q, k, plan, index, scale, masks, guard_threshold)
+    if weak is not None and escalation and bool(weak.any()):  # CPU: a host check is free
+        index_up = reference.build_index(q, k, plan.escalated(escalation), scale=scale, **masks.kwargs())
+        index = dense.take_index(index, index_up, weak)
+        near, weak = dense.dense_rules(q, k, plan, index, scale, masks, guard_threshold)
     guard.record(near, q.shape[0] * split.n_listed, dense.NEAR_DENSE_STATS)
     ran_dense = near if weak is None else near | weak
     force = ran_dense | dense.head_mask(routed, q.shape[1])[None, :]
@@ -88,3 +101,8 @@ def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], masks.q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks.kwargs())
     return SparseResult(out.to(q.dtype).contiguous(), weak, ran_dense)
+
+
+def _full_mass(q) -> torch.Tensor:
+    """[B, Hq] fp32 ones: what the index's ``mass_out`` leaves for the heads it does not estimate."""
+    return torch.ones(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)

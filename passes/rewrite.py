@@ -132,9 +132,11 @@ def check(sites: list[AttentionSite]) -> list[AttentionSite]:
 
 
 def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
-        observer: int | None = None, guard_threshold: float = 0.0, route_dense: bool = True) -> list[AttentionSite]:
+        observer: int | None = None, guard_threshold: float = 0.0, route_dense: bool = True,
+        escalation: tuple = ()) -> list[AttentionSite]:
     """Rewrite every site :func:`check` leaves unblocked; with ``observer`` (search mode) into the dense observed op
-    instead. ``route_dense``: each op gets its own routing site id (``minference_fx.routing``)."""
+    instead. ``route_dense``: each op gets its own routing site id (``minference_fx.routing``). ``escalation``:
+    the budgets a weak vertical-slash head tries before it runs dense (() for none)."""
     graph = gm.graph
     out = []
     replaced: dict[fx.Node, fx.Node] = {}
@@ -158,8 +160,9 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
                       int(info.window))
             if observer is None:
                 route_site = routing.new_site() if route_dense else routing.NO_SITE
+                escalate = tuple(int(x) for x in escalation) or (0, 0)
                 new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold),
-                                                route_site))
+                                                route_site, *escalate))
             else:
                 new = graph.call_function(_OBSERVE_OP, (*common, int(site.layer), int(observer)))
             # the traced value, though the op's output is contiguous: nothing reads new's strides but the copy

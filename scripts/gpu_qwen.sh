@@ -16,7 +16,8 @@
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
-# at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8).
+# at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
+# escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -63,6 +64,11 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             timeout 400 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code,niah --ppl-tokens 1024 \
               --config "$CONFIG" --guard-threshold $g --out "$STATE/eval128_qwen_guard$g.json"
           done ;;
+    escalation)  # weak heads escalate to MInference's default budgets instead of running dense: TTFT, fidelity
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+            --config "$CONFIG" --guard-escalation 1000 6096 --reps 3 --out "$STATE/bench_prefill_qwen_escalation.json"
+          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ppl,ppl-code,niah --ppl-tokens 1024 \
+            --config "$CONFIG" --guard-escalation 1000 6096 --out "$STATE/eval128_qwen_escalation.json" ;;
     evalg0) timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code --ppl-tokens 1024 \
               --config "$CONFIG" --guard-threshold 0 --out "$STATE/evalg0_qwen.json" ;;
     *) echo "unknown step $1"; return 2 ;;

@@ -146,11 +146,11 @@ def _take_apart(length: int, rows: list[LayerRow]):
     real = sparse_path.sparse_on_gpu
 
     def wrapper(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
-                routed: tuple = ()):
-        result = real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed)
+                routed: tuple = (), escalation: tuple = ()):
+        result = real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalation)
         if q.shape[-2] != length:  # the background precompile's short calls
             return result
-        path_ms = event_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed))
+        path_ms = event_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalation))
         index_ms = event_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
         # the heads the path hands to fused SDPA: the plan's dense ones and the routed ones
         heads = tuple(sorted(set(dense.split_plan(plan).dense_heads) | set(routed)))
@@ -187,10 +187,10 @@ def _wrapped(length: int, rows: list[LayerRow]):
 
 
 def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None, reps: int = 3,
-              guard_threshold: Optional[float] = None, command: Optional[str] = None) -> Breakdown:
+              minference_options: Optional[dict] = None, command: Optional[str] = None) -> Breakdown:
     """Time ``model_name`` (:data:`assets.REAL_MODELS`) at ``length`` tokens of Austen's prose, eager against the
-    backend with ``config_path`` (default: the backend's default semantic config), and take the compiled
-    forward's attention apart call by call."""
+    backend with ``config_path`` (default: the backend's default semantic config) and ``minference_options``,
+    and take the compiled forward's attention apart call by call."""
     if model_name not in assets.REAL_MODELS:
         raise ValueError(f"unknown model {model_name!r}; known: {', '.join(assets.REAL_MODELS)}")
     if not torch.cuda.is_available():
@@ -206,7 +206,7 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
         return event_ms(step, reps)
 
     eager_ms = wall_ms(model, "eager")
-    options = {k: v for k, v in (("config", config_path), ("guard_threshold", guard_threshold)) if v is not None}
+    options = {**(minference_options or {}), **({"config": config_path} if config_path else {})}
     compiled = torch.compile(model, backend="minference", options=options)
     with torch.inference_mode():
         compiled(input_ids=ids, logits_to_keep=1)  # compiles; routing sees its first call

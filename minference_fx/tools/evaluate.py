@@ -60,14 +60,14 @@ HELD_OUT_FROM = 0.75  # perplexity windows come from the last quarter of the tex
 # --------------------------------------------------------------------------- compiling
 
 
-def sparse_model(model, config: SemanticConfig, *, inner: str = "eager"):
+def sparse_model(model, config: SemanticConfig, *, inner: str = "eager", guard_escalation: Optional[tuple] = None):
     """``model`` compiled with the minference backend, sparse at every length.
 
     ``inner="eager"`` runs the rewritten graph without Inductor: quality does not
     depend on the inner compiler, and it skips minutes of codegen on CPU.
     """
     torch._dynamo.reset()  # a fresh trace: the model may have been compiled with another config
-    options = {"config": config, "inner": inner, "min_sparse_len": 0}
+    options = {"config": config, "inner": inner, "min_sparse_len": 0, "guard_escalation": guard_escalation}
     return torch.compile(model, backend="minference", options=options)
 
 
@@ -824,7 +824,7 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
              config_name: str, model_name: str = "", depths=(0.1, 0.5, 0.9), seeds=(0,), inner: str = "eager",
              rows: int = 256, window_seed: int = 0, code: Optional[stdlib_code.CodeCorpus] = None,
              ruler_tasks=tuple(ruler.TASKS), chat: Optional[bool] = None, ppl_tokens: Optional[int] = None,
-             progress: Callable[[str], None] = print) -> EvalResults:
+             progress: Callable[[str], None] = print, guard_escalation: Optional[tuple] = None) -> EvalResults:
     """Every requested task (of :data:`EVAL_TASKS`) at every length; progress lines as it goes.
 
     ``window_seed`` picks the held-out window of perplexity and recall; another seed checks that a
@@ -850,7 +850,7 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         guard_before = _guard_counts()
         calibrated = bool(config.provenance.calibration_data)
         if SPARSE_RUN_TASKS & set(tasks):
-            compiled = sparse_model(model, config, inner=inner)
+            compiled = sparse_model(model, config, inner=inner, guard_escalation=guard_escalation)
         for task_name, corpus, out in (("ppl", None, results.ppl), ("ppl-code", code, results.ppl_code)):
             if task_name not in tasks:
                 continue
