@@ -183,7 +183,7 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense,
                          options.guard_escalation or ())
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread),
-                          share, head_offset or 0)
+                          share, head_offset or 0, options.guard_escalation or ())
     _publish(report)
     checks = [verify.SiteCheck(f"{i} (layer {site.layer}, {site.source or traced})", traced, site.node.name)
               for i, (site, traced) in enumerate(zip(sites, traced_names)) if not site.blocker]

@@ -87,11 +87,14 @@ class Report:
     """this rank's share of the query heads as the sharded weights say (``parallel.read``); None: not sharded"""
     head_offset: int = 0
     """the global query head the sites' head 0 read in the config: the share's first head, or the option's"""
+    guard_escalation: tuple = ()
+    """(columns, diagonals) a weak head tries before it runs dense; (): none"""
 
     @staticmethod
     def build(sites: list[AttentionSite], plans: dict, code_before: str, code_after: str, min_sparse_len: int,
               guard_threshold: float = 0.0, route_dense: bool = True, unread: tuple = (),
-              tensor_parallel: Optional["HeadShare"] = None, head_offset: int = 0) -> "Report":
+              tensor_parallel: Optional["HeadShare"] = None, head_offset: int = 0,
+              guard_escalation: tuple = ()) -> "Report":
         rows = []
         for i, site in enumerate(sites):
             mask = site.mask_info.describe() if site.mask_info else "?"
@@ -103,7 +106,7 @@ class Report:
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
         return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense, unread,
-                      tensor_parallel, head_offset)
+                      tensor_parallel, head_offset, tuple(guard_escalation))
 
     @property
     def rewritten(self) -> int:
@@ -135,7 +138,9 @@ class Report:
         if self.head_offset != (self.tensor_parallel.first_head if self.tensor_parallel else 0):
             out.append(f"config heads read from global query head {self.head_offset} (options['head_offset'])")
         if self.rewritten and self.guard_threshold > 0:
-            out.append(f"quality guard: vertical-slash heads under {self.guard_threshold:.2f} captured mass run dense; "
+            fallback = (f"first try {self.guard_escalation} (columns, diagonals), then run dense" if self.guard_escalation
+                        else "run dense")
+            out.append(f"quality guard: vertical-slash heads under {self.guard_threshold:.2f} captured mass {fallback}; "
                        f"so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in {STATS.calls} calls")
         if self.rewritten:
             out.append("routing: heads that ran dense at a site's last call run through SDPA at its next" if self.route_dense

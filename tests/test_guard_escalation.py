@@ -3,14 +3,16 @@ takes an index at larger budgets, and runs dense only if it is still weak there.
 path (Triton under the interpreter here)."""
 import pytest
 import torch
+import transformers
 
-from minference_fx import dense
+from minference_fx import dense, inspect
 from minference_fx.autotune.cache import DEFAULT_ENTRIES
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
 from minference_fx.options import BackendOptions
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.sparse_path import sparse_on_cpu, sparse_on_gpu
+from minference_fx.tools.tiny import tiny_config
 
 S, D, HOT = 512, 32, 90
 SCALE = D ** -0.5
@@ -102,14 +104,11 @@ def test_guard_escalation_option_names_the_bad_value(bad):
         BackendOptions.from_user({"guard_escalation": bad})
 
 
-def test_the_option_reaches_every_rewritten_op_and_a_compiled_model_matches_its_eager_op():
-    from minference_fx import inspect
-    from minference_fx.tools.tiny import tiny_config
-    import transformers
-
+def test_the_option_reaches_every_rewritten_op_and_the_report():
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", "sdpa")).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 96))
     result = inspect(model, ids, use_cache=False, options={"guard_escalation": (1000, 6096), "min_sparse_len": 0})
     assert result.rewritten and "1000, 6096)" in result.diff()
+    assert "first try (1000, 6096) (columns, diagonals), then run dense" in str(result)
     plain = inspect(model, ids, use_cache=False, options={"min_sparse_len": 0})
-    assert "1000, 6096)" not in plain.diff()
+    assert "1000, 6096)" not in plain.diff() and "first try" not in str(plain)
