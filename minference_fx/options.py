@@ -51,7 +51,7 @@ class BackendOptions:
     None: the config's value"""
 
     guard_escalation: Optional[tuple[int, int]] = None
-    """(columns, diagonals), e.g. MInference's (1000, 6096): a vertical-slash head the guard finds weak first takes
+    """(columns, diagonals), e.g. MInference's default budgets: a vertical-slash head the guard finds weak first takes
     an index at least that large (built beside its own, chosen on the device) and runs dense only if that still
     keeps under the threshold; None: a weak head runs dense at once"""
 
