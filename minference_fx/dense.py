@@ -13,7 +13,7 @@ near-dense index       a listed (vertical-slash or block-sparse) pair whose inde
 quality guard          a vertical-slash pair whose estimated captured mass is under the guard threshold
                        (:func:`weak_heads`, :func:`guard_mass`; on the GPU the index builds the estimate);
                        with an escalation (the op's ``escalate_a``/``escalate_b``), only a pair still under
-                       it at those larger budgets (:meth:`LayerPlan.escalated`, :func:`take_index`)
+                       it at those larger budgets (:func:`plan.escalated_plan`, :func:`take_index`)
 routed heads           the heads a site ran dense in every batch row at its previous call, where
                        :func:`routable` (``minference_fx.routing``)
 =====================  ==================================================================================

@@ -53,7 +53,7 @@ from .autotune import dispatch
 from .autotune.cache import TuneEntry
 from .call_masks import CallMasks
 from .kernels import guard
-from .plan import LayerPlan, layer_plan
+from .plan import LayerPlan, escalated_plan, layer_plan
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
@@ -136,8 +136,9 @@ class CallPlan:
     device's tuned one (:func:`autotune.dispatch.tuned_min_sparse_len`); not looked up for an empty call"""
     guard_threshold: float = 0.0
     """the quality guard's threshold, 0 where it checks nothing (off, or no vertical-slash head)"""
-    escalation: tuple = ()
-    """(columns, diagonals) a weak vertical-slash head tries before it runs dense; () where it runs dense at once"""
+    escalated: Optional[LayerPlan] = None
+    """the plan whose index a weak vertical-slash head tries before it runs dense (:func:`plan.escalated_plan`);
+    None where it runs dense at once"""
     route_site: int = routing.NO_SITE
     router: Optional[routing.Router] = None
     """where the site's routing is read and this call's dense heads recorded"""
@@ -190,7 +191,8 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
     can_route = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     guarded = guard_threshold > 0 and split.n_vs
     call = dataclasses.replace(call, guard_threshold=guard_threshold if guarded else 0.0,
-                               escalation=tuple(escalation) if guarded else (), routable=can_route,
+                               escalated=escalated_plan(plan, tuple(escalation)) if guarded and escalation else None,
+                               routable=can_route,
                                routed=router.routed_heads(route_site, q.shape[1], q.device) if can_route else ())
     if dense.all_routed(plan, call.routed) and not router.index_due(route_site, q.shape[-2], q.device):
         # the CPU's SDPA reads the mask itself; the GPU's runs again in the dense walk the rows it hides keys of
@@ -213,10 +215,10 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
         return dense.dense_attention(q, k, v, call.masks, call.scale, walk=call.walk_launch)
     if call.path is CallPath.SPARSE_GPU:
         result = sparse_path.sparse_on_gpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
-                                           call.sparse_launch, call.walk_launch, call.routed, call.escalation)
+                                           call.sparse_launch, call.walk_launch, call.routed, call.escalated)
     else:
         result = sparse_path.sparse_on_cpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
-                                           call.routed, call.escalation)
+                                           call.routed, call.escalated)
     if result.weak is not None:
         guard.record(result.weak, q.shape[0] * dense.split_plan(call.plan).n_vs)
     if result.ran_dense is not None and call.routable:

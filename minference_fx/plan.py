@@ -73,15 +73,6 @@ class LayerPlan:
             [h.budget_b for h in self.heads],
         )
 
-    def escalated(self, budgets: tuple[int, int]) -> "LayerPlan":
-        """The plan a call falls back to for the heads the quality guard finds weak: every vertical-slash head
-        with at least ``budgets`` (columns, diagonals), every other head dense (the fallback index lists only
-        vertical-slash heads, the only ones the guard checks)."""
-        columns, diagonals = budgets
-        return LayerPlan(tuple(
-            HeadPlan(Pattern.VERTICAL_SLASH, max(h.budget_a, columns), max(h.budget_b, diagonals))
-            if h.pattern is Pattern.VERTICAL_SLASH else HeadPlan(Pattern.DENSE) for h in self.heads))
-
     @staticmethod
     def from_op_arguments(patterns, budget_a, budget_b) -> "LayerPlan":
         if not (len(patterns) == len(budget_a) == len(budget_b)):
@@ -107,3 +98,18 @@ def layer_plan(patterns: tuple, budget_a: tuple, budget_b: tuple) -> LayerPlan:
     """:meth:`LayerPlan.from_op_arguments`, remembered: the op and the background precompile build a site's plan
     from its constant arguments at every call, and a model has few distinct ones."""
     return LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
+
+
+@functools.lru_cache(maxsize=4096)
+def escalated_plan(plan: LayerPlan, budgets: tuple[int, int]) -> LayerPlan | None:
+    """The plan whose index the heads the quality guard finds weak fall back to: every vertical-slash head with at
+    least ``budgets`` (columns, diagonals), every other head dense (the fallback index lists only vertical-slash
+    heads, the only ones the guard checks). None when no head's budgets are raised: the fallback index would be
+    the call's own. Remembered, as :func:`layer_plan`: the op asks at every call."""
+    columns, diagonals = budgets
+    if not any(h.pattern is Pattern.VERTICAL_SLASH and (h.budget_a < columns or h.budget_b < diagonals)
+               for h in plan.heads):
+        return None
+    return LayerPlan(tuple(
+        HeadPlan(Pattern.VERTICAL_SLASH, max(h.budget_a, columns), max(h.budget_b, diagonals))
+        if h.pattern is Pattern.VERTICAL_SLASH else HeadPlan(Pattern.DENSE) for h in plan.heads))

@@ -28,14 +28,14 @@ class SparseResult(NamedTuple):
 
 
 def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
-                  routed: tuple = (), escalation: tuple = ()) -> SparseResult:
+                  routed: tuple = (), escalated: Optional[LayerPlan] = None) -> SparseResult:
     """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``walk`` (the dense walk): index, the
     heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
     ``routed`` ones through the device's fused SDPA without a mask (the whole layer in one call when that is
     every head) where :func:`dense.routable` (under a padding mask, one batch row: run again in the masked dense
     walk when padded), else in the kernel's dense walk (routing then changes nothing). The index still
-    covers routed heads, so ``ran_dense`` says whether they would have run dense. With an ``escalation``
-    (columns, diagonals) the heads the guard finds weak take an index built at those budgets, and only those
+    covers routed heads, so ``ran_dense`` says whether they would have run dense. With an ``escalated`` plan
+    (:func:`~minference_fx.plan.escalated_plan`) the heads the guard finds weak take its index, and only those
     still under the threshold there run dense (no host sync: both indexes are built, the rows chosen on the
     device)."""
     split = dense.split_plan(plan)
@@ -43,9 +43,9 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     mass = _full_mass(q) if guarded else None
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
     weak = mass < guard_threshold if guarded else None
-    if guarded and escalation:
+    if guarded and escalated is not None:
         mass_up = _full_mass(q)
-        index_up = build_index_gpu(q, k, plan.escalated(escalation), scale=scale, mass_out=mass_up, **masks.kwargs())
+        index_up = build_index_gpu(q, k, escalated, scale=scale, mass_out=mass_up, **masks.kwargs())
         index = dense.take_index(index, index_up, weak)
         weak = weak & (mass_up < guard_threshold)
     force = ran_dense = dense.forced_on_gpu(index, plan, q, k, masks, weak)
@@ -82,16 +82,16 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
 
 
 def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float,
-                  routed: tuple = (), escalation: tuple = ()) -> SparseResult:
+                  routed: tuple = (), escalated: Optional[LayerPlan] = None) -> SparseResult:
     """The op's CPU path: the reference is the implementation (the Triton interpreter is for tests, not speed).
     Its index lists every head, the run-time rules (:func:`dense.dense_rules`) and the ``routed`` heads densify
     it, and the reference attends over it; ``ran_dense`` leaves the routing out, as on the GPU. With an
-    ``escalation``, weak heads first take an index at those budgets, as on the GPU."""
+    ``escalated`` plan, weak heads first take its index, as on the GPU."""
     split = dense.split_plan(plan)
     index = reference.build_index(q, k, plan, scale=scale, **masks.kwargs())
     near, weak = dense.dense_rules(q, k, plan, index, scale, masks, guard_threshold)
-    if weak is not None and escalation and bool(weak.any()):  # CPU: a host check is free
-        index_up = reference.build_index(q, k, plan.escalated(escalation), scale=scale, **masks.kwargs())
+    if weak is not None and escalated is not None and bool(weak.any()):  # CPU: a host check is free
+        index_up = reference.build_index(q, k, escalated, scale=scale, **masks.kwargs())
         index = dense.take_index(index, index_up, weak)
         near, weak = dense.dense_rules(q, k, plan, index, scale, masks, guard_threshold)
     guard.record(near, q.shape[0] * split.n_listed, dense.NEAR_DENSE_STATS)

@@ -10,7 +10,7 @@ from minference_fx.autotune.cache import DEFAULT_ENTRIES
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
 from minference_fx.options import BackendOptions
-from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalated_plan
 from minference_fx.sparse_path import sparse_on_cpu, sparse_on_gpu
 from minference_fx.tools.tiny import tiny_config
 
@@ -34,12 +34,14 @@ def _hot_columns_qkv():
     return q, k, v
 
 
-def test_escalated_plan_raises_vertical_slash_budgets_and_drops_the_other_heads():
+def test_escalated_plan_raises_vertical_slash_budgets_drops_the_other_heads_and_is_none_when_nothing_rises():
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 64, 2000), HeadPlan(Pattern.VERTICAL_SLASH, 3000, 10),
                       HeadPlan(Pattern.A_SHAPE, 64, 128), HeadPlan(Pattern.BLOCK_SPARSE, 4), HeadPlan(Pattern.DENSE)))
-    up = plan.escalated((1000, 6096))
+    up = escalated_plan(plan, (1000, 6096))
     assert up.heads[:2] == (HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.VERTICAL_SLASH, 3000, 6096))
     assert all(h.pattern is Pattern.DENSE for h in up.heads[2:])
+    # nothing to raise: the fallback index would be the call's own, so there is none to build
+    assert escalated_plan(plan, (64, 10)) is None
 
 
 def test_take_index_takes_the_chosen_rows_and_pads_the_narrower_tables():
@@ -67,10 +69,10 @@ def test_a_weak_head_runs_at_the_escalated_budgets_instead_of_dense_on_the_cpu_o
     masks = CallMasks()
     plain = sparse_on_cpu(q, k, v, SMALL, SCALE, masks, 0.8)
     assert plain.weak.tolist() == [[True, False]] and plain.ran_dense[0, 0]  # the premise: weak at 30 columns
-    escalated = sparse_on_cpu(q, k, v, SMALL, SCALE, masks, 0.8, escalation=ESCALATION)
+    escalated = sparse_on_cpu(q, k, v, SMALL, SCALE, masks, 0.8, escalated=escalated_plan(SMALL, ESCALATION))
     assert escalated.weak.tolist() == [[False, False]] and not escalated.ran_dense.any()
     # head 0 reads the escalated index's keys, head 1 its own A-shape ones
-    up = reference.build_index(q, k, SMALL.escalated(ESCALATION), scale=SCALE)
+    up = reference.build_index(q, k, escalated_plan(SMALL, ESCALATION), scale=SCALE)
     own = reference.build_index(q, k, SMALL, scale=SCALE)
     want = reference.sparse_attention_reference(q, k, v, SMALL, scale=SCALE,
                                                 index=dense.take_index(own, up, torch.tensor([[True, False]])))
@@ -81,16 +83,16 @@ def test_a_weak_head_runs_at_the_escalated_budgets_instead_of_dense_on_the_cpu_o
 
 def test_an_escalation_too_small_still_runs_dense():
     q, k, v = _hot_columns_qkv()
-    result = sparse_on_cpu(q, k, v, SMALL, SCALE, CallMasks(), 0.8, escalation=(31, 50))
+    result = sparse_on_cpu(q, k, v, SMALL, SCALE, CallMasks(), 0.8, escalated=escalated_plan(SMALL, (31, 50)))
     assert result.weak[0, 0] and result.ran_dense[0, 0]
 
 
 def test_the_gpu_path_escalates_as_the_cpu_op_does():
     q, k, v = _hot_columns_qkv()
     masks = CallMasks()
-    want = sparse_on_cpu(q, k, v, SMALL, SCALE, masks, 0.8, escalation=ESCALATION)
+    want = sparse_on_cpu(q, k, v, SMALL, SCALE, masks, 0.8, escalated=escalated_plan(SMALL, ESCALATION))
     got = sparse_on_gpu(q, k, v, SMALL, SCALE, masks, 0.8, DEFAULT_ENTRIES["sparse_attention"],
-                        DEFAULT_ENTRIES["dense_walk"], escalation=ESCALATION)
+                        DEFAULT_ENTRIES["dense_walk"], escalated=escalated_plan(SMALL, ESCALATION))
     assert got.weak.tolist() == want.weak.tolist() == [[False, False]]
     torch.testing.assert_close(got.out, want.out, rtol=2e-4, atol=2e-4)
     plain = sparse_on_gpu(q, k, v, SMALL, SCALE, masks, 0.8, DEFAULT_ENTRIES["sparse_attention"],

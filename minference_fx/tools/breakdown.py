@@ -146,11 +146,11 @@ def _take_apart(length: int, rows: list[LayerRow]):
     real = sparse_path.sparse_on_gpu
 
     def wrapper(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
-                routed: tuple = (), escalation: tuple = ()):
-        result = real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalation)
+                routed: tuple = (), escalated=None):
+        result = real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalated)
         if q.shape[-2] != length:  # the background precompile's short calls
             return result
-        path_ms = event_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalation))
+        path_ms = event_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalated))
         index_ms = event_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
         # the heads the path hands to fused SDPA: the plan's dense ones and the routed ones
         heads = tuple(sorted(set(dense.split_plan(plan).dense_heads) | set(routed)))
