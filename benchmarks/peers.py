@@ -31,9 +31,18 @@ import importlib.util
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minference_fx.kernels.density import KeySelection
+from minference_fx.autotune.dispatch import launch_config
+from minference_fx.cli import parse_lengths
+from minference_fx.defaults import DEFAULTS
+from minference_fx.kernels.attend import sparse_attention_triton
+from minference_fx.kernels.density import KeySelection, selection_of
+from minference_fx.kernels.index import build_index_gpu
 from minference_fx.kernels.reference import BLOCK, SparseIndex
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.tools import bench
 
 PEERS = ("flashinfer", "minference")
 NOT_INSTALLED = "not installed"
@@ -158,8 +167,6 @@ def run_flashinfer(case, *, reps: float):
     # an optional peer: only a benchmark machine has it, and it JIT-compiles its kernels there on first use
     from flashinfer.sparse import VariableBlockSparseAttentionWrapper
 
-    from minference_fx.tools.bench import _ms
-
     q, k, v = case.q, case.k, case.v
     if q.shape[0] != 1:
         raise ValueError("the FlashInfer wrapper takes one sequence; the benchmark runs batch 1")
@@ -175,9 +182,9 @@ def run_flashinfer(case, *, reps: float):
         wrapper.plan(layout.block_mask_map, layout.block_row_sz, layout.block_col_sz, Hq, Hq, D, causal=True,
                      sm_scale=case.scale, q_data_type=q.dtype)
 
-    plan_ms = _ms(plan, reps)
+    plan_ms = bench._ms(plan, reps)
     plan()
-    run_ms = _ms(lambda: wrapper.run(q_hnd, k_rep, v_rep), reps)
+    run_ms = bench._ms(lambda: wrapper.run(q_hnd, k_rep, v_rep), reps)
     out = wrapper.run(q_hnd, k_rep, v_rep)[None]
     return plan_ms, run_ms, out, layout.column_blocks
 
@@ -186,8 +193,6 @@ def run_minference(case, selection: KeySelection, *, reps: float):
     """(ms, output ``[1, Hq, S, D]``) of MInference's vertical-slash attention on ``case``'s picks."""
     # an optional peer: a source checkout installed on the benchmark machine (its CUDA index converter is built there)
     from minference.ops.pit_sparse_flash_attention_v2 import vertical_slash_sparse_attention
-
-    from minference_fx.tools.bench import _ms
 
     q, k, v = case.q, case.k, case.v
     D = q.shape[-1]
@@ -200,7 +205,7 @@ def run_minference(case, selection: KeySelection, *, reps: float):
     def call():
         return vertical_slash_sparse_attention(q, k_rep, v_rep, v_idx, s_idx)
 
-    return _ms(call, reps), call()
+    return bench._ms(call, reps), call()
 
 
 @dataclasses.dataclass
@@ -231,9 +236,6 @@ class PeerRow:
 
 def _dense(q, k, v, scale):
     """(backend name, ms function, output) of causal dense attention, cuDNN first."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     group = q.shape[1] // k.shape[1]
     k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -249,14 +251,6 @@ def _dense(q, k, v, scale):
 
 def bench_peers(lengths, families=None, budgets=None, peers=PEERS) -> list[PeerRow]:
     """Ours (index + kernel), dense, FlashInfer and MInference on ``bench kernels``' inputs, one row a case."""
-    from minference_fx.autotune.dispatch import launch_config
-    from minference_fx.defaults import DEFAULTS
-    from minference_fx.kernels.attend import sparse_attention_triton
-    from minference_fx.kernels.density import selection_of
-    from minference_fx.kernels.index import build_index_gpu
-    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
-    from minference_fx.tools import bench
-
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; known: {', '.join(PEERS)}")
@@ -338,9 +332,6 @@ def format_peer_rows(rows) -> str:
 
 
 def main(argv=None) -> int:
-    from minference_fx.cli import parse_lengths
-    from minference_fx.tools import bench
-
     parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="32k,128k", help="comma list, e.g. 32k,128k")
     parser.add_argument("--families", default=",".join(bench.KERNEL_FAMILIES), help="comma list of input families")
