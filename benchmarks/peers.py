@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.util
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -189,10 +191,34 @@ def run_flashinfer(case, *, reps: float):
     return plan_ms, run_ms, out, layout.column_blocks
 
 
+def minference_kernel():
+    """MInference's ``vertical_slash_sparse_attention``, from a source checkout installed on the benchmark machine
+    (its CUDA index converter is built there).
+
+    The package's ``__init__`` also imports its model patches, written against transformers 4.x; where that fails,
+    the kernel module is loaded under a bare package entry that runs no ``__init__``: the kernel and its CUDA
+    converter are the same code either way.
+    """
+    name = "minference.ops.pit_sparse_flash_attention_v2"
+    try:
+        return importlib.import_module(name).vertical_slash_sparse_attention
+    except Exception as exc:  # the patches' import, not the kernel's, is what fails under transformers 5
+        reason = f"{type(exc).__name__}: {exc}"
+    for loaded in [m for m in sys.modules if m == "minference" or m.startswith("minference.")]:
+        del sys.modules[loaded]
+    spec = importlib.util.find_spec("minference")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"minference is not installed ({reason})")
+    package = types.ModuleType("minference")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["minference"] = package
+    print(f"minference: package __init__ failed ({reason[:160]}); loaded its kernel module alone", flush=True)
+    return importlib.import_module(name).vertical_slash_sparse_attention
+
+
 def run_minference(case, selection: KeySelection, *, reps: float):
     """(ms, output ``[1, Hq, S, D]``) of MInference's vertical-slash attention on ``case``'s picks."""
-    # an optional peer: a source checkout installed on the benchmark machine (its CUDA index converter is built there)
-    from minference.ops.pit_sparse_flash_attention_v2 import vertical_slash_sparse_attention
+    vertical_slash_sparse_attention = minference_kernel()
 
     q, k, v = case.q, case.k, case.v
     D = q.shape[-1]

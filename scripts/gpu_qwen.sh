@@ -17,7 +17,8 @@
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
 # at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
-# escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K).
+# escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K), peers
+# (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -71,6 +72,17 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config "$CONFIG" --guard-escalation 1000 6096 --out "$STATE/eval128_qwen_escalation.json" ;;
     evalg0) timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code --ppl-tokens 1024 \
               --config "$CONFIG" --guard-threshold 0 --out "$STATE/evalg0_qwen.json" ;;
+    peers)  # issue 36 part 4: MInference as shipped (its source, built here with nvcc) and FlashInfer (its wheel,
+            # carried in two halves) on bench kernels' inputs; outside the package (benchmarks/peers.py)
+          cat /root/peers/flashinfer_python-*.whl.part* > /tmp/flashinfer_python-0.7.4-py3-none-any.whl
+          python3 -m pip install -q --no-deps /tmp/flashinfer_python-0.7.4-py3-none-any.whl /root/peers/*.whl
+          rm -rf /root/MInference && mkdir -p /root/MInference && tar -xzf /root/peers/minference_src.tar.gz -C /root/MInference
+          MINFERENCE_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 timeout 400 \
+            python3 -m pip install -q --no-deps --no-build-isolation /root/MInference
+          timeout 400 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered --peers minference \
+            --out "$STATE/peers_minference.json"
+          timeout 600 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered --peers flashinfer \
+            --out "$STATE/peers_flashinfer.json" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
   echo "== $1 rc=$? took $((SECONDS - t0)) s"
