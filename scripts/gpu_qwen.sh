@@ -92,7 +92,8 @@ case ${1:-status} in
   start)
     shift
     install || exit 1
-    setsid bash -c "for s in $*; do bash '$0' run \$s > '$STATE'/\$s.txt 2>&1; done" </dev/null >/dev/null 2>&1 &
+    # one step at a time on the GPU, also across chains started by separate calls: each holds the lock while it runs
+    setsid bash -c "for s in $*; do flock '$STATE/gpu.lock' bash '$0' run \$s > '$STATE'/\$s.txt 2>&1; done" </dev/null >/dev/null 2>&1 &
     echo "started: $*" ;;
   run) step "$2" ;;
   status)
