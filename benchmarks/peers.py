@@ -30,7 +30,6 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
-import types
 
 import torch
 import torch.nn.functional as F
@@ -209,9 +208,7 @@ def minference_kernel():
     spec = importlib.util.find_spec("minference")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(f"minference is not installed ({reason})")
-    package = types.ModuleType("minference")
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules["minference"] = package
+    sys.modules["minference"] = importlib.util.module_from_spec(spec)  # its __init__ never runs
     print(f"minference: package __init__ failed ({reason[:160]}); loaded its kernel module alone", flush=True)
     return importlib.import_module(name).vertical_slash_sparse_attention
 

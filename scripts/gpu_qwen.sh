@@ -79,6 +79,8 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           rm -rf /root/MInference && mkdir -p /root/MInference && tar -xzf /root/peers/minference_src.tar.gz -C /root/MInference
           MINFERENCE_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 timeout 400 \
             python3 -m pip install -q --no-deps --no-build-isolation /root/MInference
+          step peers_run ;;
+    peers_run)  # the peers' runs alone, once step peers has installed them
           timeout 400 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered --peers minference \
             --out "$STATE/peers_minference.json"
           timeout 600 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered --peers flashinfer \
@@ -91,9 +93,13 @@ step() {   # $1: step name; its log is $STATE/$1.txt
 case ${1:-status} in
   start)
     shift
-    install || exit 1
+    # steps run from a private copy of the tree: every device call syncs the working tree anew, and a step that
+    # read a kernel file mid-sync hashed a missing file (no tuned launch config for the rest of that process)
+    src=/root/mfx-src-$(date +%s)
+    mkdir -p "$src" && tar --exclude=./.xfer --exclude=./.xfer_peers -cf - . | tar -xf - -C "$src"
+    cd "$src" && install || exit 1
     # one step at a time on the GPU, also across chains started by separate calls: each holds the lock while it runs
-    setsid bash -c "for s in $*; do flock '$STATE/gpu.lock' bash '$0' run \$s > '$STATE'/\$s.txt 2>&1; done" </dev/null >/dev/null 2>&1 &
+    setsid bash -c "cd '$src'; for s in $*; do flock '$STATE/gpu.lock' bash '$src/scripts/gpu_qwen.sh' run \$s > '$STATE'/\$s.txt 2>&1; done" </dev/null >/dev/null 2>&1 &
     echo "started: $*" ;;
   run) step "$2" ;;
   status)
