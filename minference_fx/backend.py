@@ -180,10 +180,12 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     guard = options.guard_threshold
     if guard is None:
         guard = config.guard_threshold if config is not None else DEFAULTS.guard_threshold
-    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense,
-                         options.guard_escalation or ())
+    escalation = options.guard_escalation
+    if escalation is None:
+        escalation = config.guard_escalation if config is not None else DEFAULTS.guard_escalation
+    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense, escalation)
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread),
-                          share, head_offset or 0, options.guard_escalation or ())
+                          share, head_offset or 0, escalation)
     _publish(report)
     checks = [verify.SiteCheck(f"{i} (layer {site.layer}, {site.source or traced})", traced, site.node.name)
               for i, (site, traced) in enumerate(zip(sites, traced_names)) if not site.blocker]

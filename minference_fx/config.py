@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from minference_fx.defaults import DEFAULTS, TUNED_CROSSOVER
-from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern
+from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern, is_escalation
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ DEFAULT_DEFAULTS: dict[str, Any] = {
     # The ``defaults`` section of a config that leaves every key out: minference_fx.defaults.DEFAULTS as JSON.
     "min_sparse_len": DEFAULTS.min_sparse_len,
     "guard_threshold": DEFAULTS.guard_threshold,
+    # [columns, diagonals]: a head the guard finds weak first tries an index of these budgets (backend option
+    # guard_escalation); null: it runs dense at once
+    "guard_escalation": list(DEFAULTS.guard_escalation) or None,
     "default_head": {"pattern": DEFAULTS.head.pattern.value, "budgets": list(DEFAULTS.budgets)},
 }
 
@@ -286,6 +289,12 @@ class SemanticConfig:
         return self.defaults["guard_threshold"]
 
     @property
+    def guard_escalation(self) -> tuple:
+        """(columns, diagonals) a weak head tries before it runs dense; () for none"""
+        budgets = self.defaults.get("guard_escalation")
+        return () if budgets is None else tuple(budgets)
+
+    @property
     def default_head(self) -> HeadEntry:
         d = self.defaults["default_head"]
         return HeadEntry(d["pattern"], tuple(d["budgets"]), None)
@@ -473,6 +482,10 @@ def _defaults_problems(defaults) -> list[str]:
     gt = defaults.get("guard_threshold")
     if not (isinstance(gt, (int, float)) and not isinstance(gt, bool) and math.isfinite(gt) and 0 <= gt <= 1):
         problems.append(f"defaults.guard_threshold must be a number in [0, 1] (a share of attention mass), got {gt!r}")
+    ge = defaults.get("guard_escalation")
+    if ge is not None and not (isinstance(ge, list) and is_escalation(ge)):
+        problems.append(f"defaults.guard_escalation must be [columns, diagonals], two integers in [1, {MAX_BUDGET}], "
+                        f"or null, got {ge!r}")
     dh = defaults.get("default_head")
     if not isinstance(dh, Mapping):
         problems.append(f"defaults.default_head must be a mapping with pattern and budgets, got {dh!r}")

@@ -36,6 +36,10 @@ class Defaults:
     that call (the runtime quality guard; 0 = off). 0.8 keeps the worst head's recall at or above 0.8 on SmolLM2
     at 32K, 64K and 128K for 0.4-4 % more computed tiles; 0.5 left heads at 0.56-0.76 (BENCHMARKS.md, fidelity)."""
 
+    guard_escalation: tuple = ()
+    """(columns, diagonals) a head the guard finds weak tries before it runs dense; () runs it dense at once. Off by
+    default: a model's config turns it on where it measured better (its ``defaults.guard_escalation``)."""
+
     untuned_min_sparse_len: int = 8192
     """the least crossover a device without a measured one uses (the floor of ``autotune.dispatch.untuned_crossover``):
     below it sparse attention saves less than its index costs"""

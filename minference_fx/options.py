@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from .config import SemanticConfig, load_config
 from .defaults import TUNED_CROSSOVER
-from .plan import MAX_BUDGET
+from .plan import MAX_BUDGET, is_escalation
 
 # the modes of torch._inductor.list_mode_options(), written out so that reading the options imports no Inductor
 _INDUCTOR_MODES = ("default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
@@ -50,10 +50,10 @@ class BackendOptions:
     """a vertical-slash head whose estimated captured mass falls below this runs dense (0 turns the guard off);
     None: the config's value"""
 
-    guard_escalation: Optional[tuple[int, int]] = None
+    guard_escalation: Optional[tuple] = None
     """(columns, diagonals), e.g. MInference's default budgets: a vertical-slash head the guard finds weak first takes
     an index at least that large (built beside its own, chosen on the device) and runs dense only if that still
-    keeps under the threshold; None: a weak head runs dense at once"""
+    keeps under the threshold; (): a weak head runs dense at once; None: the config's value (none without one)"""
 
     autotune: str = "off"
     """"off": a shape missing from the autotune cache runs a safe default (logged once); "on-miss": it is
@@ -103,10 +103,9 @@ class BackendOptions:
         if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not 0.0 <= guard <= 1.0):
             problems.append(f"guard_threshold={guard!r}; expected a number in [0, 1]")
         escalation = options.get("guard_escalation")
-        if escalation is not None and (not isinstance(escalation, (tuple, list)) or len(escalation) != 2
-                                       or not all(_is_int(x) and 1 <= x <= MAX_BUDGET for x in escalation)):
+        if escalation is not None and not is_escalation(escalation):
             problems.append(f"guard_escalation={escalation!r}; expected (columns, diagonals), two ints in "
-                            f"[1, {MAX_BUDGET}], or None")
+                            f"[1, {MAX_BUDGET}], () for none, or None for the config's")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
         for flag in ("precompile", "route_dense", "int64_indexing", "verify"):
@@ -134,7 +133,7 @@ class BackendOptions:
             mode=options.get("mode"),
             observer=options.get("observer"),
             guard_threshold=None if guard is None else float(guard),
-            guard_escalation=None if escalation is None else (int(escalation[0]), int(escalation[1])),
+            guard_escalation=None if escalation is None else tuple(int(x) for x in escalation),
             autotune=options.get("autotune", "off"),
             precompile=options.get("precompile", True),
             route_dense=options.get("route_dense", True),

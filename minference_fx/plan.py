@@ -100,6 +100,15 @@ def layer_plan(patterns: tuple, budget_a: tuple, budget_b: tuple) -> LayerPlan:
     return LayerPlan.from_op_arguments(patterns, budget_a, budget_b)
 
 
+def is_escalation(value) -> bool:
+    """Whether ``value`` can be the guard's escalation budgets: (columns, diagonals), two ints in [1, MAX_BUDGET],
+    or empty for none (an option and a config's ``defaults.guard_escalation`` are checked alike)."""
+    if not isinstance(value, (tuple, list)):
+        return False
+    return len(value) == 0 or (len(value) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_BUDGET for x in value))
+
+
 @functools.lru_cache(maxsize=4096)
 def escalated_plan(plan: LayerPlan, budgets: tuple[int, int]) -> LayerPlan | None:
     """The plan whose index the heads the quality guard finds weak fall back to: every vertical-slash head with at

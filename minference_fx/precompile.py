@@ -25,7 +25,7 @@ import torch
 
 from .autotune import cache, dispatch
 from .call_masks import CallMasks
-from .plan import layer_plan
+from .plan import escalated_plan, layer_plan
 from .sparse_path import sparse_on_gpu
 
 log = logging.getLogger("minference_fx")
@@ -60,6 +60,8 @@ class KernelSpec:
     budget_b: tuple
     guard_threshold: float
     min_sparse_len: int
+    escalation: tuple = ()
+    """the guard's escalation budgets (the op's escalate_a/escalate_b), () for none: their index kernels compile too"""
 
 
 def _hint(x) -> int:
@@ -89,13 +91,16 @@ def _on_gpu(t: torch.Tensor) -> bool:
 def spec_of(node) -> Optional[KernelSpec]:
     """The spec of a ``minference::sparse_attention`` call node, or None when its inputs are not on a GPU."""
     q, k, v, key_mask, doc_ids, scale, _q_offset, window, patterns, budget_a, budget_b, min_len, guard = node.args[:13]
+    # the rewrite appends (route_site, escalate_a, escalate_b) only with an escalation
+    escalation = tuple(int(x) for x in node.args[14:16]) if len(node.args) >= 16 else ()
     vals = [x.meta.get("example_value", x.meta.get("val")) if hasattr(x, "meta") else None for x in (q, k, v)]
     if any(not isinstance(t, torch.Tensor) for t in vals) or not _on_gpu(vals[0]):
         return None
     qv, kv, vv = vals
     return KernelSpec(qv.device, qv.dtype, _hint(qv.shape[1]), _hint(kv.shape[1]), _hint(qv.shape[-1]),
                       _order(qv), _order(kv), _order(vv), key_mask is not None, doc_ids is not None, int(window),
-                      _scale_hint(scale, _hint(qv.shape[-1])), tuple(patterns), tuple(budget_a), tuple(budget_b), float(guard), int(min_len))
+                      _scale_hint(scale, _hint(qv.shape[-1])), tuple(patterns), tuple(budget_a), tuple(budget_b), float(guard), int(min_len),
+                      escalation if any(escalation) else ())
 
 
 def _dummy(shape: tuple, order: tuple, spec: KernelSpec) -> torch.Tensor:
@@ -134,9 +139,10 @@ def compile_spec(spec: KernelSpec) -> int:
                       doc_ids=torch.zeros(b, n, dtype=torch.int64, device=spec.device) if spec.has_doc_ids else None,
                       q_offset=0, window=spec.window)
     plan = layer_plan(spec.patterns, spec.budget_a, spec.budget_b)  # the op's own plan, cached
+    escalated = escalated_plan(plan, spec.escalation) if spec.escalation and spec.guard_threshold > 0 else None
     configs = launch_configs(spec, q, k)
     for tuned, walk in configs:
-        sparse_on_gpu(q, k, v, plan, spec.scale, masks, spec.guard_threshold, tuned, walk)
+        sparse_on_gpu(q, k, v, plan, spec.scale, masks, spec.guard_threshold, tuned, walk, escalated=escalated)
     return len(configs)
 
 

@@ -66,6 +66,17 @@ def test_with_guard_threshold_copies_and_validates():
         cfg.with_guard_threshold(1.5)
 
 
+@pytest.mark.parametrize("bad", [[1000], [0, 6096], [True, 6096], "1000,6096", [1000, 2**31]])
+def test_guard_escalation_default_is_two_budgets_or_null(tmp_path, bad):
+    doc = mixed_config().to_dict()
+    assert doc["defaults"]["guard_escalation"] is None and load_config(doc).guard_escalation == ()
+    doc["defaults"]["guard_escalation"] = [1000, 6096]
+    assert load_config(doc).guard_escalation == (1000, 6096)
+    doc["defaults"]["guard_escalation"] = bad
+    with pytest.raises(ConfigError, match=r"defaults.guard_escalation must be \[columns, diagonals\]"):
+        load_config(doc)
+
+
 def test_defaults_filled():
     cfg = default_config(MODEL)
     assert cfg.defaults["min_sparse_len"] == -1  # this GPU's tuned crossover, as without a config

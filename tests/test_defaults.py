@@ -92,6 +92,7 @@ def test_every_default_reads_defaults():
         DEFAULTS.guard_threshold = 0.5
     assert DEFAULT_DEFAULTS == {
         "min_sparse_len": DEFAULTS.min_sparse_len, "guard_threshold": DEFAULTS.guard_threshold,
+        "guard_escalation": list(DEFAULTS.guard_escalation) or None,
         "default_head": {"pattern": DEFAULTS.head.pattern.value, "budgets": list(DEFAULTS.budgets)},
     }
     params = inspect.signature(default_config).parameters

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from minference_fx import dense, inspect
+from minference_fx import default_config, dense, inspect, model_identity_from_hf
 from minference_fx.autotune.cache import DEFAULT_ENTRIES
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
@@ -114,3 +114,17 @@ def test_the_option_reaches_every_rewritten_op_and_the_report():
     assert "first try (1000, 6096) (columns, diagonals), then run dense" in str(result)
     plain = inspect(model, ids, use_cache=False, options={"min_sparse_len": 0})
     assert "1000, 6096)" not in plain.diff() and "first try" not in str(plain)
+
+
+def test_a_config_carries_the_escalation_and_the_option_overrides_it():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", "sdpa")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 96))
+    config = default_config(model_identity_from_hf(model.config))
+    config.defaults["guard_escalation"] = [512, 2048]
+    from_config = inspect(model, ids, use_cache=False, options={"config": config, "min_sparse_len": 0})
+    assert "512, 2048)" in from_config.diff() and "first try (512, 2048)" in str(from_config)
+    wins = inspect(model, ids, use_cache=False, options={"config": config, "min_sparse_len": 0,
+                                                        "guard_escalation": (1000, 6096)})
+    assert "1000, 6096)" in wins.diff() and "512, 2048)" not in wins.diff()
+    off = inspect(model, ids, use_cache=False, options={"config": config, "min_sparse_len": 0, "guard_escalation": ()})
+    assert "512, 2048)" not in off.diff() and "first try" not in str(off)

@@ -1,5 +1,6 @@
 """Background compile of the sparse kernels: the specs it reads off a graph, the layouts and launch
 configs it guesses (CPU), and that the first real call finds its kernels compiled (GPU)."""
+import dataclasses
 import threading
 import time
 
@@ -10,7 +11,7 @@ import torch.fx as fx
 from minference_fx import precompile
 from minference_fx.autotune import cache
 from minference_fx.options import BackendOptions
-from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalated_plan
 
 OP = torch.ops.minference.sparse_attention.default
 
@@ -68,6 +69,24 @@ def test_spec_is_read_off_the_op_node(monkeypatch):
     assert (spec.q_order, spec.k_order, spec.v_order) == ((0, 1, 2, 3), (0, 2, 1, 3), (0, 1, 2, 3))
     assert (spec.has_key_mask, spec.has_doc_ids, spec.window, spec.min_sparse_len, spec.guard_threshold) == (True, False, 512, 32768, 0.5)
     assert [list(spec.patterns), list(spec.budget_a), list(spec.budget_b)] == [list(x) for x in plan.op_arguments()]
+
+
+def test_spec_reads_the_escalation_and_compiles_its_index(monkeypatch):
+    node, plan = _op_node()
+    monkeypatch.setattr(precompile, "_on_gpu", lambda t: True)
+    assert precompile.spec_of(node).escalation == ()  # the rewrite appends nothing without an escalation
+    node.args = (*node.args, 7, 1000, 6096)  # route site, then the escalation budgets
+    spec = precompile.spec_of(node)
+    assert spec.escalation == (1000, 6096)
+    calls = []
+    monkeypatch.setattr(precompile, "launch_configs", lambda spec, q, k: [("tuned", "walk")])
+    monkeypatch.setattr(precompile, "sparse_on_gpu", lambda *a, escalated=None: calls.append(escalated))
+    monkeypatch.setattr(precompile, "_dummy", lambda shape, order, spec: torch.zeros(shape))
+    precompile.compile_spec(dataclasses.replace(spec, device=torch.device("cpu")))
+    assert calls == [escalated_plan(plan, (1000, 6096))] and calls[0] is not None
+    calls.clear()  # the guard off: no weak head, so no escalated index to compile
+    precompile.compile_spec(dataclasses.replace(spec, device=torch.device("cpu"), guard_threshold=0.0))
+    assert calls == [None]
 
 
 def _fake_table(monkeypatch, crossover, entries, walks=None):
