@@ -208,6 +208,9 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
     eager_ms = wall_ms(model, "eager")
     options = {**(minference_options or {}), **({"config": config_path} if config_path else {})}
     compiled = torch.compile(model, backend="minference", options=options)
+    # the graph bench prefill times and a server runs, one for every length: compiled static, this tool's forward
+    # disagreed with bench prefill's (BENCHMARKS.md, section 2b)
+    torch._dynamo.mark_dynamic(ids, 1)
     with torch.inference_mode():
         compiled(input_ids=ids, logits_to_keep=1)  # compiles; routing sees its first call
     precompile.wait()  # the background compile of other lengths' kernels would share the device with the timing
