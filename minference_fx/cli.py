@@ -153,6 +153,8 @@ def _search(args) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = build_model(args.model, "sdpa")
+    # fp32 on either device: the scores are compared across heads and candidates, not speed-critical numerics
+    model = model.to(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     if args.data == "austen":
         text, data_name = assets.austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
     else:
@@ -355,6 +357,7 @@ def main(argv=None) -> int:
                     "factor (default: the power of two that stretches its trained context, 8K or 32K, over the "
                     "longest length, as eval loads it; 0: none)")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")
     sp.set_defaults(run=_search)
     t = sub.add_parser("autotune", help="tune the kernels and the dense/sparse crossover on this GPU; --show prints the cache")

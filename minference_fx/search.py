@@ -352,7 +352,7 @@ def search(
 
         if all(f"{si}:{layer}" in state["done"] for layer in range(identity.num_layers)):
             continue
-        observe.run_observed(model, ids, observer)
+        observe.run_observed(model, ids.to(next(model.parameters()).device), observer)
 
     missing = [layer for layer in range(identity.num_layers) if layer not in per_layer]
     if missing:

@@ -188,7 +188,7 @@ def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
         return tiny_model("llama"), Tokenizer()
 
     def fake_search(model, samples, **kwargs):
-        searches.append(dict(kwargs, lengths=[s.shape[-1] for s in samples]))
+        searches.append(dict(kwargs, lengths=[s.shape[-1] for s in samples], device=next(model.parameters()).device))
         return default_config(model_identity_from_hf(model.config))
 
     monkeypatch.setattr(assets, "load_smollm2", fake_load)
@@ -202,6 +202,9 @@ def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
     assert loads == [2.0, None, None]
     assert [s["lengths"] for s in searches] == [[16384], [8192], [16384]]
     assert [s["target_density"] for s in searches] == [0.26, 0.24, 0.24]
+    # on the GPU when there is one (it ran on a GPU machine's CPU before: 25 s a layer at 32K), else where asked
+    assert {s["device"].type for s in searches} == {"cuda" if torch.cuda.is_available() else "cpu"}
+    assert cli.main([*common, "--lengths", "8k", "--device", "cpu"]) == 0 and searches[-1]["device"].type == "cpu"
     assert "YaRN x2" in searches[0]["data_name"] and "YaRN" not in searches[1]["data_name"]
     with pytest.raises(SystemExit, match="only with --model smollm2"):
         cli.main([*common, "--model", "llama", "--yarn", "2"])
