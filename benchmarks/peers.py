@@ -52,8 +52,7 @@ NOT_INSTALLED = "not installed"
 # offsets at or past a row block's end are passed over), so heads with fewer picks are padded with this.
 MINFERENCE_FAR = 1 << 30
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
-FLASHINFER_ONE_PLAN_MAX_SEQ = 65536
-FLASHINFER_HEADS_PER_PLAN = 8
+FLASHINFER_MAX_GATHERED = 2**30  # half the 32-bit limit: a margin for padding its planner may add
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -165,17 +164,25 @@ def peer_status(name: str) -> str | None:
     return None if importlib.util.find_spec(module) is not None else NOT_INSTALLED
 
 
-def flashinfer_head_chunks(heads: int, seq: int) -> list[range]:
-    """The query heads planned together in one FlashInfer layout: all of them up to 64K, eight at a time past
-    it. Its planner counts the keys a layout gathers in 32 bits, and 32 heads at 128K overflowed that
-    (``AssertionError: -1587499584 != 2707467712`` on the H200, 2026-12-03), while 8 heads stay under a third of it."""
-    step = heads if seq <= FLASHINFER_ONE_PLAN_MAX_SEQ else FLASHINFER_HEADS_PER_PLAN
-    return [range(start, min(start + step, heads)) for start in range(0, heads, step)]
+def flashinfer_head_chunks(layout: FlashInferLayout) -> list[range]:
+    """The query heads planned together, in order: as many as keep the keys one plan gathers (64 per listed block)
+    under :data:`FLASHINFER_MAX_GATHERED`. Its planner counts them in 32 bits: 32 heads of the scattered family at
+    128K gathered 2,707,467,712 and failed (``AssertionError: -1587499584 != 2707467712``, H200, 2026-12-03)."""
+    gathered = (layout.block_mask_map.sum((-1, -2)).long() * BLOCK).tolist()  # per head
+    chunks, start, total = [], 0, 0
+    for h, keys in enumerate(gathered):
+        if keys > FLASHINFER_MAX_GATHERED:
+            raise ValueError(f"head {h} alone gathers {keys} keys, past FlashInfer's 32-bit count")
+        if total + keys > FLASHINFER_MAX_GATHERED:
+            chunks.append(range(start, h))
+            start, total = h, 0
+        total += keys
+    return chunks + [range(start, len(gathered))]
 
 
 def run_flashinfer(case, *, reps: float):
-    """(plan ms, run ms, output ``[1, Hq, S, D]``, blocks read only for columns) of FlashInfer on ``case``; past
-    64K the heads are planned and run in chunks (:func:`flashinfer_head_chunks`), their times summed."""
+    """(plan ms, run ms, output ``[1, Hq, S, D]``, blocks read only for columns) of FlashInfer on ``case``; heads
+    too many for one plan are planned and run in chunks (:func:`flashinfer_head_chunks`), their times summed."""
     # an optional peer: only a benchmark machine has it, and it JIT-compiles its kernels there on first use
     from flashinfer.sparse import VariableBlockSparseAttentionWrapper
 
@@ -190,7 +197,7 @@ def run_flashinfer(case, *, reps: float):
     workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
     plan_ms = run_ms = 0.0
     outs = []
-    for heads in flashinfer_head_chunks(Hq, sq):
+    for heads in flashinfer_head_chunks(layout):
         part = slice(heads.start, heads.stop)
         wrapper = VariableBlockSparseAttentionWrapper(workspace)  # one at a time: they share the workspace
 

@@ -84,13 +84,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _escalation(values) -> tuple | None:
+    """``--guard-escalation V S`` as the backend option: None when not given (the config's), () for ``0 0`` (none,
+    even where the config has one), else the two budgets (the option checks them)."""
+    if values is None:
+        return None
+    return () if tuple(values) == (0, 0) else tuple(values)
+
+
 def _minference_options(args) -> dict | None:
     """The backend options ``--guard-threshold`` and ``--guard-escalation`` give the minference variants."""
     options = {}
     if args.guard_threshold is not None:
         options["guard_threshold"] = args.guard_threshold
-    if args.guard_escalation:
-        options["guard_escalation"] = tuple(args.guard_escalation)
+    if args.guard_escalation is not None:
+        options["guard_escalation"] = _escalation(args.guard_escalation)
     return options or None
 
 
@@ -216,14 +224,18 @@ def _eval(args) -> int:
     if args.guard_threshold is not None:
         config = config.with_guard_threshold(args.guard_threshold)
         config_name += f", guard threshold {args.guard_threshold:g}"
-    if args.guard_escalation:
-        config_name += f", weak heads escalate to {tuple(args.guard_escalation)}"
+    escalation = _escalation(args.guard_escalation)
+    if escalation is None:
+        escalation = config.guard_escalation
+        config_name += f", weak heads escalate to {escalation} (the config's)" if escalation else ""
+    else:
+        config_name += f", weak heads escalate to {escalation}" if escalation else ", no guard escalation"
     results = evaluate.run_eval(
         model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
         model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
         window_seed=args.window_seed, ruler_tasks=tuple(args.ruler_tasks.split(",")),
         chat={"auto": None, "chat": True, "plain": False}[args.prompt], ppl_tokens=args.ppl_tokens,
-        guard_escalation=tuple(args.guard_escalation) if args.guard_escalation else None)
+        guard_escalation=escalation)
     print("\n" + results.table())
     if args.out:  # without --out nothing is written: the table above is the result
         results.save(args.out)
@@ -270,7 +282,8 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--guard-threshold", type=float, default=None,
                    help="the quality guard's threshold in the sparse runs and the recall's guarded columns (default: the config's)")
     e.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
-                   help="a head the guard finds weak first tries an index of these budgets (option guard_escalation)")
+                   help="a head the guard finds weak first tries an index of these budgets (option guard_escalation); "
+                   "0 0: none, even where the config has one (default: the config's)")
     e.add_argument("--data", default="austen", help="'austen' or a text file")
     e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -291,7 +304,8 @@ def _add_asset_commands(sub) -> None:
     a.set_defaults(run=_assets)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its arguments."""
     parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="show which attention sites the backend rewrites, and why")
@@ -317,7 +331,8 @@ def main(argv=None) -> int:
     b.add_argument("--guard-threshold", type=float, default=None,
                    help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
-                   help="prefill: a head the guard finds weak first tries an index of these budgets (option guard_escalation)")
+                   help="prefill: a head the guard finds weak first tries an index of these budgets (option guard_escalation); "
+                   "0 0: none, even where the config has one (default: the config's)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--families", default="structured,scattered",
                    help="kernels: comma list of input families (structured: clustered slashes; scattered: slashes "
@@ -371,6 +386,11 @@ def main(argv=None) -> int:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(run=_autotune)
     _add_asset_commands(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if isinstance(getattr(args, "lengths", None), str):
         try:

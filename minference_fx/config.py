@@ -261,6 +261,8 @@ def _normalize_defaults(defaults) -> dict:
     out = json.loads(json.dumps(DEFAULT_DEFAULTS))
     out.update(defaults)
     out["default_head"] = _default_head_dict(out["default_head"])
+    if isinstance(out.get("guard_escalation"), tuple):  # as JSON reads it back
+        out["guard_escalation"] = list(out["guard_escalation"])
     return out
 
 
@@ -483,7 +485,7 @@ def _defaults_problems(defaults) -> list[str]:
     if not (isinstance(gt, (int, float)) and not isinstance(gt, bool) and math.isfinite(gt) and 0 <= gt <= 1):
         problems.append(f"defaults.guard_threshold must be a number in [0, 1] (a share of attention mass), got {gt!r}")
     ge = defaults.get("guard_escalation")
-    if ge is not None and not (isinstance(ge, list) and is_escalation(ge)):
+    if ge is not None and not (isinstance(ge, list) and len(ge) == 2 and is_escalation(ge)):
         problems.append(f"defaults.guard_escalation must be [columns, diagonals], two integers in [1, {MAX_BUDGET}], "
                         f"or null, got {ge!r}")
     dh = defaults.get("default_head")

@@ -66,12 +66,14 @@ def test_with_guard_threshold_copies_and_validates():
         cfg.with_guard_threshold(1.5)
 
 
-@pytest.mark.parametrize("bad", [[1000], [0, 6096], [True, 6096], "1000,6096", [1000, 2**31]])
-def test_guard_escalation_default_is_two_budgets_or_null(tmp_path, bad):
+@pytest.mark.parametrize("bad", [[1000], [0, 6096], [True, 6096], "1000,6096", [1000, 2**31], []])
+def test_guard_escalation_default_is_two_budgets_or_null(bad):
     doc = mixed_config().to_dict()
     assert doc["defaults"]["guard_escalation"] is None and load_config(doc).guard_escalation == ()
     doc["defaults"]["guard_escalation"] = [1000, 6096]
     assert load_config(doc).guard_escalation == (1000, 6096)
+    built = SemanticConfig(model=MODEL, layers=mixed_config().layers, defaults={"guard_escalation": (512, 2048)})
+    assert built.validate() == [] and load_config(built.to_dict()) == built  # a tuple in memory, a list in JSON
     doc["defaults"]["guard_escalation"] = bad
     with pytest.raises(ConfigError, match=r"defaults.guard_escalation must be \[columns, diagonals\]"):
         load_config(doc)

@@ -128,3 +128,18 @@ def test_a_config_carries_the_escalation_and_the_option_overrides_it():
     assert "1000, 6096)" in wins.diff() and "512, 2048)" not in wins.diff()
     off = inspect(model, ids, use_cache=False, options={"config": config, "min_sparse_len": 0, "guard_escalation": ()})
     assert "512, 2048)" not in off.diff() and "first try" not in str(off)
+
+
+def test_the_cli_reads_0_0_as_no_escalation_and_leaves_it_to_the_config_when_not_given():
+    from minference_fx import cli
+
+    def options(*argv):
+        return cli._minference_options(cli.build_parser().parse_args(["bench", "prefill", *argv]))
+
+    assert options() is None  # the config's escalation, or none without one
+    assert options("--guard-escalation", "0", "0") == {"guard_escalation": ()}
+    assert options("--guard-escalation", "1000", "6096", "--guard-threshold", "0.65") == {
+        "guard_escalation": (1000, 6096), "guard_threshold": 0.65}
+    for bad in (("0", "6096"), ("-1", "-1")):  # only 0 0 means none; the option names anything else
+        with pytest.raises(ValueError, match="guard_escalation"):
+            BackendOptions.from_user(options("--guard-escalation", *bad))

@@ -268,10 +268,11 @@ def test_adapters_feed_the_peers_our_keys(monkeypatch):
     expected = _masked_attention(q[0], k_rep, v_rep, _blocks_to_keys(blocks, sq) & _causal(sq), scale)
     torch.testing.assert_close(out[0], expected)
 
-    # past one plan's length the heads go in chunks, with the same output
-    monkeypatch.setattr(peers, "FLASHINFER_ONE_PLAN_MAX_SEQ", 64)
-    monkeypatch.setattr(peers, "FLASHINFER_HEADS_PER_PLAN", 3)
-    assert [list(r) for r in peers.flashinfer_head_chunks(hq, sq)] == [[0, 1, 2], [3]]
+    # heads that gather too many keys for one plan go in chunks, with the same output
+    gathered = (blocks.sum((-1, -2)) * 64).tolist()
+    monkeypatch.setattr(peers, "FLASHINFER_MAX_GATHERED", gathered[0] + gathered[1])
+    chunks = [list(r) for r in peers.flashinfer_head_chunks(peers.flashinfer_layout(index, sq))]
+    assert chunks[0] == [0, 1] and sum(chunks, []) == list(range(hq)) and len(chunks) >= 2
     _, _, chunked, _ = peers.run_flashinfer(case, reps=1)
     torch.testing.assert_close(chunked, out)
 

@@ -434,7 +434,8 @@ class PrefillResult:
             if m:
                 lines.append(f"{v.variant}: {m['rewritten']}/{m['sites']} attention sites rewritten in {m['graphs']} graph(s); "
                              f"min_sparse_len {m['min_sparse_len']} (resolved {m['min_sparse_len_resolved']}); "
-                             f"guard_threshold {m['guard_threshold']}; semantic config: "
+                             f"guard_threshold {m['guard_threshold']}; guard_escalation {m.get('guard_escalation') or 'none'}; "
+                             f"semantic config: "
                              f"{self.meta.get('semantic_config', _DEFAULT_SEMANTIC)}")
             if v.attention_kernels:
                 names = [f"{k[:70]} x{n}" for k, n in list(v.attention_kernels.items())[:4]]
@@ -509,6 +510,7 @@ def _minference_summary(reports, model, device, dtype, lengths, budgets: Optiona
         "plans": dict(Counter(r.plan for r in rows if r.decision == "sparse")),
         "min_sparse_len": option, "min_sparse_len_resolved": resolved,
         "guard_threshold": reports[0].guard_threshold if reports else None,
+        "guard_escalation": list(reports[0].guard_escalation) if reports else None,
         "path": {str(n): ("sparse" if n in sparse_lengths else "dense") for n in lengths},
         "launch": {str(n): _launch_config(q, k, n) for n in sparse_lengths} if device.type == "cuda" else {},
     }

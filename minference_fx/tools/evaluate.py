@@ -892,6 +892,10 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
         "include the vertical-slash estimate's own last 64); oracle: the top-n keys of each row, n = the index's "
         "count; density: physical (tiles x 64 x 64 + columns x 64) / causal pairs, mean over heads (dense heads = 1)",
     ]
+    escalation = config.guard_escalation if guard_escalation is None else guard_escalation
+    if escalation and results.recall:
+        results.notes.append(f"recall with the guard: heads it fires on are counted dense, though with its escalation "
+                             f"to {tuple(escalation)} the sparse runs give them that index first")
     if results.ruler:
         results.notes.append(
             "ruler: RULER-style tasks (Hsieh et al. 2024) as minference_fx.tools.ruler writes them, "
