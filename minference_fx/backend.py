@@ -161,9 +161,7 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
                     "(%s); using %d", head_offset, share.first_head, share.describe(), head_offset)
     if config is not None:
         check_config_fits(config, gm, sites, head_offset)
-    min_len = options.min_sparse_len
-    if min_len is None:
-        min_len = config.min_sparse_len if config is not None else DEFAULTS.min_sparse_len
+    min_len = _setting("min_sparse_len", options, config)
 
     plans: dict[int, LayerPlan] = {}
     index_of = {id(s.node): i for i, s in enumerate(sites)}
@@ -177,12 +175,8 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
         plans[index_of[id(site.node)]] = plan
         return plan
 
-    guard = options.guard_threshold
-    if guard is None:
-        guard = config.guard_threshold if config is not None else DEFAULTS.guard_threshold
-    escalation = options.guard_escalation
-    if escalation is None:
-        escalation = config.guard_escalation if config is not None else DEFAULTS.guard_escalation
+    guard = _setting("guard_threshold", options, config)
+    escalation = _setting("guard_escalation", options, config)
     sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense, escalation)
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread),
                           share, head_offset or 0, escalation)
@@ -190,6 +184,14 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
     checks = [verify.SiteCheck(f"{i} (layer {site.layer}, {site.source or traced})", traced, site.node.name)
               for i, (site, traced) in enumerate(zip(sites, traced_names)) if not site.blocker]
     return report, checks
+
+
+def _setting(name: str, options: BackendOptions, config):
+    """Option ``name`` when given, else the config's value, else the default (``DEFAULTS``)."""
+    value = getattr(options, name)
+    if value is not None:
+        return value
+    return getattr(config if config is not None else DEFAULTS, name)
 
 
 def _publish(report: Report) -> None:

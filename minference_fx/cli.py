@@ -14,7 +14,7 @@ from .config import ConfigError
 from .defaults import DEFAULTS
 from .inspection import inspect
 from .plan import Pattern
-from .tools import assets, bench, bench_prefill, breakdown, demo, evaluate, tiny
+from .tools import assets, bench, bench_prefill, breakdown, demo, evaluate, pick_device, tiny
 
 
 def build_model(spec: str, attn: str, layers: int | None = None):
@@ -162,7 +162,7 @@ def _search(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = build_model(args.model, "sdpa")
     # fp32 on either device: the scores are compared across heads and candidates, not speed-critical numerics
-    model = model.to(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    model = model.to(pick_device(args.device))
     if args.data == "austen":
         text, data_name = assets.austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
     else:

@@ -4,3 +4,9 @@ random-weight models and the attention-mass measurement.
 The core (backend, options, passes, op, plan, config, kernels, autotune, search, inspection) never imports this
 package (tests/test_layout.py); the CLI (``minference_fx.cli``), the scripts and the tests do.
 """
+import torch
+
+
+def pick_device(device=None) -> torch.device:
+    """``device`` when given, else CUDA when there is one, else the CPU: where every tool runs when not told."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

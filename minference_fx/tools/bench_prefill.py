@@ -68,7 +68,7 @@ from ..config import default_config, model_identity_from_hf
 from ..kernels import guard
 from ..dense import NEAR_DENSE_STATS
 from ..plan import HeadPlan, LayerPlan, Pattern
-from . import assets, bench
+from . import assets, bench, pick_device
 from .assets import smollm2_yarn_factor
 from .evaluate import CHARS_PER_TOKEN_ROOM, text_window_ids
 
@@ -750,7 +750,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
     if local:
         model_name = os.path.abspath(model_name)  # the variants' processes may run elsewhere
     real = assets.REAL_MODELS.get(model_name)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     variants = list(dict.fromkeys([*variants, *(["minference-ro"] if reduce_overhead else [])]))
     for v in variants:

@@ -38,7 +38,7 @@ from ..backend import recent_reports
 from ..config import SemanticConfig, default_config, load_config, model_identity_from_hf
 from ..plan import Pattern
 from ..report import summarize
-from . import assets, evaluate
+from . import assets, evaluate, pick_device
 
 # A made-up fact the model cannot know; at 2K the dense model retrieves it at depths 0.1, 0.5 and 0.9.
 NEEDLE = " Mr. Knightley keeps the key of Donwell Abbey hidden inside a green teapot. "
@@ -188,7 +188,7 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
     if model_name not in assets.REAL_MODELS:
         raise ValueError(f"demo model {model_name!r}: expected one of {', '.join(assets.REAL_MODELS)}")
     real = assets.REAL_MODELS[model_name]
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = pick_device(device)
     on_gpu = dev.type == "cuda"
     length = length or (GPU_LENGTH if on_gpu else CPU_LENGTH)
     dtype = torch.bfloat16 if on_gpu else torch.float32

@@ -50,7 +50,7 @@ from ..kernels import guard, reference
 from ..kernels.index import build_index_gpu
 from ..plan import LISTED_PATTERNS, LayerPlan, Pattern
 from ..search import physical_density
-from . import assets, ruler, stdlib_code
+from . import assets, pick_device, ruler, stdlib_code
 
 NEEDLE = " The secret passcode for the vault is {passkey}. "
 QUESTION = "\n\nQuestion: What is the secret passcode for the vault?\nAnswer: The secret passcode for the vault is"
@@ -917,7 +917,7 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
 def load_model(spec: str = "smollm2", *, longest: int = 8192, device: Optional[str] = None, dtype=None):
     """(model, tokenizer, name) for ``eval``: a named real model (:data:`assets.REAL_MODELS`, YaRN past its
     trained context) or an HF model directory."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = pick_device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if spec in assets.REAL_MODELS:
         real = assets.REAL_MODELS[spec]
