@@ -11,7 +11,7 @@
 #
 # The device tool gives a machine back after 30 s without a call, and what the steps wrote goes with it: while
 # steps run, keep calling `poll` (each call keeps the machine busy while it waits), never leave a gap.
-# Steps: tune (d128/g6, the model's shape), tests (the GPU suite but the fuzz), kernels (bench kernels, both input
+# Steps: tune (d128/g6, the model's shape, with the 64K bucket the shipped table lacks), tests (the GPU suite but the fuzz), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
@@ -38,7 +38,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
   local t0=$SECONDS
   echo "== $1 started $(date -u +%H:%M:%S)"
   case $1 in
-    tune) timeout 420 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16
+    tune) timeout 560 minference-fx autotune --lengths 32k,64k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16
           minference-fx autotune --show ;;
     tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
              --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
