@@ -177,7 +177,8 @@ def test_precompile_option_is_validated():
 
 
 @pytest.mark.gpu
-def test_first_call_finds_its_kernels_compiled_by_the_background_thread():
+@pytest.mark.parametrize("escalation", [None, (2048, 8192)])  # the guard's fallback index is compiled there too
+def test_first_call_finds_its_kernels_compiled_by_the_background_thread(escalation):
     import os
     import sys
 
@@ -206,7 +207,8 @@ def test_first_call_finds_its_kernels_compiled_by_the_background_thread():
     triton.knobs.runtime.jit_post_compile_hook = hook
     try:
         with torch.no_grad():
-            compiled = torch.compile(model, backend="minference", options={"min_sparse_len": 0})
+            compiled = torch.compile(model, backend="minference",
+                                     options={"min_sparse_len": 0, "guard_escalation": escalation})
             compiled(ids, use_cache=False)
     finally:
         triton.knobs.runtime.jit_post_compile_hook = before
