@@ -6,7 +6,7 @@ One model, one prompt length, the same process and inputs for every number:
    with the given semantic config, each the median of ``reps`` forwards after warm-ups (the compiled one warms up
    twice, so routing has seen a call).
 2. **Each attention call, taken apart.** One more compiled forward runs with the op's GPU path
-   (``sparse_path.sparse_on_gpu``) wrapped: at every call of the prompt's length the wrapper times, on that call's
+   (``sparse_path.sparse_on_gpu``) wrapped, and the calls whose every head is routed to fused SDPA timed whole: at every call of the prompt's length the wrapper times, on that call's
    own inputs, the whole path, the online index alone, the plan's dense heads through fused SDPA alone, and the
    whole layer dense through fused SDPA (what eager's attention costs there). The sparse walk is what is left of
    the path. It also counts what the index keeps and walks (:mod:`minference_fx.kernels.density`, with the pairs
@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .. import dense, precompile, sparse_path
+from .. import dense, op, precompile, sparse_path
 from ..call_masks import CallMasks
 from ..kernels.density import index_density, selection_of
 from ..kernels.index import build_index_gpu
@@ -176,14 +176,39 @@ def _take_apart(length: int, rows: list[LayerRow]):
     return wrapper
 
 
+def _time_all_routed(length: int, rows: list[LayerRow]):
+    """A stand-in for ``op.run_call`` that times into ``rows`` the calls of ``length`` rows whose every head is
+    routed to fused SDPA: they skip the sparse path (and its index), so :func:`_take_apart` never sees them, and
+    without this their layer's attention was counted as non-attention work."""
+    real = op.run_call
+
+    def wrapper(call, q, k, v):
+        out = real(call, q, k, v)
+        if call.path is not op.CallPath.ALL_ROUTED or q.shape[-2] != length:
+            return out
+        path_ms = event_ms(lambda: real(call, q, k, v))
+        with _sdpa_context("eager", q.device):  # cuDNN first, as eager runs it
+            dense_layer_ms = event_ms(lambda: dense.dense_attention(q, k, v, call.masks, call.scale))
+        rows.append(LayerRow(
+            call=len(rows), path_ms=path_ms, index_ms=0.0, dense_heads_ms=path_ms, dense_layer_ms=dense_layer_ms,
+            physical=1.0, logical=1.0, asked=asked_density(call.plan, length),
+            plan_dense_heads=len(dense.split_plan(call.plan).dense_heads), ran_dense_pairs=q.shape[0] * q.shape[1],
+            routed_heads=len(call.routed)))
+        return out
+
+    return wrapper
+
+
 @contextlib.contextmanager
 def _wrapped(length: int, rows: list[LayerRow]):
-    real = sparse_path.sparse_on_gpu
-    sparse_path.sparse_on_gpu = _take_apart(length, rows)  # the op calls it through the module
+    real_path, real_call = sparse_path.sparse_on_gpu, op.run_call
+    # the op calls both through their modules
+    sparse_path.sparse_on_gpu = _take_apart(length, rows)
+    op.run_call = _time_all_routed(length, rows)
     try:
         yield
     finally:
-        sparse_path.sparse_on_gpu = real
+        sparse_path.sparse_on_gpu, op.run_call = real_path, real_call
 
 
 def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None, reps: int = 3,
