@@ -84,6 +84,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+ESCALATION_HELP = ("a head the guard finds weak first tries an index of these budgets (option guard_escalation); "
+                   "0 0: none, even where the config has one (default: the config's)")
+
+
 def _escalation(values) -> tuple | None:
     """``--guard-escalation V S`` as the backend option: None when not given (the config's), () for ``0 0`` (none,
     even where the config has one), else the two budgets (the option checks them)."""
@@ -282,8 +286,7 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--guard-threshold", type=float, default=None,
                    help="the quality guard's threshold in the sparse runs and the recall's guarded columns (default: the config's)")
     e.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
-                   help="a head the guard finds weak first tries an index of these budgets (option guard_escalation); "
-                   "0 0: none, even where the config has one (default: the config's)")
+                   help=ESCALATION_HELP)
     e.add_argument("--data", default="austen", help="'austen' or a text file")
     e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -331,8 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--guard-threshold", type=float, default=None,
                    help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
-                   help="prefill: a head the guard finds weak first tries an index of these budgets (option guard_escalation); "
-                   "0 0: none, even where the config has one (default: the config's)")
+                   help="prefill, breakdown: " + ESCALATION_HELP)
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--families", default="structured,scattered",
                    help="kernels: comma list of input families (structured: clustered slashes; scattered: slashes "

@@ -53,7 +53,7 @@ from .autotune import dispatch
 from .autotune.cache import TuneEntry
 from .call_masks import CallMasks
 from .kernels import guard
-from .plan import LayerPlan, escalated_plan, layer_plan
+from .plan import LayerPlan, escalated_plan, escalation_of, layer_plan
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
@@ -254,9 +254,8 @@ def sparse_attention(
         # none is): no CUDA work of that thread can then overlap a graph capture that follows this call
         precompile.wait()
     plan = layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
-    escalation = (escalate_a, escalate_b) if escalate_a or escalate_b else ()
     call = plan_call(q, k, call_masks(q, k, key_mask, doc_ids, q_offset, window), scale, plan, min_sparse_len,
-                     guard_threshold, route_site, escalation=escalation)
+                     guard_threshold, route_site, escalation=escalation_of(escalate_a, escalate_b))
     return run_call(call, q, k, v)
 
 

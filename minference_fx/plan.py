@@ -109,6 +109,11 @@ def is_escalation(value) -> bool:
         isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_BUDGET for x in value))
 
 
+def escalation_of(escalate_a: int, escalate_b: int) -> tuple:
+    """The op's ``escalate_a``/``escalate_b`` arguments as escalation budgets: () when both are 0 (none)."""
+    return (int(escalate_a), int(escalate_b)) if escalate_a or escalate_b else ()
+
+
 @functools.lru_cache(maxsize=4096)
 def escalated_plan(plan: LayerPlan, budgets: tuple[int, int]) -> LayerPlan | None:
     """The plan whose index the heads the quality guard finds weak fall back to: every vertical-slash head with at

@@ -25,7 +25,7 @@ import torch
 
 from .autotune import cache, dispatch
 from .call_masks import CallMasks
-from .plan import escalated_plan, layer_plan
+from .plan import escalated_plan, escalation_of, layer_plan
 from .sparse_path import sparse_on_gpu
 
 log = logging.getLogger("minference_fx")
@@ -92,7 +92,7 @@ def spec_of(node) -> Optional[KernelSpec]:
     """The spec of a ``minference::sparse_attention`` call node, or None when its inputs are not on a GPU."""
     q, k, v, key_mask, doc_ids, scale, _q_offset, window, patterns, budget_a, budget_b, min_len, guard = node.args[:13]
     # the rewrite appends (route_site, escalate_a, escalate_b) only with an escalation
-    escalation = tuple(int(x) for x in node.args[14:16]) if len(node.args) >= 16 else ()
+    escalation = escalation_of(*node.args[14:16]) if len(node.args) >= 16 else ()
     vals = [x.meta.get("example_value", x.meta.get("val")) if hasattr(x, "meta") else None for x in (q, k, v)]
     if any(not isinstance(t, torch.Tensor) for t in vals) or not _on_gpu(vals[0]):
         return None
@@ -100,7 +100,7 @@ def spec_of(node) -> Optional[KernelSpec]:
     return KernelSpec(qv.device, qv.dtype, _hint(qv.shape[1]), _hint(kv.shape[1]), _hint(qv.shape[-1]),
                       _order(qv), _order(kv), _order(vv), key_mask is not None, doc_ids is not None, int(window),
                       _scale_hint(scale, _hint(qv.shape[-1])), tuple(patterns), tuple(budget_a), tuple(budget_b), float(guard), int(min_len),
-                      escalation if any(escalation) else ())
+                      escalation)
 
 
 def _dummy(shape: tuple, order: tuple, spec: KernelSpec) -> torch.Tensor:

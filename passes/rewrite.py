@@ -160,8 +160,9 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
                       int(info.window))
             if observer is None:
                 route_site = routing.new_site() if route_dense else routing.NO_SITE
-                # without an escalation the call is as before it existed: the op's defaults say none
-                escalate = tuple(int(x) for x in escalation)
+                # without an escalation, or a guard to fall back from, the call is as before escalation existed: the
+                # op's defaults say none
+                escalate = tuple(int(x) for x in escalation) if guard_threshold > 0 else ()
                 new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold),
                                                 route_site, *escalate))
             else:

@@ -51,8 +51,8 @@ def test_totals_and_bounds(tmp_path):
 
 
 def test_a_call_whose_every_head_is_routed_is_timed_as_attention(monkeypatch):
-    """Such a call skips the sparse path, so only the run_call stand-in sees it; before, its layer's attention
-    was left in the non-attention remainder."""
+    """Such a call skips the sparse path; taken apart at the op's run_call, it is counted (before, its layer's
+    attention was left in the non-attention remainder)."""
     import types
 
     import torch
@@ -61,20 +61,21 @@ def test_a_call_whose_every_head_is_routed_is_timed_as_attention(monkeypatch):
     from minference_fx.call_masks import CallMasks
     from minference_fx.tools import breakdown
 
-    ran = []
-    monkeypatch.setattr(op, "run_call", lambda call, q, k, v: ran.append(call.path) or q)
+    monkeypatch.setattr(op, "run_call", lambda call, q, k, v: q)
     monkeypatch.setattr(breakdown, "event_ms", lambda fn: (fn(), 7.0)[1])
     monkeypatch.setattr(breakdown.dense, "dense_attention", lambda *a: None)
+    monkeypatch.setattr(breakdown.dense, "every_head_routed", lambda *a: None)
     plan = LayerPlan((HeadPlan(Pattern.DENSE), HeadPlan(Pattern.VERTICAL_SLASH, 60, 40)))
     q = torch.zeros(1, 2, 1000, 8)
     rows = []
-    wrapper = breakdown._time_all_routed(1000, rows)
-    call = types.SimpleNamespace(path=op.CallPath.ALL_ROUTED, plan=plan, masks=CallMasks(), scale=1.0, routed=(1,))
+    wrapper = breakdown._take_apart(1000, rows)
+    call = types.SimpleNamespace(path=op.CallPath.ALL_ROUTED, plan=plan, masks=CallMasks(), scale=1.0, routed=(1,),
+                                 walk_launch=None)
     assert wrapper(call, q, q, q) is q
     assert len(rows) == 1 and rows[0].path_ms == rows[0].dense_heads_ms == 7.0 and rows[0].index_ms == 0.0
     assert (rows[0].physical, rows[0].plan_dense_heads, rows[0].routed_heads, rows[0].ran_dense_pairs) == (1.0, 1, 1, 2)
     assert rows[0].asked == pytest.approx(asked_density(plan, 1000)) and rows[0].walk_ms == 0.0
-    # other paths, and the calls of other lengths, are left alone
-    wrapper(types.SimpleNamespace(path=op.CallPath.SPARSE_GPU), q, q, q)
+    # the dense paths, and the calls of other lengths, are left alone
+    wrapper(types.SimpleNamespace(path=op.CallPath.DENSE_BY_LENGTH), q, q, q)
     wrapper(call, q[:, :, :999], q, q)
     assert len(rows) == 1

@@ -5,9 +5,9 @@ One model, one prompt length, the same process and inputs for every number:
 1. **Eager and compiled wall time.** HF eager (SDPA, cuDNN first) and ``torch.compile(model, backend="minference")``
    with the given semantic config, each the median of ``reps`` forwards after warm-ups (the compiled one warms up
    twice, so routing has seen a call).
-2. **Each attention call, taken apart.** One more compiled forward runs with the op's GPU path
-   (``sparse_path.sparse_on_gpu``) wrapped, and the calls whose every head is routed to fused SDPA timed whole: at every call of the prompt's length the wrapper times, on that call's
-   own inputs, the whole path, the online index alone, the plan's dense heads through fused SDPA alone, and the
+2. **Each attention call, taken apart.** One more compiled forward runs with the op's ``run_call`` wrapped: at a
+   call whose every head is routed to fused SDPA it times the layer through SDPA; at one that runs the GPU path
+   (``sparse_path.sparse_on_gpu``) it times, on that call's own inputs, the whole path, the online index alone, the plan's dense heads through fused SDPA alone, and the
    whole layer dense through fused SDPA (what eager's attention costs there). The sparse walk is what is left of
    the path. It also counts what the index keeps and walks (:mod:`minference_fx.kernels.density`, with the pairs
    that call ran dense counted whole) and what the config asks (:func:`asked_density`).
@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 
 from .. import dense, op, precompile, sparse_path
-from ..call_masks import CallMasks
 from ..kernels.density import index_density, selection_of
 from ..kernels.index import build_index_gpu
 from ..plan import LayerPlan, Pattern
@@ -142,73 +141,64 @@ class Breakdown:
 
 
 def _take_apart(length: int, rows: list[LayerRow]):
-    """A stand-in for ``sparse_path.sparse_on_gpu`` that times every call of ``length`` rows into ``rows``."""
-    real = sparse_path.sparse_on_gpu
-
-    def wrapper(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
-                routed: tuple = (), escalated=None):
-        result = real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalated)
-        if q.shape[-2] != length:  # the background precompile's short calls
-            return result
-        path_ms = event_ms(lambda: real(q, k, v, plan, scale, masks, guard_threshold, tuned, walk, routed, escalated))
-        index_ms = event_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
-        # the heads the path hands to fused SDPA: the plan's dense ones and the routed ones
-        heads = tuple(sorted(set(dense.split_plan(plan).dense_heads) | set(routed)))
-        group = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
-        with _sdpa_context("eager", q.device):  # cuDNN first, as eager runs it
-            dense_heads_ms = event_ms(lambda: dense.dense_heads_by_sdpa(
-                q, k, v, out, heads, dense.kv_heads_of(heads, group), scale, masks)) if heads else 0.0
-            dense_layer_ms = event_ms(lambda: dense.dense_attention(q, k, v, masks, scale))
-        index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
-        selection = selection_of(q, k, plan, scale=scale, q_offset=masks.q_offset)
-        density = index_density(index, plan, selection, sq=q.shape[-2], skv=k.shape[-2], q_offset=masks.q_offset,
-                                force_dense=result.ran_dense)
-        physical, logical = density.overall()
-        rows.append(LayerRow(
-            call=len(rows), path_ms=path_ms, index_ms=index_ms, dense_heads_ms=dense_heads_ms,
-            dense_layer_ms=dense_layer_ms, physical=physical, logical=logical, asked=asked_density(plan, length),
-            plan_dense_heads=len(dense.split_plan(plan).dense_heads),
-            ran_dense_pairs=int(result.ran_dense.sum()) if result.ran_dense is not None else 0,
-            routed_heads=len(routed)))
-        return result
-
-    return wrapper
-
-
-def _time_all_routed(length: int, rows: list[LayerRow]):
-    """A stand-in for ``op.run_call`` that times into ``rows`` the calls of ``length`` rows whose every head is
-    routed to fused SDPA: they skip the sparse path (and its index), so :func:`_take_apart` never sees them, and
-    without this their layer's attention was counted as non-attention work."""
+    """A stand-in for ``op.run_call`` that takes apart into ``rows`` every call of ``length`` rows that runs the
+    sparse path or, every head routed to fused SDPA, skips it (the background precompile's short calls and the
+    dense paths are left alone)."""
     real = op.run_call
 
     def wrapper(call, q, k, v):
         out = real(call, q, k, v)
-        if call.path is not op.CallPath.ALL_ROUTED or q.shape[-2] != length:
-            return out
-        path_ms = event_ms(lambda: real(call, q, k, v))
-        with _sdpa_context("eager", q.device):  # cuDNN first, as eager runs it
-            dense_layer_ms = event_ms(lambda: dense.dense_attention(q, k, v, call.masks, call.scale))
-        rows.append(LayerRow(
-            call=len(rows), path_ms=path_ms, index_ms=0.0, dense_heads_ms=path_ms, dense_layer_ms=dense_layer_ms,
-            physical=1.0, logical=1.0, asked=asked_density(call.plan, length),
-            plan_dense_heads=len(dense.split_plan(call.plan).dense_heads), ran_dense_pairs=q.shape[0] * q.shape[1],
-            routed_heads=len(call.routed)))
+        if q.shape[-2] == length and call.path in (op.CallPath.SPARSE_GPU, op.CallPath.ALL_ROUTED):
+            rows.append(_layer_row(call, q, k, v, length, len(rows)))
         return out
 
     return wrapper
 
 
+def _layer_row(call, q, k, v, length: int, number: int) -> LayerRow:
+    """One call taken apart, timed on its own inputs."""
+    plan, masks, scale = call.plan, call.masks, call.scale
+    plan_dense = dense.split_plan(plan).dense_heads
+    with _sdpa_context("eager", q.device):  # cuDNN first, as eager runs it
+        dense_layer_ms = event_ms(lambda: dense.dense_attention(q, k, v, masks, scale))
+    common = dict(call=number, dense_layer_ms=dense_layer_ms, asked=asked_density(plan, length),
+                  plan_dense_heads=len(plan_dense), routed_heads=len(call.routed))
+    if call.path is op.CallPath.ALL_ROUTED:  # no index, no walk: the whole layer through fused SDPA
+        path_ms = event_ms(lambda: dense.every_head_routed(q, k, v, masks, scale, call.walk_launch))
+        return LayerRow(path_ms=path_ms, index_ms=0.0, dense_heads_ms=path_ms, physical=1.0, logical=1.0,
+                        ran_dense_pairs=q.shape[0] * q.shape[1], **common)
+
+    def path():
+        return sparse_path.sparse_on_gpu(q, k, v, plan, scale, masks, call.guard_threshold, call.sparse_launch,
+                                         call.walk_launch, call.routed, call.escalated)
+
+    result = path()
+    path_ms = event_ms(path)
+    index_ms = event_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
+    # the heads the path hands to fused SDPA: the plan's dense ones and the routed ones
+    heads = tuple(sorted(set(plan_dense) | set(call.routed)))
+    out = torch.empty_like(q)
+    with _sdpa_context("eager", q.device):
+        dense_heads_ms = event_ms(lambda: dense.dense_heads_by_sdpa(
+            q, k, v, out, heads, dense.kv_heads_of(heads, q.shape[1] // k.shape[1]), scale, masks)) if heads else 0.0
+    index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
+    selection = selection_of(q, k, plan, scale=scale, q_offset=masks.q_offset)
+    density = index_density(index, plan, selection, sq=q.shape[-2], skv=k.shape[-2], q_offset=masks.q_offset,
+                            force_dense=result.ran_dense)
+    physical, logical = density.overall()
+    return LayerRow(path_ms=path_ms, index_ms=index_ms, dense_heads_ms=dense_heads_ms, physical=physical,
+                    logical=logical, ran_dense_pairs=int(result.ran_dense.sum()) if result.ran_dense is not None else 0,
+                    **common)
+
+
 @contextlib.contextmanager
 def _wrapped(length: int, rows: list[LayerRow]):
-    real_path, real_call = sparse_path.sparse_on_gpu, op.run_call
-    # the op calls both through their modules
-    sparse_path.sparse_on_gpu = _take_apart(length, rows)
-    op.run_call = _time_all_routed(length, rows)
+    real = op.run_call
+    op.run_call = _take_apart(length, rows)  # the op calls it through the module
     try:
         yield
     finally:
-        sparse_path.sparse_on_gpu, op.run_call = real_path, real_call
+        op.run_call = real
 
 
 def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None, reps: int = 3,
