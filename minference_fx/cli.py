@@ -174,8 +174,18 @@ def _search(args) -> int:
     if yarn and yarn > 1:
         data_name += f"; model with YaRN x{yarn:g} rope scaling"
     samples = [s for n in lengths for s in search.text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
+    guard_defaults = {}
+    if args.guard_threshold is not None:
+        guard_defaults["guard_threshold"] = args.guard_threshold
+    if args.guard_escalation is not None:
+        escalation = _escalation(args.guard_escalation)
+        guard_defaults["guard_escalation"] = list(escalation) if escalation else None
     config = search.search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound,
-                    target_density=args.target_density, state_path=f"{args.out}.state")
+                           target_density=args.target_density, state_path=f"{args.out}.state",
+                           min_sparse_len=args.min_sparse_len, guard_defaults=guard_defaults)
+    problems = config.validate()
+    if problems:
+        sys.exit("search: the config it would write is invalid: " + "; ".join(problems))
     config.save(args.out)
     counts = {}
     for layer in config.layers:
@@ -373,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--yarn", type=float, default=None, metavar="FACTOR", help="a named model: YaRN rope scaling "
                     "factor (default: the power of two that stretches its trained context, 8K or 32K, over the "
                     "longest length, as eval loads it; 0: none)")
+    sp.add_argument("--min-sparse-len", type=int, default=DEFAULTS.min_sparse_len,
+                    help="the config's shortest sparse prompt (-1: the GPU's tuned crossover)")
+    sp.add_argument("--guard-threshold", type=float, default=None,
+                    help="the config's guard threshold (default: none written, the backend's default applies)")
+    sp.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
+                    help="the config's guard escalation budgets (0 0 or not given: none)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")

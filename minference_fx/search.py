@@ -78,15 +78,18 @@ def candidates_for(length: int) -> list[HeadPlan]:
     dear (each far diagonal touches one or two key tiles of every query tile),
     columns are cheap, so the ladder varies columns at the forced 100 diagonals
     and then adds diagonals. At 8K the cheapest of each family costs about
-    5-6 % of the causal pairs.
+    5-6 % of the causal pairs. The ladder reaches about half the keys before
+    dense: budgets are absolute, so a head that needs a quarter of a 32K row
+    costs a sixteenth of a 128K one, where dense would cost it all (the 8K
+    ladder stopped at an eighth, and left 51 of Qwen2.5-Coder's 336 heads dense).
     """
     n = length
     tiles = math.ceil(length / reference.BLOCK)
     vs = [(max(30, n // d), 100) for d in (128, 64, 32, 16, 8, 4)]
-    vs += [(max(30, n // 8), max(100, n // d)) for d in (64, 48, 32, 16, 8)]
+    vs += [(max(30, n // 8), max(100, n // d)) for d in (64, 48, 32, 16, 8, 4)] + [(n // 4, n // 4)]
     cands = [HeadPlan(Pattern.A_SHAPE, 64, max(128, n // d)) for d in (64, 32, 16, 8)]
     cands += [HeadPlan(Pattern.VERTICAL_SLASH, v, s) for v, s in dict.fromkeys(vs)]
-    ks = (tiles // 32, tiles // 16, 3 * tiles // 32, tiles // 8, 3 * tiles // 16, tiles // 4)
+    ks = (tiles // 32, tiles // 16, 3 * tiles // 32, tiles // 8, 3 * tiles // 16, tiles // 4, tiles // 3, tiles // 2)
     cands += [HeadPlan(Pattern.BLOCK_SPARSE, k) for k in dict.fromkeys(max(1, k) for k in ks)]
     return cands + [HeadPlan(Pattern.DENSE)]
 
@@ -313,6 +316,7 @@ def search(
     state_path: Optional[str | os.PathLike] = None,
     progress: Callable[[str], None] = print,
     min_sparse_len: int = DEFAULTS.min_sparse_len,
+    guard_defaults: Optional[dict] = None,
 ) -> SemanticConfig:
     """Search every (layer, head) pattern over ``samples`` (token id tensors [1, S]); returns the config.
 
@@ -323,7 +327,9 @@ def search(
     on SmolLM2 at 8K a config chosen at 0.25 on three calibration windows
     measured 0.257 on held-out text (the vertical-slash index follows the text). ``state_path`` makes the search resumable:
     scores are saved after every (sample, layer), and a rerun skips what is
-    already there; the choice is redone from the saved scores.
+    already there; the choice is redone from the saved scores. ``guard_defaults``
+    (``guard_threshold``, ``guard_escalation``) go into the config's defaults as
+    given: the search scores each head's own index, so they are the caller's choice.
     """
     if not samples:
         raise ValueError("search needs at least one calibration sample")
@@ -377,7 +383,7 @@ def search(
     return SemanticConfig(
         model=identity,
         layers=layers,
-        defaults={"min_sparse_len": min_sparse_len},
+        defaults={"min_sparse_len": min_sparse_len, **(guard_defaults or {})},
         provenance=Provenance(
             tool_version=_tool_version(), calibration_data=data_name, lengths=lengths, seed=seed,
             metric=f"{METRIC}; {rule}",

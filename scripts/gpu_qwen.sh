@@ -12,7 +12,7 @@
 # The device tool gives a machine back after 30 s without a call, and what the steps wrote goes with it: while
 # steps run, keep calling `poll` (each call keeps the machine busy while it waits), never leave a gap.
 # Steps: tune (d128/g6, the model's shape, with the 64K bucket the shipped table lacks), tests (the GPU suite but the fuzz), kernels (bench kernels, both input
-# families), search (the model's per-head config at 32K), prefill (TTFT 4K-128K, eager vs minference with the
+# families), search (the model's per-head config at 32K, sparse from 16K), prefill_searched (TTFT 8K-128K with it), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
@@ -44,8 +44,12 @@ step() {   # $1: step name; its log is $STATE/$1.txt
              --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
     kernels) timeout 300 minference-fx bench kernels --lengths 32k,128k --families structured,scattered \
                --out "$STATE/bench_kernels.json" ;;
-    search) timeout 420 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
+    search) timeout 900 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
+              --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 16384 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
+    prefill_searched)  # TTFT 8K-128K, eager vs minference, with the config as searched (sparse from 16K)
+          timeout 900 minference-fx bench prefill --model $MODEL --lengths 8k,16k,32k,64k,128k --variants eager,minference \
+            --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;
     prefill) timeout 900 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
                --variants eager,inductor,minference,minference-noguard --config "$CONFIG" --reps 3 \
                --out "$STATE/bench_prefill_qwen.json" ;;

@@ -22,8 +22,10 @@ def test_search_writes_a_valid_config_the_backend_loads(tmp_path):
     model = tiny_model("llama")
     lines = []
     config = search(model, _samples(), data_name="random ids", seed=0, bound=0.2, progress=lines.append,
-                    state_path=tmp_path / "state.json", min_sparse_len=0)
+                    state_path=tmp_path / "state.json", min_sparse_len=0,
+                    guard_defaults={"guard_threshold": 0.7, "guard_escalation": [500, 900]})
     assert config.validate() == []
+    assert (config.min_sparse_len, config.guard_threshold, config.guard_escalation) == (0, 0.7, (500, 900))
     assert config.provenance.lengths == [640] and config.provenance.seed == 0
     assert "relative L2 error" in config.provenance.metric and config.provenance.date
     assert "recall >= 0.9" in config.provenance.metric and "mean density" in config.provenance.metric
@@ -207,6 +209,14 @@ def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
     # the model goes where --device says (meta: a device this CPU-only test can tell apart from where it was built)
     assert cli.main([*common, "--lengths", "8k", "--device", "meta"]) == 0 and searches[-1]["device"].type == "meta"
     assert "YaRN x2" in searches[0]["data_name"] and "YaRN" not in searches[1]["data_name"]
+    # the guard settings and the shortest sparse prompt go into the config's defaults; 0 0 writes no escalation
+    assert cli.main([*common, "--lengths", "8k", "--guard-threshold", "0.8", "--guard-escalation", "1000", "6096",
+                     "--min-sparse-len", "16384"]) == 0
+    assert searches[-1]["guard_defaults"] == {"guard_threshold": 0.8, "guard_escalation": [1000, 6096]}
+    assert searches[-1]["min_sparse_len"] == 16384
+    assert cli.main([*common, "--lengths", "8k", "--guard-escalation", "0", "0"]) == 0
+    assert searches[-1]["guard_defaults"] == {"guard_escalation": None} and searches[-1]["min_sparse_len"] == -1
+    assert searches[0]["guard_defaults"] == {}
     with pytest.raises(SystemExit, match="only with --model smollm2"):
         cli.main([*common, "--model", "llama", "--yarn", "2"])
     # a tiny family or a config.json has no tokenizer: refused before the model is built
