@@ -352,9 +352,11 @@ def search(
             per_layer.setdefault(call.layer, LayerScores.empty(len(candidates), call.q.shape[1])).add(scores)
             state["done"][key] = {m: t.tolist() for m, t in scores.items()}
             _save_state(state_path, state)
-            sparse = scores["errors"][:-1] if candidates[-1].pattern is Pattern.DENSE else scores["errors"]
+            # each head's error at its cheapest candidate: how hard the layer is to make sparse
+            cheapest = scores["densities"].argmin(0, keepdim=True)
+            at_cheapest = scores["errors"].gather(0, cheapest).flatten()
             progress(f"sample {si + 1}/{len(samples)} layer {call.layer + 1}/{identity.num_layers} "
-                     f"best error at min density {min(sparse.min(0).values.tolist(), default=0):.3f}")
+                     f"error at the cheapest candidate: mean {at_cheapest.mean():.3f}, worst {at_cheapest.max():.3f}")
 
         if all(f"{si}:{layer}" in state["done"] for layer in range(identity.num_layers)):
             continue
