@@ -1,6 +1,6 @@
 """Which (batch, head) pairs run dense this call, decided on the device with no host sync.
 
-* quality: a vertical-slash head that captures too little attention mass (``captured_mass``);
+* quality: a vertical-slash or block-sparse head that captures too little attention mass (``captured_mass``);
 * speed: a head whose index keeps nearly every causal tile (``near_dense``): walking them all is
   cheaper than walking the list, and exact.
 

@@ -490,13 +490,18 @@ def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, do
         BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
     )
     if mass_out is not None:
-        # the runtime guard's estimate: the last rows' mass inside the last query tile's key set
-        # only the last query tile: indexing the whole index with a head list would copy all of it
-        hl = heads.long()
-        last = slice(m_tiles - 1, m_tiles)
-        vs_index = SparseIndex(out.tile_count[:, hl, last], out.tile_index[:, hl, last],
-                               out.col_count[:, hl, last], out.col_index[:, hl, last])
-        mass_out[:, hl] = captured_mass(raw_vertical, vs_index, min(VS_LAST_Q, sq)).float()
+        _last_tile_mass(raw_vertical, heads, out, mass_out, sq)
+
+
+def _last_tile_mass(vertical, heads: torch.Tensor, out: SparseIndex, mass_out: torch.Tensor, sq: int) -> None:
+    """The runtime guard's estimate into ``mass_out[:, heads]``: the last rows' mass (``vertical``, their column
+    sums, ``[B, len(heads), Skv]``) inside the last query tile's key set of ``out``."""
+    # only the last query tile: indexing the whole index with a head list would copy all of it
+    hl = heads.long()
+    last = slice(out.tile_count.shape[-1] - 1, out.tile_count.shape[-1])
+    listed = SparseIndex(out.tile_count[:, hl, last], out.tile_index[:, hl, last],
+                         out.col_count[:, hl, last], out.col_index[:, hl, last])
+    mass_out[:, hl] = captured_mass(vertical, listed, min(VS_LAST_Q, sq)).float()
 
 
 # --------------------------------------------------------------------------- block sparse
@@ -514,7 +519,8 @@ def _pool(x: torch.Tensor, tiles: int) -> torch.Tensor:
     return torch.cat(parts, dim=2) / counts[:, None]
 
 
-def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key):
+def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key, scale, key_mask, doc_ids, window,
+              mass_out=None):
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -564,6 +570,12 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key
         picked = torch.where(picked < n_tiles, picked, -1).to(out.tile_index.dtype)
         out.tile_index[:, :, m0:m1, :take].index_copy_(1, heads, picked)
         out.tile_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32).expand(B, -1, -1))
+    if mass_out is not None:
+        # the guard checks these heads too: the vertical-slash estimate's column sums of the last rows, over the
+        # last query tile's picked tiles (its slash sums are not needed, but come with the same two passes)
+        vertical, _ = _vs_scores(q, k, heads.to(torch.int32), n_bs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
+                                 q_offset=q_offset, window=window)
+        _last_tile_mass(vertical, heads, out, mass_out, sq)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -667,8 +679,8 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
     doc_ids : optional int ``[B, Skv]`` packed-document ids (needs ``q_offset + Sq <= Skv``).
     q_offset : position of query row 0; row ``i`` sits at ``q_offset + i``.
     window : sliding window (0 = none).
-    mass_out : optional fp32 ``[B, Hq]`` to receive, for vertical-slash heads, the runtime guard's
-        captured-mass estimate (other heads are left as they are).
+    mass_out : optional fp32 ``[B, Hq]`` to receive, for vertical-slash and block-sparse heads, the runtime
+        guard's captured-mass estimate (other heads are left as they are).
 
     Returns
     -------
@@ -700,5 +712,6 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
         _vs_index(q, k, [h for h, _ in vs], [hp for _, hp in vs], out, scale=scale, key_mask=key_mask,
                   doc_ids=doc_ids, q_offset=q_offset, window=window, first_key=first_key, mass_out=mass_out)
     if bs:
-        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset, first_key=first_key)
+        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset, first_key=first_key,
+                  scale=scale, key_mask=key_mask, doc_ids=doc_ids, window=window, mass_out=mass_out)
     return out

@@ -10,10 +10,11 @@ dense layer            every pair of a layer whose plan is dense on every head (
 plan-dense heads       the plan's dense heads of a mixed layer (:class:`PlanSplit`)
 near-dense index       a listed (vertical-slash or block-sparse) pair whose index keeps >= 90 % of the causal
                        key tiles (:func:`near_dense_heads`, :func:`forced_on_gpu`)
-quality guard          a vertical-slash pair whose estimated captured mass is under the guard threshold
+quality guard          a listed pair whose estimated captured mass is under the guard threshold
                        (:func:`weak_heads`, :func:`guard_mass`; on the GPU the index builds the estimate);
-                       with an escalation (the op's ``escalate_a``/``escalate_b``), only a pair still under
-                       it at those larger budgets (:func:`plan.escalated_plan`, :func:`take_index`)
+                       with an escalation (the op's ``escalate_a``/``escalate_b``), a vertical-slash pair
+                       only if still under it at those larger budgets (:func:`plan.escalated_plan`,
+                       :func:`take_index`); a block-sparse one has no larger index to try
 routed heads           the heads a site ran dense in every batch row at its previous call, where
                        :func:`routable` (``minference_fx.routing``)
 =====================  ==================================================================================
@@ -285,13 +286,14 @@ def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int, k
 
 
 def guarded_heads(plan: LayerPlan) -> tuple:
-    """Per head, whether the quality guard checks it (vertical-slash heads)."""
-    return split_plan(plan).vs_mask
+    """Per head, whether the quality guard checks it: the listed heads (vertical-slash and block-sparse), whose
+    keys an estimate picks. A-shape heads read fixed keys, and dense heads all of them."""
+    return split_plan(plan).listed_mask
 
 
 def weak_heads(mass: torch.Tensor, plan: LayerPlan, guard_threshold: float) -> torch.Tensor:
-    """[B, Hq] bool: the vertical-slash heads (the only ones the quality guard checks) whose estimated
-    captured ``mass`` ([B, Hq]) is under ``guard_threshold``."""
+    """[B, Hq] bool: the heads the quality guard checks (:func:`guarded_heads`) whose estimated captured
+    ``mass`` ([B, Hq]) is under ``guard_threshold``."""
     return (mass < guard_threshold) & torch.tensor(guarded_heads(plan), device=mass.device)[None, :]
 
 
@@ -304,10 +306,10 @@ def guard_mass(q, k, index, scale: float, masks: CallMasks) -> torch.Tensor:
 
 def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: CallMasks, guard_threshold: float):
     """The run-time rules that send a (batch, head) pair dense, on an index that lists every head (the
-    reference's): ([B, Hq] near-dense listed heads, [B, Hq] vertical-slash heads whose estimated captured
-    mass is under ``guard_threshold``, or None when that is 0)."""
+    reference's): ([B, Hq] near-dense listed heads, [B, Hq] listed heads whose estimated captured mass is
+    under ``guard_threshold``, or None when that is 0)."""
     near = near_dense_heads(index, plan, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask)
-    if guard_threshold <= 0 or not split_plan(plan).n_vs:
+    if guard_threshold <= 0 or not split_plan(plan).n_listed:
         return near, None
     return near, weak_heads(guard_mass(q, k, index, scale, masks), plan, guard_threshold)
 

@@ -189,7 +189,7 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
         return dataclasses.replace(call, path=dense_path, walk_launch=dense_walk_launch(q, k, masks))
     # routing sends heads to the fused SDPA; with documents or a window to read it has none to send them to
     can_route = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
-    guarded = guard_threshold > 0 and split.n_vs
+    guarded = guard_threshold > 0 and split.n_listed
     call = dataclasses.replace(call, guard_threshold=guard_threshold if guarded else 0.0,
                                escalated=escalated_plan(plan, tuple(escalation)) if guarded and escalation else None,
                                routable=can_route,
@@ -220,7 +220,7 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
         result = sparse_path.sparse_on_cpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
                                            call.routed, call.escalated)
     if result.weak is not None:
-        guard.record(result.weak, q.shape[0] * dense.split_plan(call.plan).n_vs)
+        guard.record(result.weak, q.shape[0] * dense.split_plan(call.plan).n_listed)
     if result.ran_dense is not None and call.routable:
         call.router.observe(call.route_site, result.ran_dense, q.shape[-2])
     return result.out

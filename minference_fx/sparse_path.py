@@ -44,7 +44,9 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
     weak = mass < guard_threshold if guarded else None
     if guarded and escalated is not None:
-        mass_up = _full_mass(q)
+        # the escalated plan lists only vertical-slash heads: a weak head it does not estimate (block-sparse)
+        # stays weak, and runs dense, rather than taking the row that plan leaves empty
+        mass_up = torch.zeros_like(mass)
         index_up = build_index_gpu(q, k, escalated, scale=scale, mass_out=mass_up, **masks.kwargs())
         index = dense.take_index(index, index_up, weak)
         weak = weak & (mass_up < guard_threshold)

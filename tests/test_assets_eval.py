@@ -51,7 +51,10 @@ def test_head_recall_marks_the_heads_the_op_runs_dense():
         plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, tiles),) * 2)
         layer = evaluate.head_recall(q, k, plan, scale=0.25, rows=64, guard_threshold=0.0)
         assert layer.fires.tolist() == layer.near_dense.tolist() == [dense, dense]
-        assert layer.guard_mass.isnan().all()  # the quality guard checks vertical-slash heads only
+        # the quality guard checks block-sparse heads too: their estimate is recorded (A-shape and dense: NaN)
+        assert not layer.guard_mass.isnan().any() and ((layer.guard_mass > 0) & (layer.guard_mass <= 1 + 1e-6)).all()
+    other = LayerPlan((HeadPlan(Pattern.A_SHAPE, 16, 64), HeadPlan(Pattern.DENSE)))
+    assert evaluate.head_recall(q, k, other, scale=0.25, rows=64, guard_threshold=0.0).guard_mass.isnan().all()
 
 
 def test_eval_names_exactly_the_heads_the_op_runs_dense_at_any_threshold():

@@ -143,3 +143,40 @@ def test_the_cli_reads_0_0_as_no_escalation_and_leaves_it_to_the_config_when_not
     for bad in (("0", "6096"), ("-1", "-1")):  # only 0 0 means none; the option names anything else
         with pytest.raises(ValueError, match="guard_escalation"):
             BackendOptions.from_user(options("--guard-escalation", *bad))
+
+
+MIXED = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 3), HeadPlan(Pattern.VERTICAL_SLASH, 30, 50)))
+
+
+# not "gpu": a parameter id is a keyword, and conftest skips items with that one where there is no CUDA
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_a_weak_block_sparse_head_runs_dense_with_or_without_an_escalation(path):
+    """The guard checks block-sparse heads too. Three tiles a query tile (sink, diagonal and one pick) hold a
+    fraction of the 90 scattered hot keys, so head 0 is weak and runs dense. The escalation raises only
+    vertical-slash heads: its plan lists nothing for head 0, which must then still run dense, never on the
+    empty row (on the GPU path, Triton under the interpreter here)."""
+    q, k, v = _hot_columns_qkv()
+    masks = CallMasks()
+
+    def run(threshold, escalated=None):
+        if path == "reference":
+            return sparse_on_cpu(q, k, v, MIXED, SCALE, masks, threshold, escalated=escalated)
+        return sparse_on_gpu(q, k, v, MIXED, SCALE, masks, threshold, DEFAULT_ENTRIES["sparse_attention"],
+                             DEFAULT_ENTRIES["dense_walk"], escalated=escalated)
+
+    dense_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE,
+                                                                 enable_gqa=True)
+    unguarded = run(0.0)
+    assert (unguarded.out[:, 0] - dense_out[:, 0]).abs().max() > 1e-2  # the premise: its index misses mass
+    plain = run(0.8)
+    assert plain.weak[0, 0] and plain.ran_dense[0, 0]
+    torch.testing.assert_close(plain.out[:, 0], dense_out[:, 0], rtol=2e-4, atol=2e-4)
+    escalated = run(0.8, escalated_plan(MIXED, ESCALATION))
+    assert escalated.ran_dense[0, 0] and not escalated.ran_dense[0, 1]  # head 1 is rescued by the escalation
+    torch.testing.assert_close(escalated.out[:, 0], dense_out[:, 0], rtol=2e-4, atol=2e-4)
+
+
+def test_the_guard_checks_block_sparse_heads_and_not_a_shape_ones():
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 3), HeadPlan(Pattern.A_SHAPE, 64, 128),
+                      HeadPlan(Pattern.VERTICAL_SLASH, 30, 50), HeadPlan(Pattern.DENSE)))
+    assert dense.guarded_heads(plan) == (True, False, True, False)

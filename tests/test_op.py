@@ -386,7 +386,7 @@ def test_gpu_path_without_listed_heads_runs_one_launch_and_matches_the_reference
 
 def test_plan_call_names_the_path_of_each_call():
     """The op plans a call before any attention work (op.plan_call): the path, the crossover it compared the
-    length with, the guard threshold it runs with (0 where no head is vertical-slash)."""
+    length with, the guard threshold it runs with (0 where no head is vertical-slash or block-sparse)."""
     from minference_fx import op, routing
     from minference_fx.plan import LayerPlan
 
@@ -404,4 +404,6 @@ def test_plan_call_names_the_path_of_each_call():
     assert (sparse.path, sparse.min_sparse_len, sparse.guard_threshold) == (op.CallPath.SPARSE_CPU, 0, 0.8)
     assert sparse.sparse_launch is None and sparse.walk_launch is None  # the CPU path launches no kernel
     block_sparse = LayerPlan.from_op_arguments([3] * 4, [1] * 4, [0] * 4)
-    assert planned(q, k, plan=block_sparse, guard_threshold=0.8).guard_threshold == 0.0
+    assert planned(q, k, plan=block_sparse, guard_threshold=0.8).guard_threshold == 0.8  # checked too
+    a_shape = LayerPlan.from_op_arguments([1] * 4, [16] * 4, [64] * 4)
+    assert planned(q, k, plan=a_shape, guard_threshold=0.8).guard_threshold == 0.0
