@@ -17,7 +17,8 @@
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
 # at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
-# escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K), peers
+# escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
+# search32k_guarded (the 32K-searched config in results/ with its block-sparse heads guarded), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -47,6 +48,13 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     search) timeout 900 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 16384 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
+    search32k_guarded)  # the 32K-searched config of results/ (2026-12-03) again, now that the guard checks its 88
+                        # block-sparse heads: TTFT at 64K/128K and fidelity at 128K
+          C32=results/search_qwen_32k_h200_2026-12-03.json
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+            --config $C32 --reps 3 --out "$STATE/bench_prefill_qwen_search32k_guarded.json"
+          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config $C32 --out "$STATE/eval128_qwen_search32k_guarded.json" ;;
     prefill_searched)  # TTFT 8K-128K, eager vs minference, with the config as searched (sparse from 16K)
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 8k,16k,32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;
