@@ -437,36 +437,52 @@ def _vs_to_tiles_kernel(
     tl.store(COL_CNT + out_row, tl.minimum(ccount, col_cap))
 
 
-def _vs_index(q, k, vs_heads, vs_plans, out: SparseIndex, *, scale, key_mask, doc_ids, q_offset, window, first_key,
-              mass_out=None):
-    B, Hq, sq, _ = q.shape
+def _vs_budgets(vs_plans, skv: int) -> tuple[list[int], list[int]]:
+    """Each vertical-slash head's (columns, diagonals) as the index keeps them: at least the forced ones, at most
+    every key."""
+    return ([min(max(hp.budget_a, VS_MIN_COLUMNS), skv) for hp in vs_plans],
+            [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) for hp in vs_plans])
+
+
+def _vs_picks(q, k, heads: torch.Tensor, n_vs: int, max_cols: int, max_diags: int, *, scale, key_mask, doc_ids,
+              q_offset, window, first_key):
+    """The vertical-slash estimate of the heads in ``heads``: (its raw vertical scores ``[B, n_vs, Skv]``, which
+    the guard reads, and each head's best ``max_cols`` columns and ``max_diags`` diagonals, best first). The rank
+    keys are unique, so the first n picks are the picks at budget n: one estimate serves several budgets."""
+    B = q.shape[0]
     skv = k.shape[2]
-    dev = q.device
-    n_vs = len(vs_heads)
-    m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
-    heads = int_table(vs_heads, dev)
     raw_vertical, slash_parts = _vs_scores(q, k, heads, n_vs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
                                            q_offset=q_offset, window=window)
-    key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=dev)
+    key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=q.device)
     key_s = torch.empty_like(key_v)
     total = B * n_vs * skv
     first_key = first_key.expand(B).contiguous() if key_mask is not None else key_v  # key_v: any pointer
     _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](raw_vertical, slash_parts, key_v, key_s, first_key, total, skv,
                                                  n_vs * skv, VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS,
                                                  HAS_KEY_MASK=key_mask is not None, BLOCK=_KEY_VEC)
+    del slash_parts
+    top_c = key_v.topk(max_cols, dim=-1, sorted=True).indices
+    del key_v
+    top_d = key_s.topk(max_diags, dim=-1, sorted=True).indices
+    return raw_vertical, top_c, top_d
 
-    n_cols = [min(max(hp.budget_a, VS_MIN_COLUMNS), skv) for hp in vs_plans]
-    n_diags = [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) for hp in vs_plans]
+
+def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset, mass_out=None):
+    """Write the tiles and columns of the vertical-slash heads ``heads`` at the budgets of ``vs_plans`` into
+    ``out``, from their estimate's picks (:func:`_vs_picks`, at no smaller budgets)."""
+    B, Hq, sq, _ = q.shape
+    skv = k.shape[2]
+    dev = q.device
+    n_vs = len(vs_plans)
+    m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
+    raw_vertical, top_c, top_d = picks
+    n_cols, n_diags = _vs_budgets(vs_plans, skv)
     rank_c = torch.arange(max(n_cols), device=dev)
     rank_d = torch.arange(max(n_diags), device=dev)
     # one top-k at the largest budget; a head keeps only the first picks of its own budget
-    top_c = key_v.topk(max(n_cols), dim=-1, sorted=True).indices
-    del key_v
     keep_c = rank_c < int_table(n_cols, dev)[:, None]
-    cols = torch.where(keep_c, top_c, skv).sort(dim=-1).values.to(torch.int32).contiguous()
-
-    top_d = key_s.topk(max(n_diags), dim=-1, sorted=True).indices
-    del key_s
+    cols = torch.where(keep_c, top_c[..., :max(n_cols)], skv).sort(dim=-1).values.to(torch.int32).contiguous()
+    top_d = top_d[..., :max(n_diags)]
     keep_d = rank_d < int_table(n_diags, dev)[:, None]
     # slot delta+1 counts diagonal delta; slot skv+1 swallows the dropped picks
     marks = torch.zeros(B, n_vs, skv + 2, dtype=torch.int32, device=dev)
@@ -690,28 +706,60 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
     DENSE and A_SHAPE heads have zero counts. Capacities come from
     :func:`index_capacity`.
     """
-    check_index_inputs(q, k, plan)
-    B, Hq, sq, D = q.shape
-    Hkv, skv = k.shape[1], k.shape[2]
-    q_offset, window = int(q_offset), int(window)
-    dev = q.device
+    return _build(q, k, plan, None, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset,
+                  window=window, mass_out=mass_out)[0]
+
+
+def build_index_pair_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, scale, key_mask=None, doc_ids=None,
+                         q_offset=0, window=0, mass_out=None, escalated_mass_out=None) -> tuple[SparseIndex, SparseIndex]:
+    """:func:`build_index_gpu` of ``plan`` and of ``escalated``, its guard's escalation
+    (:func:`~minference_fx.plan.escalated_plan`: the same vertical-slash heads at larger budgets, every other
+    head dense), from one vertical-slash estimate: the two indexes differ only in how many of its picks a head
+    keeps. ``escalated_mass_out`` receives the escalated index's guard estimate."""
+    return _build(q, k, plan, escalated, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset,
+                  window=window, mass_out=mass_out, escalated_mass_out=escalated_mass_out)
+
+
+def _empty_index(q, k, plan: LayerPlan) -> SparseIndex:
+    B, Hq, sq, _ = q.shape
+    skv, dev = k.shape[2], q.device
     m_tiles = _cdiv(sq, BLOCK)
     tile_cap, col_cap = index_capacity(plan, skv)
-    out = SparseIndex(
+    return SparseIndex(
         tile_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
         tile_index=torch.full((B, Hq, m_tiles, tile_cap), -1, dtype=index_tile_dtype(skv), device=dev),
         col_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
         col_index=torch.full((B, Hq, m_tiles, col_cap), -1, dtype=torch.int32, device=dev),
     )
-    if m_tiles == 0 or skv == 0:
-        return out
+
+
+def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offset, window, mass_out,
+           escalated_mass_out=None) -> tuple[SparseIndex, SparseIndex | None]:
+    check_index_inputs(q, k, plan)
+    skv = k.shape[2]
+    q_offset, window = int(q_offset), int(window)
     vs = [(h, hp) for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.VERTICAL_SLASH]
     bs = [(h, hp) for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.BLOCK_SPARSE]
-    first_key = first_kept_keys(key_mask, dev)  # once for both patterns
+    if escalated is not None:
+        check_index_inputs(q, k, escalated)
+        listed = [h for h, hp in enumerate(escalated.heads) if hp.pattern is not Pattern.DENSE]
+        if listed != [h for h, _ in vs] or any(escalated.heads[h].pattern is not Pattern.VERTICAL_SLASH for h in listed):
+            raise ValueError("an escalated plan lists exactly the plan's vertical-slash heads, as vertical-slash; "
+                             f"got {escalated} for {plan}")
+    out = _empty_index(q, k, plan)
+    out_up = _empty_index(q, k, escalated) if escalated is not None else None
+    if out.tile_count.shape[-1] == 0 or skv == 0:
+        return out, out_up
+    first_key = first_kept_keys(key_mask, q.device)  # once for both patterns
     if vs:
-        _vs_index(q, k, [h for h, _ in vs], [hp for _, hp in vs], out, scale=scale, key_mask=key_mask,
-                  doc_ids=doc_ids, q_offset=q_offset, window=window, first_key=first_key, mass_out=mass_out)
+        heads = int_table([h for h, _ in vs], q.device)
+        plans = [[hp for _, hp in vs]] + ([[escalated.heads[h] for h, _ in vs]] if escalated is not None else [])
+        n_cols, n_diags = _vs_budgets([hp for p in plans for hp in p], skv)
+        picks = _vs_picks(q, k, heads, len(vs), max(n_cols), max(n_diags), scale=scale, key_mask=key_mask,
+                          doc_ids=doc_ids, q_offset=q_offset, window=window, first_key=first_key)
+        for vs_plans, index, mass in zip(plans, (out, out_up), (mass_out, escalated_mass_out)):
+            _vs_tiles(q, k, picks, heads, vs_plans, index, q_offset=q_offset, mass_out=mass)
     if bs:
         _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset, first_key=first_key,
                   scale=scale, key_mask=key_mask, doc_ids=doc_ids, window=window, mass_out=mass_out)
-    return out
+    return out, out_up

@@ -14,7 +14,7 @@ import torch
 from . import dense
 from .call_masks import CallMasks
 from .kernels import attend, guard, reference
-from .kernels.index import build_index_gpu
+from .kernels.index import build_index_gpu, build_index_pair_gpu
 from .plan import LayerPlan
 
 
@@ -36,20 +36,23 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     walk when padded), else in the kernel's dense walk (routing then changes nothing). The index still
     covers routed heads, so ``ran_dense`` says whether they would have run dense. With an ``escalated`` plan
     (:func:`~minference_fx.plan.escalated_plan`) the heads the guard finds weak take its index, and only those
-    still under the threshold there run dense (no host sync: both indexes are built, the rows chosen on the
-    device)."""
+    still under the threshold there run dense (no host sync: both indexes are built, from one vertical-slash
+    estimate, and the rows chosen on the device)."""
     split = dense.split_plan(plan)
     guarded = guard_threshold > 0
     mass = _full_mass(q) if guarded else None
-    index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
-    weak = mass < guard_threshold if guarded else None
     if guarded and escalated is not None:
         # the escalated plan lists only vertical-slash heads: a weak head it does not estimate (block-sparse)
         # stays weak, and runs dense, rather than taking the row that plan leaves empty
         mass_up = torch.zeros_like(mass)
-        index_up = build_index_gpu(q, k, escalated, scale=scale, mass_out=mass_up, **masks.kwargs())
+        index, index_up = build_index_pair_gpu(q, k, plan, escalated, scale=scale, mass_out=mass,
+                                               escalated_mass_out=mass_up, **masks.kwargs())
+        weak = mass < guard_threshold
         index = dense.take_index(index, index_up, weak)
         weak = weak & (mass_up < guard_threshold)
+    else:
+        index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
+        weak = mass < guard_threshold if guarded else None
     force = ran_dense = dense.forced_on_gpu(index, plan, q, k, masks, weak)
     by_sdpa = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:

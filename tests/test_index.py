@@ -439,3 +439,29 @@ def test_16k_bf16_close_to_reference():
     assert tiles_diff <= 0.005 * want_t[:, sparse].sum().item(), tiles_diff
     assert cols_diff <= 0.005 * max(1, want_c[:, sparse].sum().item()), cols_diff
     assert int(got.tile_count[:, ~sparse].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_index_pair_equals_two_builds_from_one_estimate(masked):
+    """build_index_pair_gpu (the guard's escalation) gives exactly build_index_gpu of the plan and of its
+    escalated plan, the guard's estimates included; a padding mask moves the sinks of both alike."""
+    from minference_fx.kernels.index import build_index_pair_gpu
+    from minference_fx.plan import escalated_plan
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 400, 16, generator=g), torch.randn(2, 2, 400, 16, generator=g)
+    plan = plan_of((VS, 30, 100), (BS, 3), (VS, 64, 150), (ASHAPE, 16, 64))
+    up = escalated_plan(plan, (96, 250))
+    kw = {"key_mask": torch.arange(400)[None].expand(2, -1) >= torch.tensor([[0], [70]])} if masked else {}
+    masses = [torch.ones(2, 4) for _ in range(4)]
+    one = build_index_gpu(q, k, plan, scale=0.25, mass_out=masses[0], **kw)
+    two = build_index_gpu(q, k, up, scale=0.25, mass_out=masses[1], **kw)
+    got, got_up = build_index_pair_gpu(q, k, plan, up, scale=0.25, mass_out=masses[2], escalated_mass_out=masses[3], **kw)
+    for want, have in ((one, got), (two, got_up)):
+        for name in ("tile_count", "tile_index", "col_count", "col_index"):
+            assert torch.equal(getattr(want, name), getattr(have, name)), name
+    assert torch.equal(masses[0], masses[2]) and torch.equal(masses[1], masses[3])
+    # both estimates written (heads 0 and 1 miss mass at their budgets), the escalated one capturing more
+    assert (masses[0][:, :2] < 1).all() and (masses[1][:, 0] > masses[0][:, 0]).all()
+    with pytest.raises(ValueError, match="escalated plan lists exactly the plan's vertical-slash heads"):
+        build_index_pair_gpu(q, k, plan, plan, scale=0.25)
