@@ -711,7 +711,8 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
 
 
 def build_index_pair_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, scale, key_mask=None, doc_ids=None,
-                         q_offset=0, window=0, mass_out=None, escalated_mass_out=None) -> tuple[SparseIndex, SparseIndex]:
+                         q_offset=0, window=0, mass_out=None,
+                         escalated_mass_out=None) -> tuple[SparseIndex, SparseIndex]:
     """:func:`build_index_gpu` of ``plan`` and of ``escalated``, its guard's escalation
     (:func:`~minference_fx.plan.escalated_plan`: the same vertical-slash heads at larger budgets, every other
     head dense), from one vertical-slash estimate: the two indexes differ only in how many of its picks a head
@@ -743,7 +744,8 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
     if escalated is not None:
         check_index_inputs(q, k, escalated)
         listed = [h for h, hp in enumerate(escalated.heads) if hp.pattern is not Pattern.DENSE]
-        if listed != [h for h, _ in vs] or any(escalated.heads[h].pattern is not Pattern.VERTICAL_SLASH for h in listed):
+        as_vs = all(escalated.heads[h].pattern is Pattern.VERTICAL_SLASH for h in listed)
+        if listed != [h for h, _ in vs] or not as_vs:
             raise ValueError("an escalated plan lists exactly the plan's vertical-slash heads, as vertical-slash; "
                              f"got {escalated} for {plan}")
     out = _empty_index(q, k, plan)

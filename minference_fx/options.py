@@ -47,8 +47,8 @@ class BackendOptions:
     """search mode: token from ``observe.register``; sites become dense observed attention"""
 
     guard_threshold: Optional[float] = None
-    """a vertical-slash or block-sparse head whose estimated captured mass falls below this runs dense (0 turns the guard off);
-    None: the config's value"""
+    """a vertical-slash or block-sparse head whose estimated captured mass falls below this runs dense (0 turns the
+    guard off); None: the config's value"""
 
     guard_escalation: Optional[tuple] = None
     """(columns, diagonals), e.g. MInference's default budgets: a vertical-slash head the guard finds weak first takes

@@ -141,7 +141,8 @@ class Report:
             fallback = (f"first try {self.guard_escalation} (columns, diagonals), then run dense" if self.guard_escalation
                         else "run dense")
             out.append(f"quality guard: vertical-slash and block-sparse heads under {self.guard_threshold:.2f} captured "
-                       f"mass {fallback}; so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in {STATS.calls} calls")
+                       f"mass {fallback}; so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in "
+                       f"{STATS.calls} calls")
         if self.rewritten:
             out.append("routing: heads that ran dense at a site's last call run through SDPA at its next" if self.route_dense
                        else "routing off: heads that run dense take the kernel's dense walk")

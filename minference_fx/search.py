@@ -86,7 +86,7 @@ def candidates_for(length: int) -> list[HeadPlan]:
     n = length
     tiles = math.ceil(length / reference.BLOCK)
     vs = [(max(30, n // d), 100) for d in (128, 64, 32, 16, 8, 4)]
-    vs += [(max(30, n // 8), max(100, n // d)) for d in (64, 48, 32, 16, 8, 4)] + [(n // 4, n // 4)]
+    vs += [(max(30, n // 8), max(100, n // d)) for d in (64, 48, 32, 16, 8, 4)] + [(max(30, n // 4), max(100, n // 4))]
     cands = [HeadPlan(Pattern.A_SHAPE, 64, max(128, n // d)) for d in (64, 32, 16, 8)]
     cands += [HeadPlan(Pattern.VERTICAL_SLASH, v, s) for v, s in dict.fromkeys(vs)]
     ks = (tiles // 32, tiles // 16, 3 * tiles // 32, tiles // 8, 3 * tiles // 16, tiles // 4, tiles // 3, tiles // 2)
