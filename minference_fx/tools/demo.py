@@ -125,7 +125,8 @@ class DemoResult:
         ]
         if self.guard.get("heads_checked"):
             lines.append(f"quality guard: {self.guard['heads_forced_dense']} of {self.guard['heads_checked']} "
-                         "vertical-slash head-calls ran dense (not counted in the density above)")
+                         "checked head-calls (vertical-slash and block-sparse) ran dense (not counted in the density "
+                         "above)")
         if self.device == "cpu":
             lines.append("note: on CPU the op is the pure-PyTorch reference (masked dense attention), so sparse is not "
                          "faster here; the speed-up needs the Triton kernels on a GPU")
