@@ -4,9 +4,9 @@ A pageable host→device copy synchronises in eager mode and is illegal while a
 CUDA graph captures. So each distinct table is kept once in pinned host memory
 and every call copies it to a fresh device tensor asynchronously: one copy a
 table, which a capture records as a memcpy node. A plan whose budgets differ
-head by head once cost up to two launches a run of equal steps (a mixed
-Qwen2.5-Coder layer: about 100 of the op's 290 launches a call, and a third of
-its 10 ms of host time). The device tensor is never cached: a cached one would
+head by head once cost up to two launches a run of equal steps; the copies cut
+the op's time on a mixed Qwen2.5-Coder config by 4-5 % at 16K-32K (BENCHMARKS.md
+section 2b). The device tensor is never cached: a cached one would
 be allocated inside Inductor's cudagraph pool during warm-up and then be an
 untracked live allocation ("tensors in the cudagraph pool not tracked as
 outputs"), which cudagraph trees refuse. A table first asked for while a

@@ -43,7 +43,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     mass = _full_mass(q) if guarded else None
     if guarded and escalated is not None:
         # the escalated plan lists only vertical-slash heads: a weak head it does not estimate (block-sparse)
-        # stays weak, and runs dense, rather than taking the row that plan leaves empty
+        # takes the empty row it leaves, but stays weak, so it runs dense and that row is never walked
         mass_up = torch.zeros_like(mass)
         index, index_up = build_index_pair_gpu(q, k, plan, escalated, scale=scale, mass_out=mass,
                                                escalated_mass_out=mass_up, **masks.kwargs())
