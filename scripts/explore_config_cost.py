@@ -1,11 +1,16 @@
 """Where a semantic config's op time goes, layer by layer, without the model: each layer's plan run through the op
 on synthetic Qwen2.5-Coder-1.5B-shaped inputs (12 q / 2 kv heads, d128), against cuDNN on the same inputs, and the
-index build alone. Then a profile of the slowest layer at the shortest length.
+index build alone. Then, per length, every layer's call queued back to back as in a model (host ms against GPU ms
+between events: is the path host-bound?), and the host operations with the most self time over one such pass.
 
     python scripts/explore_config_cost.py CONFIG.json --lengths 16k,32k,128k [--out X.json]
 """
 import argparse
+import cProfile
+import io
 import json
+import pstats
+import time
 from collections import Counter
 
 import torch
@@ -53,20 +58,52 @@ def main():
             print(f"{seq:7d} L{layer:2d} op {ms:7.2f} ms index {idx:6.2f} cudnn {cudnn:6.2f}  {kinds}", flush=True)
         tot = sum(r["op_ms"] for r in rows if r["seq"] == seq)
         print(f"{seq:7d} total op {tot:.1f} ms vs cudnn x{len(layers)} {cudnn * len(layers):.1f} ms", flush=True)
-    seq = parse_lengths(args.lengths)[0]
-    worst = max((r for r in rows if r["seq"] == seq), key=lambda r: r["op_ms"] - r["cudnn_ms"])
-    q, k, v = structured_qkv(seq, **QWEN)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(3):
-            run_layer(config, worst["layer"], q, k, v)
-        torch.cuda.synchronize()
-    print(f"profile of layer {worst['layer']} at {seq}:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=60))
+        queued_pass(config, layers, q, k, v, seq, rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def queued_pass(config, layers, q, k, v, seq: int, rows: list) -> None:
+    """Every layer's call back to back with no sync between (as a model's forward runs them): host and GPU ms of
+    the pass, then the host operations with the most self time in one profiled pass."""
+    def one_pass():
+        for layer in layers:
+            run_layer(config, layer, q, k, v)
+
+    one_pass()
+    torch.cuda.synchronize()
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start = time.perf_counter()
+    start_event.record()
+    one_pass()
+    end_event.record()
+    host_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    gpu_ms = start_event.elapsed_time(end_event)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        one_pass()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in averages) / 1e3
+    launches = sum(e.count for e in averages if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync")))
+    rows.append(dict(seq=seq, queued_host_ms=host_ms, queued_gpu_ms=gpu_ms, kernel_ms=kernels, launches=launches))
+    print(f"{seq:7d} queued pass of {len(layers)} calls: host {host_ms:.1f} ms, GPU between events {gpu_ms:.1f} ms, "
+          f"kernels {kernels:.1f} ms, {launches} launches/copies; host self time by op:", flush=True)
+    for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:30]:
+        print(f"  {e.self_cpu_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:90]}")
+    print("  GPU time by kernel:")
+    for e in sorted(averages, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:100]}")
+    # the op's own Python (plan, lookups, Triton's launcher) is one opaque row above: split it by function
+    python_profile = cProfile.Profile()
+    python_profile.runcall(one_pass)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(python_profile, stream=text).sort_stats("tottime").print_stats(45)
+    pstats.Stats(python_profile, stream=text).sort_stats("cumulative").print_stats(60)
+    print(text.getvalue())
 
 
 if __name__ == "__main__":

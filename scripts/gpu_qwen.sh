@@ -18,7 +18,8 @@
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
 # at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
-# search32k_guarded (the 32K-searched config in results/ with its block-sparse heads guarded), peers
+# search32k_guarded (the 32K-searched config in results/ with its block-sparse heads guarded), candidate32k (that
+# config sparse from 64K: TTFT 4K-128K, fidelity at 128K; candidate32k_g0.9 the same with the guard at 0.9), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -55,6 +56,16 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config $C32 --reps 3 --out "$STATE/bench_prefill_qwen_search32k_guarded.json"
           timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config $C32 --out "$STATE/eval128_qwen_search32k_guarded.json" ;;
+    candidate32k|candidate32k_g0.9)  # the 32K-searched config of results/ sparse from 64K (dense below, where it
+          # lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, 64K/128K only
+          C=$STATE/$1.json G=${1#candidate32k}; G=${G#_g}; G=${G:-0.8}
+          python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['defaults']['min_sparse_len']=65536; c['defaults']['guard_threshold']=float(sys.argv[3]); json.dump(c, open(sys.argv[2], 'w'), indent=1)" \
+            results/search_qwen_32k_h200_2026-12-03.json "$C" "$G"
+          L=4k,8k,16k,32k,64k,128k; [ "$G" = 0.8 ] || L=64k,128k
+          timeout 600 minference-fx bench prefill --model $MODEL --lengths $L --variants eager,minference \
+            --config "$C" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config "$C" --out "$STATE/eval128_qwen_$1.json" ;;
     prefill_searched)  # TTFT 8K-128K, eager vs minference, with the config as searched (sparse from 16K)
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 8k,16k,32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;
