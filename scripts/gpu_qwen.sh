@@ -24,7 +24,9 @@
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
-export MINFERENCE_FX_CACHE_DIR=${MINFERENCE_FX_CACHE_DIR:-/root/mfx}
+# the project's default cache, where device_model.py's receive and convert put the Austen text and the model unless
+# told otherwise (a cache of its own here once left the steps without the text: every eval and bench failed)
+export MINFERENCE_FX_CACHE_DIR=${MINFERENCE_FX_CACHE_DIR:-$HOME/.cache/minference-fx}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 mkdir -p "$STATE" "$MINFERENCE_FX_CACHE_DIR"
 # the config searched here at 32K (step search) when it exists, else the shipped one (searched at 8K on a CPU)
