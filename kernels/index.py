@@ -444,30 +444,28 @@ def _vs_budgets(vs_plans, skv: int) -> tuple[list[int], list[int]]:
             [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) for hp in vs_plans])
 
 
-def _vs_picks(q, k, heads: torch.Tensor, n_vs: int, max_cols: int, max_diags: int, *, scale, key_mask, doc_ids,
-              q_offset, window, first_key):
-    """The vertical-slash estimate of the heads in ``heads``: (its raw vertical scores ``[B, n_vs, Skv]``, which
-    the guard reads, and each head's best ``max_cols`` columns and ``max_diags`` diagonals, best first). The rank
+def _vs_picks(vertical, slash_parts, max_cols: int, max_diags: int, *, key_mask, first_key):
+    """Each vertical-slash head's best ``max_cols`` columns and ``max_diags`` diagonals, best first, from its raw
+    scores (:func:`_vs_scores`: ``vertical`` ``[B, n_vs, Skv]``, ``slash_parts`` ``[2, B, n_vs, Skv]``). The rank
     keys are unique, so the first n picks are the picks at budget n: one estimate serves several budgets."""
-    B = q.shape[0]
-    skv = k.shape[2]
-    raw_vertical, slash_parts = _vs_scores(q, k, heads, n_vs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
-                                           q_offset=q_offset, window=window)
-    key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=q.device)
+    B, n_vs, skv = vertical.shape
+    # the rank kernel reads both as flat rows (a no-op for one batch row, where the estimate's first rows are its
+    # vertical-slash heads)
+    vertical, slash_parts = vertical.contiguous(), slash_parts.contiguous()
+    key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=vertical.device)
     key_s = torch.empty_like(key_v)
     total = B * n_vs * skv
     first_key = first_key.expand(B).contiguous() if key_mask is not None else key_v  # key_v: any pointer
-    _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](raw_vertical, slash_parts, key_v, key_s, first_key, total, skv,
+    _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](vertical, slash_parts, key_v, key_s, first_key, total, skv,
                                                  n_vs * skv, VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS,
                                                  HAS_KEY_MASK=key_mask is not None, BLOCK=_KEY_VEC)
-    del slash_parts
     top_c = key_v.topk(max_cols, dim=-1, sorted=True).indices
     del key_v
     top_d = key_s.topk(max_diags, dim=-1, sorted=True).indices
-    return raw_vertical, top_c, top_d
+    return top_c, top_d
 
 
-def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset, mass_out=None):
+def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset):
     """Write the tiles and columns of the vertical-slash heads ``heads`` at the budgets of ``vs_plans`` into
     ``out``, from their estimate's picks (:func:`_vs_picks`, at no smaller budgets)."""
     B, Hq, sq, _ = q.shape
@@ -475,7 +473,7 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     dev = q.device
     n_vs = len(vs_plans)
     m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
-    raw_vertical, top_c, top_d = picks
+    top_c, top_d = picks
     n_cols, n_diags = _vs_budgets(vs_plans, skv)
     rank_c = torch.arange(max(n_cols), device=dev)
     rank_d = torch.arange(max(n_diags), device=dev)
@@ -505,13 +503,12 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
         out.tile_index.shape[-1], out.col_index.shape[-1],
         BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
     )
-    if mass_out is not None:
-        _last_tile_mass(raw_vertical, heads, out, mass_out, sq)
 
 
 def _last_tile_mass(vertical, heads: torch.Tensor, out: SparseIndex, mass_out: torch.Tensor, sq: int) -> None:
     """The runtime guard's estimate into ``mass_out[:, heads]``: the last rows' mass (``vertical``, their column
-    sums, ``[B, len(heads), Skv]``) inside the last query tile's key set of ``out``."""
+    sums, ``[B, len(heads), Skv]``) inside the last query tile's key set of ``out``. One call covers every head
+    the estimate scored, whatever its pattern: each indexing below copies."""
     # only the last query tile: indexing the whole index with a head list would copy all of it
     hl = heads.long()
     last = slice(out.tile_count.shape[-1] - 1, out.tile_count.shape[-1])
@@ -535,8 +532,7 @@ def _pool(x: torch.Tensor, tiles: int) -> torch.Tensor:
     return torch.cat(parts, dim=2) / counts[:, None]
 
 
-def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key, scale, key_mask, doc_ids, window,
-              mass_out=None):
+def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key):
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -586,12 +582,6 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key
         picked = torch.where(picked < n_tiles, picked, -1).to(out.tile_index.dtype)
         out.tile_index[:, :, m0:m1, :take].index_copy_(1, heads, picked)
         out.tile_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32).expand(B, -1, -1))
-    if mass_out is not None:
-        # the guard checks these heads too: the vertical-slash estimate's column sums of the last rows, over the
-        # last query tile's picked tiles (its slash sums are not needed, but come with the same two passes)
-        vertical, _ = _vs_scores(q, k, heads.to(torch.int32), n_bs, scale=scale, key_mask=key_mask, doc_ids=doc_ids,
-                                 q_offset=q_offset, window=window)
-        _last_tile_mass(vertical, heads, out, mass_out, sq)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -641,7 +631,8 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
     Returns a dict: ``tile_index``, ``col_index``, ``counts`` (the returned index, exact),
     ``scratch`` (an estimate of the temporaries alive at the worst moment of the build, freed when
     it returns; library scratch inside ``topk``/``sort`` is not counted) and ``total`` (their sum).
-    ``mass_out`` adds only the last query tile's lists of the vertical-slash heads.
+    ``mass_out`` adds the block-sparse heads' rows to the last rows' estimate (``raw`` counts the vertical-slash
+    heads' only) and copies of the last query tile's lists of the heads the guard checks.
     """
     skv = sq if skv is None else skv
     hq = len(plan.heads)
@@ -753,15 +744,27 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
     if out.tile_count.shape[-1] == 0 or skv == 0:
         return out, out_up
     first_key = first_kept_keys(key_mask, q.device)  # once for both patterns
+    # One estimate of the last rows serves the vertical-slash picks and the guard's mass of every head it checks:
+    # the vertical-slash heads first, then, for the guard only, the block-sparse ones (their picks come from
+    # pooled tiles; their slash sums are not needed, but come with the same two passes).
+    estimated = [h for h, _ in vs] + ([h for h, _ in bs] if mass_out is not None else [])
+    if estimated:
+        heads = int_table(estimated, q.device)
+        vertical, slash_parts = _vs_scores(q, k, heads, len(estimated), scale=scale, key_mask=key_mask,
+                                           doc_ids=doc_ids, q_offset=q_offset, window=window)
     if vs:
-        heads = int_table([h for h, _ in vs], q.device)
+        n_vs = len(vs)
         plans = [[hp for _, hp in vs]] + ([[escalated.heads[h] for h, _ in vs]] if escalated is not None else [])
         n_cols, n_diags = _vs_budgets([hp for p in plans for hp in p], skv)
-        picks = _vs_picks(q, k, heads, len(vs), max(n_cols), max(n_diags), scale=scale, key_mask=key_mask,
-                          doc_ids=doc_ids, q_offset=q_offset, window=window, first_key=first_key)
-        for vs_plans, index, mass in zip(plans, (out, out_up), (mass_out, escalated_mass_out)):
-            _vs_tiles(q, k, picks, heads, vs_plans, index, q_offset=q_offset, mass_out=mass)
+        picks = _vs_picks(vertical[:, :n_vs], slash_parts[:, :, :n_vs], max(n_cols), max(n_diags),
+                          key_mask=key_mask, first_key=first_key)
+        del slash_parts
+        for vs_plans, index in zip(plans, (out, out_up)):
+            _vs_tiles(q, k, picks, heads[:n_vs], vs_plans, index, q_offset=q_offset)
+        if escalated_mass_out is not None:
+            _last_tile_mass(vertical[:, :n_vs], heads[:n_vs], out_up, escalated_mass_out, q.shape[2])
     if bs:
-        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset, first_key=first_key,
-                  scale=scale, key_mask=key_mask, doc_ids=doc_ids, window=window, mass_out=mass_out)
+        _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset, first_key=first_key)
+    if mass_out is not None and estimated:
+        _last_tile_mass(vertical, heads, out, mass_out, q.shape[2])
     return out, out_up

@@ -44,15 +44,31 @@ def test_op_runs_a_starved_head_dense_and_leaves_it_sparse_without_guard():
     assert (unguarded - dense).abs().max() > 1e-3
 
 
-def test_gpu_index_mass_matches_the_reference_estimate():
+@pytest.mark.parametrize("batch, plan", [
+    (1, LayerPlan((TINY_VS, HeadPlan(Pattern.DENSE), TINY_VS, HeadPlan(Pattern.A_SHAPE, 64, 64)))),
+    # block-sparse heads share the vertical-slash heads' estimate, as rows after theirs: with two batch rows
+    # the vertical-slash rows are a strided slice of it
+    (2, LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2), TINY_VS, HeadPlan(Pattern.DENSE), TINY_VS))),
+    (2, LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 2), HeadPlan(Pattern.A_SHAPE, 64, 64),
+                   HeadPlan(Pattern.BLOCK_SPARSE, 3), HeadPlan(Pattern.DENSE)))),
+])
+def test_gpu_index_mass_matches_the_reference_estimate(batch, plan):
     q, k, _ = _qkv(sq=320)
-    plan = LayerPlan((TINY_VS, HeadPlan(Pattern.DENSE), TINY_VS, HeadPlan(Pattern.A_SHAPE, 64, 64)))
-    mass = torch.full((1, 4), -1.0)
+    q, k = q.expand(batch, -1, -1, -1) * torch.linspace(1, 2, batch)[:, None, None, None], k.expand(batch, -1, -1, -1)
+    checked = [h for h, hp in enumerate(plan.heads) if hp.pattern in (Pattern.VERTICAL_SLASH, Pattern.BLOCK_SPARSE)]
+    unchecked = [h for h in range(4) if h not in checked]
+    mass = torch.full((batch, 4), -1.0)
     index = build_index_gpu(q, k, plan, scale=0.25, mass_out=mass)
-    want = guard.captured_mass(guard.vertical_scores(q, k, scale=0.25), reference.build_index(q, k, plan, scale=0.25), 64)
-    torch.testing.assert_close(mass[:, [0, 2]], want[:, [0, 2]], rtol=1e-4, atol=1e-5)
-    assert (mass[:, [1, 3]] == -1).all()  # other heads untouched
-    assert index.tile_count.shape == (1, 4, 5)
+    reference_index = reference.build_index(q, k, plan, scale=0.25)
+    want = guard.captured_mass(guard.vertical_scores(q, k, scale=0.25), reference_index, 64)
+    torch.testing.assert_close(mass[:, checked], want[:, checked], rtol=1e-4, atol=1e-5)
+    assert (mass[:, checked] < 1).all()  # random q/k: tiny budgets miss mass, so an unwritten 1 would show
+    assert (mass[:, unchecked] == -1).all()  # other heads untouched
+    assert index.tile_count.shape == (batch, 4, 5)
+    # the estimate's picks are the same with the guard's block-sparse rows added after them, or without
+    alone = build_index_gpu(q, k, plan, scale=0.25)
+    for name in ("tile_count", "tile_index", "col_count", "col_index"):
+        assert torch.equal(getattr(index, name), getattr(alone, name)), name
 
 
 def test_kernel_forced_dense_equals_reference_on_densified_index():
