@@ -449,8 +449,8 @@ def _vs_picks(vertical, slash_parts, max_cols: int, max_diags: int, *, key_mask,
     scores (:func:`_vs_scores`: ``vertical`` ``[B, n_vs, Skv]``, ``slash_parts`` ``[2, B, n_vs, Skv]``). The rank
     keys are unique, so the first n picks are the picks at budget n: one estimate serves several budgets."""
     B, n_vs, skv = vertical.shape
-    # the rank kernel reads both as flat rows (a no-op for one batch row, where the estimate's first rows are its
-    # vertical-slash heads)
+    # the rank kernel reads both as flat rows: with the guard's block-sparse rows after them, the slash halves
+    # (and, past one batch row, the vertical scores) are strided slices, copied here (a few MB at 128K)
     vertical, slash_parts = vertical.contiguous(), slash_parts.contiguous()
     key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=vertical.device)
     key_s = torch.empty_like(key_v)
