@@ -86,7 +86,9 @@ def queued_pass(config, layers, q, k, v, seq: int, rows: list) -> None:
         one_pass()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    kernels = sum(e.self_device_time_total for e in averages) / 1e3
+    # device rows only: an operator's row repeats the time of the kernels it launched
+    on_device = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sum(e.self_device_time_total for e in on_device) / 1e3
     launches = sum(e.count for e in averages if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync")))
     rows.append(dict(seq=seq, queued_host_ms=host_ms, queued_gpu_ms=gpu_ms, kernel_ms=kernels, launches=launches))
     print(f"{seq:7d} queued pass of {len(layers)} calls: host {host_ms:.1f} ms, GPU between events {gpu_ms:.1f} ms, "
@@ -94,7 +96,7 @@ def queued_pass(config, layers, q, k, v, seq: int, rows: list) -> None:
     for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:30]:
         print(f"  {e.self_cpu_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:90]}")
     print("  GPU time by kernel:")
-    for e in sorted(averages, key=lambda e: -e.self_device_time_total)[:25]:
+    for e in sorted(on_device, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:100]}")
     # the op's own Python (plan, lookups, Triton's launcher) is one opaque row above: split it by function
     python_profile = cProfile.Profile()
