@@ -20,7 +20,8 @@
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
 # search32k_guarded (the 32K-searched config in results/ with its block-sparse heads guarded), candidate32k (that
 # config sparse from 64K: TTFT 4K-128K, fidelity at 128K; candidate32k_g0.9 the same with the guard at 0.9),
-# task_layers (the layers of that config whose dense run gives variable tracking back at 128K), peers
+# task_layers (the layers of that config whose dense run gives variable tracking back at 128K), candidate32k_vt
+# (that config with those layers dense: TTFT at 64K/128K, fidelity at 128K), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -72,6 +73,15 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     task_layers)  # which layers of the 32K-searched config lose variable tracking at 128K (scripts/explore_task_layers.py)
           timeout 580 python3 scripts/explore_task_layers.py results/search_qwen_32k_h200_2026-12-03.json --model $MODEL \
             --length 128k --tasks variable_tracking --out "$STATE/task_layers_vt_128k.json" ;;
+    candidate32k_vt)  # that config sparse from 64K with the layers task_layers found made dense: TTFT at 64K/128K and
+                      # fidelity at 128K (run task_layers first)
+          C=$STATE/$1.json
+          python3 -c "import json,sys; found={l for g in json.load(open(sys.argv[1]))['found'] for l in g}; c=json.load(open(sys.argv[2])); c['defaults']['min_sparse_len']=65536; c['layers']=[[{'pattern': 'dense', 'budgets': [0, 0]}]*len(h) if i in found else h for i, h in enumerate(c['layers'])]; json.dump(c, open(sys.argv[3], 'w'), indent=1); print('dense layers', sorted(found))" \
+            "$STATE/task_layers_vt_128k.json" results/search_qwen_32k_h200_2026-12-03.json "$C" || return 1
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+            --config "$C" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config "$C" --out "$STATE/eval128_qwen_$1.json" ;;
     prefill_searched)  # TTFT 8K-128K, eager vs minference, with the config as searched (sparse from 16K)
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 8k,16k,32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;
