@@ -1,6 +1,8 @@
 """Where a semantic config's op time goes, layer by layer, without the model: each layer's plan run through the op
 on synthetic Qwen2.5-Coder-1.5B-shaped inputs (12 q / 2 kv heads, d128), against cuDNN on the same inputs, and the
-index build alone. Then, per length, every layer's call queued back to back as in a model (host ms against GPU ms
+index build alone. Each layer is a routing site of its own, as in a compiled model: from its second call, heads that
+ran dense at its last call go to cuDNN (``--no-routing``: every forced pair runs in the Triton dense walk, as the
+runs before 2026-12-03 23:00 did). Then, per length, every layer's call queued back to back as in a model (host ms against GPU ms
 between events: is the path host-bound?), and the host operations with the most self time over one such pass.
 
     python scripts/explore_config_cost.py CONFIG.json --lengths 16k,32k,128k [--out X.json]
@@ -16,6 +18,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from minference_fx import routing
 from minference_fx.autotune.workload import structured_qkv
 from minference_fx.cli import parse_lengths
 from minference_fx.config import load_config
@@ -28,12 +31,16 @@ QWEN = dict(num_q_heads=12, num_kv_heads=2, head_dim=128)
 SCALE = QWEN["head_dim"] ** -0.5
 
 
+SITES: dict = {}
+"""each layer's routing site (empty: no routing)"""
+
+
 def run_layer(config, layer: int, q, k, v):
     """One call of the op with ``layer``'s plan and the config's guard (and escalation), sparse at any length."""
     patterns, budget_a, budget_b = config.layer_plan(layer, 0, QWEN["num_q_heads"]).op_arguments()
     escalation = tuple(config.guard_escalation) or (0, 0)
     return sparse_attention(q, k, v, None, None, SCALE, 0, 0, patterns, budget_a, budget_b, 0,
-                            config.guard_threshold, -1, *escalation)
+                            config.guard_threshold, SITES.get(layer, routing.NO_SITE), *escalation)
 
 
 def main():
@@ -42,11 +49,15 @@ def main():
     ap.add_argument("--lengths", default="16k,32k,128k")
     ap.add_argument("--layers", default="all")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-routing", action="store_true", help="forced pairs run in the dense walk at every call")
     args = ap.parse_args()
     config = load_config(args.config)
     layers = range(len(config.layers)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+    if not args.no_routing:
+        SITES.update({layer: routing.new_site() for layer in layers})
     rows = []
     for seq in parse_lengths(args.lengths):
+        routing.ROUTER.reset()  # each length from a first call, as a model's first prompt of that length
         q, k, v = structured_qkv(seq, **QWEN)
         cudnn = event_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, enable_gqa=True), 3)
         for layer in layers:
