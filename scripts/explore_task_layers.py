@@ -25,7 +25,7 @@ from minference_fx.plan import Pattern
 from minference_fx.tools import assets, evaluate, ruler, stdlib_code
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: it holds a tensor
 class Prompt:
     """One task prompt and what the dense model scored on it."""
 
@@ -66,8 +66,7 @@ def task_prompts(model, tokenizer, haystacks: dict, tasks, length: int, depths, 
             for depth in depths:
                 sample = ruler.generate(task, tokenizer, text, length, 0, depth=depth, chat=chat)
                 ids = torch.tensor([sample.ids], device=device)
-                answer = evaluate.greedy_answer(model, ids, new_tokens=sample.new_tokens)
-                score = ruler.score(evaluate._answer_text(tokenizer, answer, stops), sample.answers)
+                _, score = evaluate.scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops)
                 prompts.append(Prompt(name, task, depth, ids, sample.answers, sample.new_tokens, score))
     return prompts
 
@@ -76,10 +75,8 @@ def probe(model, tokenizer, config: SemanticConfig, prompts: list[Prompt], dense
     start = time.perf_counter()
     compiled = evaluate.sparse_model(model, with_dense_layers(config, dense_layers))
     stops = evaluate.stop_token_ids(model, tokenizer)
-    scores = []
-    for p in prompts:
-        answer = evaluate.greedy_answer(model, p.ids, prefill=compiled, new_tokens=p.new_tokens)
-        scores.append(ruler.score(evaluate._answer_text(tokenizer, answer, stops), p.answers))
+    scores = [evaluate.scored_answer(model, tokenizer, p.ids, p.answers, p.new_tokens, stops, prefill=compiled)[1]
+              for p in prompts]
     return Probe(sorted(dense_layers), sum(scores) / len(scores), scores, time.perf_counter() - start)
 
 

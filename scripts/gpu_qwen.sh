@@ -18,10 +18,9 @@
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
 # at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
-# search32k_guarded (the 32K-searched config in results/ with its block-sparse heads guarded), candidate32k (that
-# config sparse from 64K: TTFT 4K-128K, fidelity at 128K; candidate32k_g0.9 the same with the guard at 0.9),
-# task_layers (the layers of that config whose dense run gives variable tracking back at 128K), candidate32k_vt
-# (that config with those layers dense: TTFT at 64K/128K, fidelity at 128K), peers
+# candidate32k (the 32K-searched config in results/ sparse from 64K: TTFT 4K-128K, fidelity at 128K;
+# candidate32k_g0.9 the same with the guard at 0.9), task_layers (the layers of that config whose dense run gives
+# variable tracking back at 128K), candidate32k_vt (that config with those layers dense), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -40,6 +39,21 @@ install() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$STATE/install.log" 2>&1 || { cat "$STATE/install.log"; return 1; }
 }
 
+derived_config() {   # $1 config -> $2: sparse from 64K, guard threshold $3, every head dense in the layers listed
+                     # under "found" in the JSON $4 (explore_task_layers.py's output; "" for none)
+  python3 - "$@" <<'PY'
+import json, sys
+source, target, guard, found = sys.argv[1:5]
+config = json.load(open(source))
+config["defaults"].update(min_sparse_len=65536, guard_threshold=float(guard))
+dense = {layer for group in json.load(open(found))["found"] for layer in group} if found else set()
+config["layers"] = [[{"pattern": "dense", "budgets": [0, 0]}] * len(heads) if i in dense else heads
+                    for i, heads in enumerate(config["layers"])]
+json.dump(config, open(target, "w"), indent=1)
+print(f"{target}: sparse from 65536, guard {guard}, dense layers {sorted(dense)}")
+PY
+}
+
 step() {   # $1: step name; its log is $STATE/$1.txt
   local t0=$SECONDS
   echo "== $1 started $(date -u +%H:%M:%S)"
@@ -53,19 +67,16 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     search) timeout 900 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 16384 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
-    search32k_guarded)  # the 32K-searched config of results/ (2026-12-03) again, now that the guard checks its 88
-                        # block-sparse heads: TTFT at 64K/128K and fidelity at 128K
-          C32=results/search_qwen_32k_h200_2026-12-03.json
-          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
-            --config $C32 --reps 3 --out "$STATE/bench_prefill_qwen_search32k_guarded.json"
-          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
-            --ppl-tokens 1024 --config $C32 --out "$STATE/eval128_qwen_search32k_guarded.json" ;;
-    candidate32k|candidate32k_g0.9)  # the 32K-searched config of results/ sparse from 64K (dense below, where it
-          # lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, 64K/128K only
-          C=$STATE/$1.json G=${1#candidate32k}; G=${G#_g}; G=${G:-0.8}
-          python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['defaults']['min_sparse_len']=65536; c['defaults']['guard_threshold']=float(sys.argv[3]); json.dump(c, open(sys.argv[2], 'w'), indent=1)" \
-            results/search_qwen_32k_h200_2026-12-03.json "$C" "$G"
-          L=4k,8k,16k,32k,64k,128k; [ "$G" = 0.8 ] || L=64k,128k
+    candidate32k|candidate32k_g0.9|candidate32k_vt)  # the 32K-searched config of results/ sparse from 64K (dense
+          # below, where it lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, _vt with
+          # the layers task_layers found made dense (run it first), both at 64K/128K only
+          C=$STATE/$1.json G=0.8 FOUND="" L=64k,128k
+          case $1 in
+            candidate32k) L=4k,8k,16k,32k,64k,128k ;;
+            candidate32k_g0.9) G=0.9 ;;
+            candidate32k_vt) FOUND=$STATE/task_layers_vt_128k.json ;;
+          esac
+          derived_config results/search_qwen_32k_h200_2026-12-03.json "$C" "$G" "$FOUND" || return 1
           timeout 600 minference-fx bench prefill --model $MODEL --lengths $L --variants eager,minference \
             --config "$C" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
@@ -73,15 +84,6 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     task_layers)  # which layers of the 32K-searched config lose variable tracking at 128K (scripts/explore_task_layers.py)
           timeout 580 python3 scripts/explore_task_layers.py results/search_qwen_32k_h200_2026-12-03.json --model $MODEL \
             --length 128k --tasks variable_tracking --out "$STATE/task_layers_vt_128k.json" ;;
-    candidate32k_vt)  # that config sparse from 64K with the layers task_layers found made dense: TTFT at 64K/128K and
-                      # fidelity at 128K (run task_layers first)
-          C=$STATE/$1.json
-          python3 -c "import json,sys; found={l for g in json.load(open(sys.argv[1]))['found'] for l in g}; c=json.load(open(sys.argv[2])); c['defaults']['min_sparse_len']=65536; c['layers']=[[{'pattern': 'dense', 'budgets': [0, 0]}]*len(h) if i in found else h for i, h in enumerate(c['layers'])]; json.dump(c, open(sys.argv[3], 'w'), indent=1); print('dense layers', sorted(found))" \
-            "$STATE/task_layers_vt_128k.json" results/search_qwen_32k_h200_2026-12-03.json "$C" || return 1
-          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
-            --config "$C" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
-          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
-            --ppl-tokens 1024 --config "$C" --out "$STATE/eval128_qwen_$1.json" ;;
     prefill_searched)  # TTFT 8K-128K, eager vs minference, with the config as searched (sparse from 16K)
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 8k,16k,32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;

@@ -347,6 +347,14 @@ def _answer_text(tokenizer, tokens: list[int], stops: set[int]) -> str:
     return tokenizer.decode(tokens[:cut])
 
 
+def scored_answer(model, tokenizer, ids: torch.Tensor, answers: list[str], new_tokens: int, stops: set[int], *,
+                  prefill=None) -> tuple[str, float]:
+    """The greedy answer to a RULER-style prompt (through ``prefill`` when given, as :func:`greedy_answer`) cut at its
+    first end-of-sequence token, and the fraction of ``answers`` it holds."""
+    text = _answer_text(tokenizer, greedy_answer(model, ids, prefill=prefill, new_tokens=new_tokens), stops)
+    return text, ruler.score(text, answers)
+
+
 def ruler_grid(model, tokenizer, lengths, depths, seeds, *, haystack: str, haystack_name: str = "austen",
                tasks=tuple(ruler.TASKS), chat: bool = False, compiled=None,
                progress: Callable[[str], None] = print) -> list[RulerCell]:
@@ -361,12 +369,11 @@ def ruler_grid(model, tokenizer, lengths, depths, seeds, *, haystack: str, hayst
                 for seed in seeds:
                     sample = ruler.generate(name, tokenizer, haystack, length, seed, depth=depth, chat=chat)
                     ids = torch.tensor([sample.ids], device=device)
-                    dense = _answer_text(tokenizer, greedy_answer(model, ids, new_tokens=sample.new_tokens), stops)
-                    sparse = "" if compiled is None else _answer_text(
-                        tokenizer, greedy_answer(model, ids, prefill=compiled, new_tokens=sample.new_tokens), stops)
-                    cell = RulerCell(length, name, haystack_name, depth, seed, sample.answers,
-                                     ruler.score(dense, sample.answers),
-                                     None if compiled is None else ruler.score(sparse, sample.answers), dense, sparse)
+                    dense, dense_score = scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops)
+                    sparse, sparse_score = ("", None) if compiled is None else scored_answer(
+                        model, tokenizer, ids, sample.answers, sample.new_tokens, stops, prefill=compiled)
+                    cell = RulerCell(length, name, haystack_name, depth, seed, sample.answers, dense_score,
+                                     sparse_score, dense, sparse)
                     cells.append(cell)
                     where = "" if depth is None else f" depth={depth}"
                     progress(f"ruler {haystack_name} {name} L={length}{where} seed={seed}: dense {cell.dense_score:.2f} "
