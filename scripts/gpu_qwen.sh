@@ -20,7 +20,8 @@
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
 # candidate32k (the 32K-searched config in results/ sparse from 64K: TTFT 4K-128K, fidelity at 128K;
 # candidate32k_g0.9 the same with the guard at 0.9), task_layers (the layers of that config whose dense run gives
-# variable tracking back at 128K), candidate32k_vt (that config with those layers dense), peers
+# variable tracking back at 128K), candidate32k_vt (that config with those layers dense), candidate32k_ro (that config sparse from 16K,
+# with and without CUDA graphs), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -39,18 +40,19 @@ install() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$STATE/install.log" 2>&1 || { cat "$STATE/install.log"; return 1; }
 }
 
-derived_config() {   # $1 config -> $2: sparse from 64K, guard threshold $3, every head dense in the layers listed
-                     # under "found" in the JSON $4 (explore_task_layers.py's output; "" for none)
+derived_config() {   # $1 config -> $2: guard threshold $3, every head dense in the layers listed under "found" in the
+                     # JSON $4 (explore_task_layers.py's output; "" for none), sparse from $5 tokens (default 65536)
   python3 - "$@" <<'PY'
 import json, sys
 source, target, guard, found = sys.argv[1:5]
+min_sparse_len = int(sys.argv[5]) if len(sys.argv) > 5 else 65536
 config = json.load(open(source))
-config["defaults"].update(min_sparse_len=65536, guard_threshold=float(guard))
+config["defaults"].update(min_sparse_len=min_sparse_len, guard_threshold=float(guard))
 dense = {layer for group in json.load(open(found))["found"] for layer in group} if found else set()
 config["layers"] = [[{"pattern": "dense", "budgets": [0, 0]}] * len(heads) if i in dense else heads
                     for i, heads in enumerate(config["layers"])]
 json.dump(config, open(target, "w"), indent=1)
-print(f"{target}: sparse from 65536, guard {guard}, dense layers {sorted(dense)}")
+print(f"{target}: sparse from {min_sparse_len}, guard {guard}, dense layers {sorted(dense)}")
 PY
 }
 
@@ -81,6 +83,11 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config "$C" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config "$C" --out "$STATE/eval128_qwen_$1.json" ;;
+    candidate32k_ro)  # the 32K-searched config sparse from 16K (as searched), with and without CUDA graphs
+          # (mode="reduce-overhead"): whether the op's host time (about 290 launches a call) is what loses 16K-32K
+          derived_config results/search_qwen_32k_h200_2026-12-03.json "$STATE/$1.json" 0.8 "" 16384 || return 1
+          timeout 600 minference-fx bench prefill --model $MODEL --lengths 16k,32k,64k --variants eager,minference,minference-ro \
+            --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
     task_layers)  # which layers of the 32K-searched config lose variable tracking at 128K (scripts/explore_task_layers.py)
           timeout 580 python3 scripts/explore_task_layers.py results/search_qwen_32k_h200_2026-12-03.json --model $MODEL \
             --length 128k --tasks variable_tracking --out "$STATE/task_layers_vt_128k.json" ;;
