@@ -20,8 +20,8 @@
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
 # candidate32k (the 32K-searched config in results/ sparse from 64K: TTFT 4K-128K, fidelity at 128K;
 # candidate32k_g0.9 the same with the guard at 0.9), task_layers (the layers of that config whose dense run gives
-# variable tracking back at 128K), candidate32k_vt (that config with those layers dense), candidate32k_ro (that config sparse from 16K,
-# with and without CUDA graphs), peers
+# variable tracking back at 128K: every layer, measured), candidate32k_ro (that config sparse from 16K, with and without CUDA
+# graphs), candidate32k_eval32 (its fidelity at 32K), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -40,19 +40,14 @@ install() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$STATE/install.log" 2>&1 || { cat "$STATE/install.log"; return 1; }
 }
 
-derived_config() {   # $1 config -> $2: guard threshold $3, every head dense in the layers listed under "found" in the
-                     # JSON $4 (explore_task_layers.py's output; "" for none), sparse from $5 tokens (default 65536)
+derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 tokens
   python3 - "$@" <<'PY'
 import json, sys
-source, target, guard, found = sys.argv[1:5]
-min_sparse_len = int(sys.argv[5]) if len(sys.argv) > 5 else 65536
+source, target, guard, min_sparse_len = sys.argv[1:5]
 config = json.load(open(source))
-config["defaults"].update(min_sparse_len=min_sparse_len, guard_threshold=float(guard))
-dense = {layer for group in json.load(open(found))["found"] for layer in group} if found else set()
-config["layers"] = [[{"pattern": "dense", "budgets": [0, 0]}] * len(heads) if i in dense else heads
-                    for i, heads in enumerate(config["layers"])]
+config["defaults"].update(min_sparse_len=int(min_sparse_len), guard_threshold=float(guard))
 json.dump(config, open(target, "w"), indent=1)
-print(f"{target}: sparse from {min_sparse_len}, guard {guard}, dense layers {sorted(dense)}")
+print(f"{target}: sparse from {min_sparse_len}, guard {guard}")
 PY
 }
 
@@ -69,25 +64,24 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     search) timeout 900 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 16384 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
-    candidate32k|candidate32k_g0.9|candidate32k_vt)  # the 32K-searched config of results/ sparse from 64K (dense
-          # below, where it lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, _vt with
-          # the layers task_layers found made dense (run it first), both at 64K/128K only
-          C=$STATE/$1.json G=0.8 FOUND="" L=64k,128k
-          case $1 in
-            candidate32k) L=4k,8k,16k,32k,64k,128k ;;
-            candidate32k_g0.9) G=0.9 ;;
-            candidate32k_vt) FOUND=$STATE/task_layers_vt_128k.json ;;
-          esac
-          derived_config results/search_qwen_32k_h200_2026-12-03.json "$C" "$G" "$FOUND" || return 1
+    candidate32k|candidate32k_g0.9)  # the 32K-searched config of results/ sparse from 64K (dense below, where it lost
+          # to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, at 64K/128K only
+          C=$STATE/$1.json G=0.8 L=4k,8k,16k,32k,64k,128k
+          [ "$1" = candidate32k_g0.9 ] && G=0.9 L=64k,128k
+          derived_config results/search_qwen_32k_h200_2026-12-03.json "$C" "$G" 65536 || return 1
           timeout 600 minference-fx bench prefill --model $MODEL --lengths $L --variants eager,minference \
             --config "$C" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config "$C" --out "$STATE/eval128_qwen_$1.json" ;;
     candidate32k_ro)  # the 32K-searched config sparse from 16K (as searched), with and without CUDA graphs
           # (mode="reduce-overhead"): whether the op's host time (about 290 launches a call) is what loses 16K-32K
-          derived_config results/search_qwen_32k_h200_2026-12-03.json "$STATE/$1.json" 0.8 "" 16384 || return 1
+          derived_config results/search_qwen_32k_h200_2026-12-03.json "$STATE/$1.json" 0.8 16384 || return 1
           timeout 600 minference-fx bench prefill --model $MODEL --lengths 16k,32k,64k --variants eager,minference,minference-ro \
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
+    candidate32k_eval32)  # fidelity at 32K of candidate32k_ro's config (forced sparse, as eval32)
+          derived_config results/search_qwen_32k_h200_2026-12-03.json "$STATE/$1.json" 0.8 16384 || return 1
+          timeout 600 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config "$STATE/$1.json" --out "$STATE/eval32_qwen_$1.json" ;;
     task_layers)  # which layers of the 32K-searched config lose variable tracking at 128K (scripts/explore_task_layers.py)
           timeout 580 python3 scripts/explore_task_layers.py results/search_qwen_32k_h200_2026-12-03.json --model $MODEL \
             --length 128k --tasks variable_tracking --out "$STATE/task_layers_vt_128k.json" ;;
