@@ -39,20 +39,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     still under the threshold there run dense (no host sync: both indexes are built, from one vertical-slash
     estimate, and the rows chosen on the device)."""
     split = dense.split_plan(plan)
-    guarded = guard_threshold > 0
-    mass = _full_mass(q) if guarded else None
-    if guarded and escalated is not None:
-        # the escalated plan lists only vertical-slash heads: a weak head it does not estimate (block-sparse)
-        # takes the empty row it leaves, but stays weak, so it runs dense and that row is never walked
-        mass_up = torch.zeros_like(mass)
-        index, index_up = build_index_pair_gpu(q, k, plan, escalated, scale=scale, mass_out=mass,
-                                               escalated_mass_out=mass_up, **masks.kwargs())
-        weak = mass < guard_threshold
-        index = dense.take_index(index, index_up, weak)
-        weak = weak & (mass_up < guard_threshold)
-    else:
-        index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
-        weak = mass < guard_threshold if guarded else None
+    index, weak, _ = guarded_index_on_gpu(q, k, plan, scale, masks, guard_threshold, escalated)
     force = ran_dense = dense.forced_on_gpu(index, plan, q, k, masks, weak)
     by_sdpa = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:
@@ -84,6 +71,32 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
         dense.padded_rows_again((q, k, v, index, *split.op_args), out, sdpa_heads, padded, masks, scale=scale,
                                 **walk_launch)
     return SparseResult(out, weak, ran_dense)
+
+
+class GuardedIndex(NamedTuple):
+    index: reference.SparseIndex
+    weak: Optional[torch.Tensor]
+    """[B, Hq] bool: the pairs the quality guard forces dense; None without a guard"""
+    escalated: Optional[torch.Tensor]
+    """[B, Hq] bool: the pairs that took the escalated plan's index rows; None without an escalation"""
+
+
+def guarded_index_on_gpu(q, k, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float,
+                         escalated: Optional[LayerPlan] = None) -> GuardedIndex:
+    """The GPU path's index and the quality guard's verdict: with an ``escalated`` plan, weak heads take its
+    index, and stay weak only if still under the threshold there."""
+    guarded = guard_threshold > 0
+    mass = _full_mass(q) if guarded else None
+    if guarded and escalated is not None:
+        # the escalated plan lists only vertical-slash heads: a weak head it does not estimate (block-sparse)
+        # takes the empty row it leaves, but stays weak, so it runs dense and that row is never walked
+        mass_up = torch.zeros_like(mass)
+        index, index_up = build_index_pair_gpu(q, k, plan, escalated, scale=scale, mass_out=mass,
+                                               escalated_mass_out=mass_up, **masks.kwargs())
+        took = mass < guard_threshold
+        return GuardedIndex(dense.take_index(index, index_up, took), took & (mass_up < guard_threshold), took)
+    index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
+    return GuardedIndex(index, mass < guard_threshold if guarded else None, None)
 
 
 def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float,

@@ -79,3 +79,43 @@ def test_a_call_whose_every_head_is_routed_is_timed_as_attention(monkeypatch):
     wrapper(types.SimpleNamespace(path=op.CallPath.DENSE_BY_LENGTH), q, q, q)
     wrapper(call, q[:, :, :999], q, q)
     assert len(rows) == 1
+
+
+def test_a_sparse_call_times_the_index_the_path_builds_and_counts_the_escalated_keys(monkeypatch):
+    """The index it times carries the guard's estimate and the escalation's index (before, the plain index alone,
+    so their cost was put on the walk), and its densities count the escalated index's keys for a head that took
+    it. The Triton path runs under the interpreter here."""
+    import types
+
+    import torch
+
+    from minference_fx import op, sparse_path
+    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
+    from minference_fx.call_masks import CallMasks
+    from minference_fx.plan import escalated_plan
+    from minference_fx.tools import breakdown
+    from test_guard_escalation import ESCALATION, SCALE, SMALL, _hot_columns_qkv
+
+    q, k, v = _hot_columns_qkv()
+    escalated = escalated_plan(SMALL, ESCALATION)
+    timed, real = [], sparse_path.guarded_index_on_gpu
+
+    def spy(*args):
+        timed.append(args[5:])  # (guard_threshold, escalated)
+        return real(*args)
+
+    monkeypatch.setattr(sparse_path, "guarded_index_on_gpu", spy)
+    monkeypatch.setattr(breakdown, "event_ms", lambda fn: (fn(), 7.0)[1])
+    call = types.SimpleNamespace(path=op.CallPath.SPARSE_GPU, plan=SMALL, masks=CallMasks(), scale=SCALE, routed=(),
+                                 guard_threshold=0.8, escalated=escalated, sparse_launch=DEFAULT_ENTRY,
+                                 walk_launch=DEFAULT_ENTRIES["dense_walk"])
+    row = breakdown._layer_row(call, q, k, v, q.shape[-2], 0)
+    assert timed and all(args == (0.8, escalated) for args in timed)
+    assert row.ran_dense_pairs == 0  # the premise: head 0 is weak at its own budgets, not at the escalated ones
+    without = types.SimpleNamespace(**{**vars(call), "escalated": None})
+    weak_row = breakdown._layer_row(without, q, k, v, q.shape[-2], 0)
+    assert weak_row.ran_dense_pairs == 1
+    # head 0 reads 128 columns escalated against 30 of its own: more keys than its own index, fewer than dense
+    own = breakdown._layer_row(types.SimpleNamespace(**{**vars(call), "escalated": None, "guard_threshold": 0.0}),
+                               q, k, v, q.shape[-2], 0)
+    assert own.logical < row.logical < weak_row.logical

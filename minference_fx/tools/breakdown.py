@@ -7,8 +7,8 @@ One model, one prompt length, the same process and inputs for every number:
    twice, so routing has seen a call).
 2. **Each attention call, taken apart.** One more compiled forward runs with the op's ``run_call`` wrapped: at a
    call whose every head is routed to fused SDPA it times the layer through SDPA; at one that runs the GPU path
-   (``sparse_path.sparse_on_gpu``) it times, on that call's own inputs, the whole path, the online index alone (not
-   the escalation's), the plan's dense heads through fused SDPA alone, and the whole layer dense through fused SDPA
+   (``sparse_path.sparse_on_gpu``) it times, on that call's own inputs, the whole path, the online index as the path
+   builds it (with the guard's estimate and the escalation's index), the plan's dense heads through fused SDPA alone, and the whole layer dense through fused SDPA
    (what eager's attention costs there). The sparse walk is what is left of the path. It also counts what the
    index keeps and walks (:mod:`minference_fx.kernels.density`, with the pairs that call ran dense counted whole)
    and what the config asks (:func:`asked_density`).
@@ -31,8 +31,7 @@ from typing import Optional
 import torch
 
 from .. import dense, op, precompile, sparse_path
-from ..kernels.density import index_density, selection_of
-from ..kernels.index import build_index_gpu
+from ..kernels.density import Density, index_density, selection_of
 from ..plan import LayerPlan, Pattern
 from . import assets
 from .bench import event_ms
@@ -133,6 +132,9 @@ class Breakdown:
             f"({self.eager_ms / t['bound_physical_ms']:.2f}x eager), asked {t['bound_asked_ms']:.1f} ms "
             f"({self.eager_ms / t['bound_asked_ms']:.2f}x eager)",
         ]
+        if self.meta.get("compiled_alloc_retries"):
+            lines.append(f"warning: the allocator freed its cache {self.meta['compiled_alloc_retries']} time(s) while the "
+                         "compiled forward was timed; its time is not the steady state")
         return "\n".join(lines)
 
     def save(self, path: str) -> None:
@@ -175,21 +177,32 @@ def _layer_row(call, q, k, v, length: int, number: int) -> LayerRow:
 
     result = path()
     path_ms = event_ms(path)
-    index_ms = event_ms(lambda: build_index_gpu(q, k, plan, scale=scale, **masks.kwargs()))
+    # the index as the path builds it: with the guard's estimate and, where the call has one, the escalation's
+    index_ms = event_ms(lambda: sparse_path.guarded_index_on_gpu(q, k, plan, scale, masks, call.guard_threshold,
+                                                                 call.escalated))
     # the heads the path hands to fused SDPA: the plan's dense ones and the routed ones
     heads = tuple(sorted(set(plan_dense) | set(call.routed)))
     out = torch.empty_like(q)
     with _sdpa_context("eager", q.device):
         dense_heads_ms = event_ms(lambda: dense.dense_heads_by_sdpa(
             q, k, v, out, heads, dense.kv_heads_of(heads, q.shape[1] // k.shape[1]), scale, masks)) if heads else 0.0
-    index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
-    selection = selection_of(q, k, plan, scale=scale, q_offset=masks.q_offset)
-    density = index_density(index, plan, selection, sq=q.shape[-2], skv=k.shape[-2], q_offset=masks.q_offset,
-                            force_dense=result.ran_dense)
+    guarded = sparse_path.guarded_index_on_gpu(q, k, plan, scale, masks, call.guard_threshold, call.escalated)
+    density = _density(q, k, plan, guarded.index, masks.q_offset, scale, result.ran_dense)
+    if guarded.escalated is not None:  # the pairs that took the escalated index keep its picks
+        up = _density(q, k, call.escalated, guarded.index, masks.q_offset, scale, result.ran_dense)
+        took = guarded.escalated
+        density = Density(torch.where(took, up.logical_keys, density.logical_keys), density.causal_keys,
+                          torch.where(took, up.physical_tiles, density.physical_tiles), density.causal_tiles)
     physical, logical = density.overall()
     return LayerRow(path_ms=path_ms, index_ms=index_ms, dense_heads_ms=dense_heads_ms, physical=physical,
                     logical=logical, ran_dense_pairs=int(result.ran_dense.sum()) if result.ran_dense is not None else 0,
                     **common)
+
+
+def _density(q, k, plan: LayerPlan, index, q_offset: int, scale: float, ran_dense) -> Density:
+    selection = selection_of(q, k, plan, scale=scale, q_offset=q_offset)
+    return index_density(index, plan, selection, sq=q.shape[-2], skv=k.shape[-2], q_offset=q_offset,
+                         force_dense=ran_dense)
 
 
 @contextlib.contextmanager
@@ -222,6 +235,9 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
         return event_ms(step, reps)
 
     eager_ms = wall_ms(model, "eager")
+    # eager's cached blocks would be carved up for the compiled graph's other sizes: bench prefill times each
+    # variant in a process of its own, so this one starts from an empty cache too
+    torch.cuda.empty_cache()
     options = {**(minference_options or {}), **({"config": config_path} if config_path else {})}
     compiled = torch.compile(model, backend="minference", options=options)
     # the graph bench prefill times and a server runs, one for every length: compiled static, this tool's forward
@@ -230,7 +246,10 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
     with torch.inference_mode():
         compiled(input_ids=ids, logits_to_keep=1)  # compiles; routing sees its first call
     precompile.wait()  # the background compile of other lengths' kernels would share the device with the timing
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     compiled_ms = wall_ms(compiled, "minference")
+    # each retry frees the allocator's cache and syncs: a timing with any is not the steady state bench prefill sees
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
     rows: list[LayerRow] = []
     with _wrapped(length, rows), torch.inference_mode():
         compiled(input_ids=ids, logits_to_keep=1)
@@ -239,5 +258,6 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": real.title, "model_name": model_name, "length": length, "yarn_factor": real.yarn_factor(length),
             "config": config_path or "the backend's default semantic config", "options": options, "reps": reps,
-            "attention_calls": len(rows), "layers": real.layers}
+            "attention_calls": len(rows), "layers": real.layers,
+            "compiled_alloc_retries": retries}
     return Breakdown(meta, eager_ms, compiled_ms, rows)
