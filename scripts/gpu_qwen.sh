@@ -20,8 +20,8 @@
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
 # candidate32k (the 32K-searched config in results/ sparse from 64K: TTFT 4K-128K, fidelity at 128K;
 # candidate32k_g0.9 the same with the guard at 0.9), task_layers (the layers of that config whose dense run gives
-# variable tracking back at 128K: every layer, measured), candidate32k_ro (that config sparse from 16K, with and without CUDA
-# graphs), candidate32k_eval32 (its fidelity at 32K), peers
+# variable tracking back at 128K: every layer, measured), candidate32k_x2 (that config with doubled budgets), candidate32k_ro (that config sparse from 16K,
+# with and without CUDA graphs), candidate32k_eval32 (its fidelity at 32K), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -40,14 +40,18 @@ install() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$STATE/install.log" 2>&1 || { cat "$STATE/install.log"; return 1; }
 }
 
-derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 tokens
+derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 tokens, every head's budgets times $5 (default 1)
   python3 - "$@" <<'PY'
 import json, sys
 source, target, guard, min_sparse_len = sys.argv[1:5]
+scale = float(sys.argv[5]) if len(sys.argv) > 5 else 1.0
 config = json.load(open(source))
 config["defaults"].update(min_sparse_len=int(min_sparse_len), guard_threshold=float(guard))
+for heads in config["layers"]:
+    for head in heads:
+        head["budgets"] = [round(b * scale) for b in head.get("budgets", [])]
 json.dump(config, open(target, "w"), indent=1)
-print(f"{target}: sparse from {min_sparse_len}, guard {guard}")
+print(f"{target}: sparse from {min_sparse_len}, guard {guard}, budgets x{scale}")
 PY
 }
 
@@ -64,11 +68,16 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     search) timeout 900 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 16384 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
-    candidate32k|candidate32k_g0.9)  # the 32K-searched config of results/ sparse from 64K (dense below, where it lost
-          # to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, at 64K/128K only
-          C=$STATE/$1.json G=0.8 L=4k,8k,16k,32k,64k,128k
-          [ "$1" = candidate32k_g0.9 ] && G=0.9 L=64k,128k
-          derived_config results/search_qwen_32k_h200_2026-12-03.json "$C" "$G" 65536 || return 1
+    candidate32k|candidate32k_g0.9|candidate32k_x2)  # the 32K-searched config of results/ sparse from 64K (dense
+          # below, where it lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, _x2 with
+          # every budget doubled (budgets are absolute: at 128K a 32K search's keep a quarter of the share they kept
+          # there, and variable tracking is lost over many layers), both at 64K/128K only
+          C=$STATE/$1.json G=0.8 L=4k,8k,16k,32k,64k,128k X=1
+          case $1 in
+            candidate32k_g0.9) G=0.9 L=64k,128k ;;
+            candidate32k_x2) X=2 L=64k,128k ;;
+          esac
+          derived_config results/search_qwen_32k_h200_2026-12-03.json "$C" "$G" 65536 "$X" || return 1
           timeout 600 minference-fx bench prefill --model $MODEL --lengths $L --variants eager,minference \
             --config "$C" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
