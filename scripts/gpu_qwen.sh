@@ -20,7 +20,8 @@
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
 # candidate32k (the 32K-searched config in results/ sparse from 64K: TTFT 4K-128K, fidelity at 128K;
 # candidate32k_g0.9 the same with the guard at 0.9), task_layers (the layers of that config whose dense run gives
-# variable tracking back at 128K: every layer, measured), candidate32k_x2 (that config with doubled budgets), candidate32k_ro (that config sparse from 16K,
+# variable tracking back at 128K: every layer, measured), candidate32k_xN (that config with
+# every budget times N, e.g. _x2), candidate32k_ro (that config sparse from 16K,
 # with and without CUDA graphs), candidate32k_eval32 (its fidelity at 32K), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
@@ -68,14 +69,14 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     search) timeout 900 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 16384 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
-    candidate32k|candidate32k_g0.9|candidate32k_x2)  # the 32K-searched config of results/ sparse from 64K (dense
-          # below, where it lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, _x2 with
-          # every budget doubled (budgets are absolute: at 128K a 32K search's keep a quarter of the share they kept
+    candidate32k|candidate32k_g0.9|candidate32k_x*)  # the 32K-searched config of results/ sparse from 64K (dense
+          # below, where it lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, _xN with
+          # every budget times N (budgets are absolute: at 128K a 32K search's keep a quarter of the share they kept
           # there, and variable tracking is lost over many layers), both at 64K/128K only
           C=$STATE/$1.json G=0.8 L=4k,8k,16k,32k,64k,128k X=1
           case $1 in
             candidate32k_g0.9) G=0.9 L=64k,128k ;;
-            candidate32k_x2) X=2 L=64k,128k ;;
+            candidate32k_x*) X=${1#candidate32k_x} L=64k,128k ;;
           esac
           derived_config results/search_qwen_32k_h200_2026-12-03.json "$C" "$G" 65536 "$X" || return 1
           timeout 600 minference-fx bench prefill --model $MODEL --lengths $L --variants eager,minference \
