@@ -72,7 +72,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     candidate32k|candidate32k_g0.9|candidate32k_x*)  # the 32K-searched config of results/ sparse from 64K (dense
           # below, where it lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, _xN with
           # every budget times N (budgets are absolute: at 128K a 32K search's keep a quarter of the share they kept
-          # there, and variable tracking is lost over many layers), both at 64K/128K only
+          # there), both at 64K/128K only; the escalation stays (1000, 6096), which then raises fewer heads
           C=$STATE/$1.json G=0.8 L=4k,8k,16k,32k,64k,128k X=1
           case $1 in
             candidate32k_g0.9) G=0.9 L=64k,128k ;;

@@ -110,7 +110,9 @@ def test_a_sparse_call_times_the_index_the_path_builds_and_counts_the_escalated_
                                  guard_threshold=0.8, escalated=escalated, sparse_launch=DEFAULT_ENTRY,
                                  walk_launch=DEFAULT_ENTRIES["dense_walk"])
     row = breakdown._layer_row(call, q, k, v, q.shape[-2], 0)
-    assert timed and all(args == (0.8, escalated) for args in timed)
+    # the path, its timing, the index's timing, the densities: all four build the path's index (three, were the
+    # index timed without the guard's estimate and the escalation)
+    assert timed == [(0.8, escalated)] * 4
     assert row.ran_dense_pairs == 0  # the premise: head 0 is weak at its own budgets, not at the escalated ones
     without = types.SimpleNamespace(**{**vars(call), "escalated": None})
     weak_row = breakdown._layer_row(without, q, k, v, q.shape[-2], 0)
@@ -119,3 +121,9 @@ def test_a_sparse_call_times_the_index_the_path_builds_and_counts_the_escalated_
     own = breakdown._layer_row(types.SimpleNamespace(**{**vars(call), "escalated": None, "guard_threshold": 0.0}),
                                q, k, v, q.shape[-2], 0)
     assert own.logical < row.logical < weak_row.logical
+    # head 0 counted at the escalated plan's picks, head 1 (A-shape, which the escalated plan lists as dense) at its own
+    index = real(q, k, SMALL, SCALE, CallMasks(), 0.8, escalated).index
+    up = breakdown._density(q, k, escalated, index, 0, SCALE, None)
+    mine = breakdown._density(q, k, SMALL, index, 0, SCALE, None)
+    assert float(up.logical[0, 1]) == 1.0 and float(mine.logical[0, 1]) < 1.0
+    assert row.logical == pytest.approx(float(up.logical[0, 0] + mine.logical[0, 1]) / 2)

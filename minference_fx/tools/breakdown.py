@@ -8,10 +8,11 @@ One model, one prompt length, the same process and inputs for every number:
 2. **Each attention call, taken apart.** One more compiled forward runs with the op's ``run_call`` wrapped: at a
    call whose every head is routed to fused SDPA it times the layer through SDPA; at one that runs the GPU path
    (``sparse_path.sparse_on_gpu``) it times, on that call's own inputs, the whole path, the online index as the path
-   builds it (with the guard's estimate and the escalation's index), the plan's dense heads through fused SDPA alone, and the whole layer dense through fused SDPA
-   (what eager's attention costs there). The sparse walk is what is left of the path. It also counts what the
-   index keeps and walks (:mod:`minference_fx.kernels.density`, with the pairs that call ran dense counted whole)
-   and what the config asks (:func:`asked_density`).
+   builds it (with the guard's estimate and the escalation's index), the plan's dense heads through fused SDPA
+   alone, and the whole layer dense through fused SDPA (what eager's attention costs there). The sparse walk is
+   what is left of the path. It also counts what the index keeps and walks (:mod:`minference_fx.kernels.density`,
+   with the pairs that call ran dense counted whole, and the escalated picks of those that took them) and what
+   the config asks (:func:`asked_density`).
 3. **The rest.** Non-attention work is the compiled forward's wall time less its attention paths; eager's is its
    wall time less the layers' dense attention.
 
