@@ -177,9 +177,10 @@ def _rewrite(gm: fx.GraphModule, options: BackendOptions) -> tuple[Report, list[
 
     guard = _setting("guard_threshold", options, config)
     escalation = _setting("guard_escalation", options, config)
-    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense, escalation)
+    growth = _setting("budget_growth", options, config)
+    sites = passes.apply(gm, sites, plan_for, min_len, options.observer, guard, options.route_dense, escalation, growth)
     report = Report.build(sites, plans, code_before, gm.code, min_len, guard, options.route_dense, tuple(unread),
-                          share, head_offset or 0, escalation)
+                          share, head_offset or 0, escalation, growth)
     _publish(report)
     checks = [verify.SiteCheck(f"{i} (layer {site.layer}, {site.source or traced})", traced, site.node.name)
               for i, (site, traced) in enumerate(zip(sites, traced_names)) if not site.blocker]

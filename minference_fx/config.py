@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from minference_fx.defaults import DEFAULTS, TUNED_CROSSOVER
-from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern, is_escalation
+from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern, is_budget_growth, is_escalation
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ DEFAULT_DEFAULTS: dict[str, Any] = {
     # [columns, diagonals]: a head the guard finds weak first tries an index of these budgets (backend option
     # guard_escalation); null: it runs dense at once
     "guard_escalation": list(DEFAULTS.guard_escalation) or None,
+    # [keys, exponent]: past this many keys the vertical-slash and block-sparse budgets grow as (keys now / keys) **
+    # exponent (backend option budget_growth); null: they stay as listed at every length
+    "budget_growth": list(DEFAULTS.budget_growth) or None,
     "default_head": {"pattern": DEFAULTS.head.pattern.value, "budgets": list(DEFAULTS.budgets)},
 }
 
@@ -261,8 +264,9 @@ def _normalize_defaults(defaults) -> dict:
     out = json.loads(json.dumps(DEFAULT_DEFAULTS))
     out.update(defaults)
     out["default_head"] = _default_head_dict(out["default_head"])
-    if isinstance(out.get("guard_escalation"), tuple):  # as JSON reads it back
-        out["guard_escalation"] = list(out["guard_escalation"])
+    for key in ("guard_escalation", "budget_growth"):
+        if isinstance(out.get(key), tuple):  # as JSON reads it back
+            out[key] = list(out[key])
     return out
 
 
@@ -295,6 +299,12 @@ class SemanticConfig:
         """(columns, diagonals) a weak head tries before it runs dense; () for none"""
         budgets = self.defaults.get("guard_escalation")
         return () if budgets is None else tuple(budgets)
+
+    @property
+    def budget_growth(self) -> tuple:
+        """(keys, exponent) past which the listed budgets grow with the prompt; () for none"""
+        growth = self.defaults.get("budget_growth")
+        return () if growth is None else (int(growth[0]), float(growth[1]))
 
     @property
     def default_head(self) -> HeadEntry:
@@ -488,6 +498,10 @@ def _defaults_problems(defaults) -> list[str]:
     if ge is not None and not (isinstance(ge, list) and len(ge) == 2 and is_escalation(ge)):
         problems.append(f"defaults.guard_escalation must be [columns, diagonals], two integers in [1, {MAX_BUDGET}], "
                         f"or null, got {ge!r}")
+    bg = defaults.get("budget_growth")
+    if bg is not None and not (isinstance(bg, list) and len(bg) == 2 and is_budget_growth(bg)):
+        problems.append(f"defaults.budget_growth must be [keys, exponent], an integer in [1, {MAX_BUDGET}] and a "
+                        f"number in (0, 1], or null, got {bg!r}")
     dh = defaults.get("default_head")
     if not isinstance(dh, Mapping):
         problems.append(f"defaults.default_head must be a mapping with pattern and budgets, got {dh!r}")

@@ -40,6 +40,10 @@ class Defaults:
     """(columns, diagonals) a head the guard finds weak tries before it runs dense; () runs it dense at once. Off by
     default: a model's config turns it on where it measured better (its ``defaults.guard_escalation``)."""
 
+    budget_growth: tuple = ()
+    """(keys, exponent): past ``keys`` keys, vertical-slash and block-sparse budgets grow as (prompt keys / keys) **
+    exponent (:func:`~minference_fx.plan.grown_plan`); () keeps them as the plan says at every length."""
+
     untuned_min_sparse_len: int = 8192
     """the least crossover a device without a measured one uses (the floor of ``autotune.dispatch.untuned_crossover``):
     below it sparse attention saves less than its index costs"""

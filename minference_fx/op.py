@@ -32,7 +32,9 @@ read when all of these hold:
   by it. A site whose every head is routed builds its index only at one call in eight, or when the prompt
   has doubled (``routing.Router.index_due``), to see a head stop being near-dense.
 
-A row with no readable key yields zeros, never NaN.
+A row with no readable key yields zeros, never NaN. With ``grow_from`` > 0, a call of more than ``grow_from``
+keys reads its plan's vertical-slash and block-sparse budgets times ``(Skv / grow_from) ** grow_exponent``
+(:func:`plan.grown_plan`; the site's constant arguments stay as they are, so no recompile).
 
 Each call is planned, then run, as FlashInfer's wrappers split ``plan()`` from ``run()``: :func:`plan_call` reads
 the shapes, the device's tuned crossover and launch configs and the site's routing, and says which path the call
@@ -53,7 +55,7 @@ from .autotune import dispatch
 from .autotune.cache import TuneEntry
 from .call_masks import CallMasks
 from .kernels import guard
-from .plan import LayerPlan, escalated_plan, escalation_of, layer_plan
+from .plan import LayerPlan, escalated_plan, escalation_of, grown_plan, growth_of, is_budget_growth, layer_plan
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
@@ -244,16 +246,22 @@ def sparse_attention(
     route_site: int = -1,
     escalate_a: int = 0,
     escalate_b: int = 0,
+    grow_from: int = 0,
+    grow_exponent: float = 0.0,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b)
     if escalate_a < 0 or escalate_b < 0:
         raise ValueError(f"minference::sparse_attention: escalate_a and escalate_b must be >= 0 (0, 0: a weak head "
                          f"runs dense at once), got {escalate_a}, {escalate_b}")
+    growth = growth_of(grow_from, grow_exponent)
+    if not is_budget_growth(growth):
+        raise ValueError(f"minference::sparse_attention: grow_from must be >= 0 (0: budgets do not grow) and, when "
+                         f"positive, grow_exponent in (0, 1]; got {grow_from}, {grow_exponent}")
     if q.is_cuda:
         # the first call, dense or sparse, waits for the kernels compiling in the background (at once when
         # none is): no CUDA work of that thread can then overlap a graph capture that follows this call
         precompile.wait()
-    plan = layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
+    plan = grown_plan(layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b)), growth, k.shape[-2])
     call = plan_call(q, k, call_masks(q, k, key_mask, doc_ids, q_offset, window), scale, plan, min_sparse_len,
                      guard_threshold, route_site, escalation=escalation_of(escalate_a, escalate_b))
     return run_call(call, q, k, v)
@@ -284,6 +292,7 @@ sparse_attention.register_autograd(_no_backward, setup_context=_refuse_autograd)
 
 @sparse_attention.register_fake
 def _sparse_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, min_sparse_len,
-                           guard_threshold=0.0, route_site=-1, escalate_a=0, escalate_b=0):
+                           guard_threshold=0.0, route_site=-1, escalate_a=0, escalate_b=0, grow_from=0,
+                           grow_exponent=0.0):
     # new_empty, not empty_like: q is often a transposed view and the real op returns contiguous
     return q.new_empty(q.shape)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from .config import SemanticConfig, load_config
 from .defaults import TUNED_CROSSOVER
-from .plan import MAX_BUDGET, is_escalation
+from .plan import MAX_BUDGET, is_budget_growth, is_escalation
 
 # the modes of torch._inductor.list_mode_options(), written out so that reading the options imports no Inductor
 _INDUCTOR_MODES = ("default", "lite", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
@@ -55,6 +55,11 @@ class BackendOptions:
     an index at least that large (built beside its own, chosen on the device) and runs dense only if that still
     keeps under the threshold; (): a weak head runs dense at once; None: the config's value (none without one)"""
 
+    budget_growth: Optional[tuple] = None
+    """(keys, exponent): past ``keys`` keys, vertical-slash and block-sparse budgets grow as (prompt keys / keys) **
+    exponent (``plan.grown_plan``), e.g. (32768, 0.5) for a config searched at 32K; (): they stay as the plan says;
+    None: the config's value (none without one)"""
+
     autotune: str = "off"
     """"off": a shape missing from the autotune cache runs a safe default (logged once); "on-miss": it is
     tuned on the GPU at its first call, once per process, and stored. Process-wide once turned on."""
@@ -78,7 +83,7 @@ class BackendOptions:
     one on the op's exact dense path, eagerly, and raises naming the first site whose output differs"""
 
     _KNOWN = ("config", "inner", "min_sparse_len", "head_offset", "inductor_config", "mode", "observer", "guard_threshold",
-              "guard_escalation", "autotune", "precompile", "route_dense", "int64_indexing", "verify")
+              "guard_escalation", "budget_growth", "autotune", "precompile", "route_dense", "int64_indexing", "verify")
     AUTOTUNE_POLICIES = ("off", "on-miss")
 
     @classmethod
@@ -106,6 +111,10 @@ class BackendOptions:
         if escalation is not None and not is_escalation(escalation):
             problems.append(f"guard_escalation={escalation!r}; expected (columns, diagonals), two ints in "
                             f"[1, {MAX_BUDGET}], () for none, or None for the config's")
+        growth = options.get("budget_growth")
+        if growth is not None and not is_budget_growth(growth):
+            problems.append(f"budget_growth={growth!r}; expected (keys, exponent), an int in [1, {MAX_BUDGET}] and a "
+                            "number in (0, 1], () for none, or None for the config's")
         if options.get("autotune", "off") not in cls.AUTOTUNE_POLICIES:
             problems.append(f"autotune={options['autotune']!r}; expected one of {list(cls.AUTOTUNE_POLICIES)}")
         for flag in ("precompile", "route_dense", "int64_indexing", "verify"):
@@ -134,6 +143,7 @@ class BackendOptions:
             observer=options.get("observer"),
             guard_threshold=None if guard is None else float(guard),
             guard_escalation=None if escalation is None else tuple(int(x) for x in escalation),
+            budget_growth=None if growth is None else tuple(growth),
             autotune=options.get("autotune", "off"),
             precompile=options.get("precompile", True),
             route_dense=options.get("route_dense", True),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from enum import Enum
 
 
@@ -127,3 +128,42 @@ def escalated_plan(plan: LayerPlan, budgets: tuple[int, int]) -> LayerPlan | Non
     return LayerPlan(tuple(
         HeadPlan(Pattern.VERTICAL_SLASH, max(h.budget_a, columns), max(h.budget_b, diagonals))
         if h.pattern is Pattern.VERTICAL_SLASH else HeadPlan(Pattern.DENSE) for h in plan.heads))
+
+
+def is_budget_growth(value) -> bool:
+    """Whether ``value`` can be a budget growth: (keys, exponent), an int in [1, MAX_BUDGET] and a real in (0, 1],
+    or empty for none (an option and a config's ``defaults.budget_growth`` are checked alike)."""
+    if not isinstance(value, (tuple, list)):
+        return False
+    if len(value) == 0:
+        return True
+    if len(value) != 2:
+        return False
+    keys, exponent = value
+    return (isinstance(keys, int) and not isinstance(keys, bool) and 1 <= keys <= MAX_BUDGET
+            and isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and math.isfinite(exponent)
+            and 0 < exponent <= 1)
+
+
+def growth_of(grow_from: int, grow_exponent: float) -> tuple:
+    """The op's ``grow_from``/``grow_exponent`` arguments as a budget growth: () when ``grow_from`` is 0 (none)."""
+    return (int(grow_from), float(grow_exponent)) if grow_from else ()
+
+
+@functools.lru_cache(maxsize=4096)
+def grown_plan(plan: LayerPlan, growth: tuple, keys: int) -> LayerPlan:
+    """``plan`` at a call of ``keys`` keys under ``growth`` (keys0, exponent): past keys0 keys, every vertical-slash
+    head's columns and diagonals and every block-sparse head's blocks times (keys / keys0) ** exponent, rounded up.
+
+    Budgets count keys (or blocks), not a share of the row, so a plan searched at keys0 keeps a smaller share of
+    each row at a longer prompt; exponent 1 keeps the share, 0.5 lets it fall as 1 / sqrt(keys). A-shape heads
+    (a fixed sink and window) and dense heads stay as they are; so does every head at keys0 keys or fewer."""
+    if not growth or keys <= growth[0]:
+        return plan
+    factor = (keys / growth[0]) ** growth[1]
+
+    def grow(budget: int) -> int:
+        return min(math.ceil(budget * factor), MAX_BUDGET)
+
+    return LayerPlan(tuple(HeadPlan(h.pattern, grow(h.budget_a), grow(h.budget_b)) if h.pattern in LISTED_PATTERNS
+                           else h for h in plan.heads))

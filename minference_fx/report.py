@@ -89,12 +89,14 @@ class Report:
     """the global query head the sites' head 0 read in the config: the share's first head, or the option's"""
     guard_escalation: tuple = ()
     """(columns, diagonals) a weak head tries before it runs dense; (): none"""
+    budget_growth: tuple = ()
+    """(keys, exponent) past which the listed budgets grow with the prompt; (): none"""
 
     @staticmethod
     def build(sites: list[AttentionSite], plans: dict, code_before: str, code_after: str, min_sparse_len: int,
               guard_threshold: float = 0.0, route_dense: bool = True, unread: tuple = (),
               tensor_parallel: Optional["HeadShare"] = None, head_offset: int = 0,
-              guard_escalation: tuple = ()) -> "Report":
+              guard_escalation: tuple = (), budget_growth: tuple = ()) -> "Report":
         rows = []
         for i, site in enumerate(sites):
             mask = site.mask_info.describe() if site.mask_info else "?"
@@ -106,7 +108,7 @@ class Report:
                 plan=_plan_summary(plan) if plan is not None else "-",
             ))
         return Report(rows, code_before, code_after, min_sparse_len, guard_threshold, route_dense, unread,
-                      tensor_parallel, head_offset, tuple(guard_escalation))
+                      tensor_parallel, head_offset, tuple(guard_escalation), tuple(budget_growth))
 
     @property
     def rewritten(self) -> int:
@@ -143,6 +145,10 @@ class Report:
             out.append(f"quality guard: vertical-slash and block-sparse heads under {self.guard_threshold:.2f} captured "
                        f"mass {fallback}; so far {STATS.heads_forced_dense}/{STATS.heads_checked} head-calls fired in "
                        f"{STATS.calls} calls")
+        if self.rewritten and self.budget_growth:
+            keys, exponent = self.budget_growth
+            out.append(f"budget growth: past {keys} keys, vertical-slash and block-sparse budgets times "
+                       f"(keys / {keys}) ** {exponent:g}")
         if self.rewritten:
             out.append("routing: heads that ran dense at a site's last call run through SDPA at its next" if self.route_dense
                        else "routing off: heads that run dense take the kernel's dense walk")

@@ -104,10 +104,10 @@ def analyse(gm: fx.GraphModule) -> list[AttentionSite]:
 
 def apply(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
           observer: int | None = None, guard_threshold: float = 0.0, route_dense: bool = True,
-          escalation: tuple = ()) -> list[AttentionSite]:
+          escalation: tuple = (), growth: tuple = ()) -> list[AttentionSite]:
     """The ``rewrite`` stage: every site its checks leave unblocked is rewritten into the op."""
     record = _STATS.setdefault(gm, PassStats())
-    out = rewrite.run(gm, sites, plan_for, min_sparse_len, observer, guard_threshold, route_dense, escalation)
+    out = rewrite.run(gm, sites, plan_for, min_sparse_len, observer, guard_threshold, route_dense, escalation, growth)
     record.stages["rewrite"] = StageStats(rewritten=sum(1 for s in out if not s.blocker),
                                           blocked=_newly_blocked(sites, out))
     return out

@@ -133,10 +133,11 @@ def check(sites: list[AttentionSite]) -> list[AttentionSite]:
 
 def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[AttentionSite], LayerPlan], min_sparse_len: int,
         observer: int | None = None, guard_threshold: float = 0.0, route_dense: bool = True,
-        escalation: tuple = ()) -> list[AttentionSite]:
+        escalation: tuple = (), growth: tuple = ()) -> list[AttentionSite]:
     """Rewrite every site :func:`check` leaves unblocked; with ``observer`` (search mode) into the dense observed op
     instead. ``route_dense``: each op gets its own routing site id (``minference_fx.routing``). ``escalation``:
-    the budgets a weak vertical-slash head tries before it runs dense (() for none)."""
+    the budgets a weak vertical-slash head tries before it runs dense (() for none). ``growth``: (keys, exponent)
+    past which the budgets grow with the prompt (``plan.grown_plan``; () for none)."""
     graph = gm.graph
     out = []
     replaced: dict[fx.Node, fx.Node] = {}
@@ -163,8 +164,10 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
                 # without an escalation, or a guard to fall back from, the call is as before escalation existed: the
                 # op's defaults say none
                 escalate = tuple(int(x) for x in escalation) if guard_threshold > 0 else ()
+                # the growth's two arguments come after the escalation's, (0, 0) standing in for none
+                trailing = (*(escalate or (0, 0)), int(growth[0]), float(growth[1])) if growth else escalate
                 new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold),
-                                                route_site, *escalate))
+                                                route_site, *trailing))
             else:
                 new = graph.call_function(_OBSERVE_OP, (*common, int(site.layer), int(observer)))
             # the traced value, though the op's output is contiguous: nothing reads new's strides but the copy

@@ -21,7 +21,7 @@
 # candidate32k (the 32K-searched config in results/ sparse from 64K: TTFT 4K-128K, fidelity at 128K;
 # candidate32k_g0.9 the same with the guard at 0.9), task_layers (the layers of that config whose dense run gives
 # variable tracking back at 128K: every layer, measured), candidate32k_xN (that config with
-# every budget times N, e.g. _x2), candidate32k_ro (that config sparse from 16K,
+# every budget times N, e.g. _x2), candidate32k_grow (budgets growing past 32K as sqrt(keys / 32K)), candidate32k_ro (that config sparse from 16K,
 # with and without CUDA graphs), candidate32k_eval32 (its fidelity at 32K), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
 # The model must have been converted first (scripts/device_model.py convert).
@@ -41,18 +41,21 @@ install() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$STATE/install.log" 2>&1 || { cat "$STATE/install.log"; return 1; }
 }
 
-derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 tokens, every head's budgets times $5 (default 1)
+derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 tokens, every head's budgets times $5
+                     # (default 1), budget growth $6 ("KEYS,EXPONENT"; default none)
   python3 - "$@" <<'PY'
 import json, sys
 source, target, guard, min_sparse_len = sys.argv[1:5]
 scale = float(sys.argv[5]) if len(sys.argv) > 5 else 1.0
+growth = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None
 config = json.load(open(source))
-config["defaults"].update(min_sparse_len=int(min_sparse_len), guard_threshold=float(guard))
+config["defaults"].update(min_sparse_len=int(min_sparse_len), guard_threshold=float(guard),
+                          budget_growth=[int(growth[0]), float(growth[1])] if growth else None)
 for heads in config["layers"]:
     for head in heads:
         head["budgets"] = [round(b * scale) for b in head.get("budgets", [])]
 json.dump(config, open(target, "w"), indent=1)
-print(f"{target}: sparse from {min_sparse_len}, guard {guard}, budgets x{scale}")
+print(f"{target}: sparse from {min_sparse_len}, guard {guard}, budgets x{scale}, growth {growth}")
 PY
 }
 
@@ -69,6 +72,13 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     search) timeout 900 minference-fx search --model $MODEL --lengths 32k --samples 1 --yarn 4 \
               --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 16384 \
               --out "$STATE/qwen2.5-coder-1.5b_32k.json" ;;
+    candidate32k_grow)  # the 32K-searched config whose budgets grow past 32K as sqrt(keys / 32K) (option budget_growth):
+          # x1.41 at 64K, x2 at 128K, one config for every length; TTFT 64K/128K, fidelity at 128K
+          derived_config results/search_qwen_32k_h200_2026-12-03.json "$STATE/$1.json" 0.8 65536 1 32768,0.5 || return 1
+          timeout 600 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+            --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json" ;;
     candidate32k|candidate32k_g0.9|candidate32k_x*)  # the 32K-searched config of results/ sparse from 64K (dense
           # below, where it lost to cuDNN): TTFT 4K-128K and fidelity at 128K; _g0.9 with the guard at 0.9, _xN with
           # every budget times N (budgets are absolute: at 128K a 32K search's keep a quarter of the share they kept

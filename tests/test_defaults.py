@@ -93,6 +93,7 @@ def test_every_default_reads_defaults():
     assert DEFAULT_DEFAULTS == {
         "min_sparse_len": DEFAULTS.min_sparse_len, "guard_threshold": DEFAULTS.guard_threshold,
         "guard_escalation": list(DEFAULTS.guard_escalation) or None,
+        "budget_growth": list(DEFAULTS.budget_growth) or None,
         "default_head": {"pattern": DEFAULTS.head.pattern.value, "budgets": list(DEFAULTS.budgets)},
     }
     params = inspect.signature(default_config).parameters
