@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from minference_fx.defaults import DEFAULTS, TUNED_CROSSOVER
-from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern, is_budget_growth, is_escalation
+from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern, grown_plan, is_budget_growth, is_escalation
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +354,10 @@ class SemanticConfig:
         return problems
 
     # -- use --------------------------------------------------------------
+
+    def plan_at(self, layer_idx: int, head_offset: int, num_heads: int, keys: int) -> LayerPlan:
+        """:meth:`layer_plan` as the op runs it at a call of ``keys`` keys: grown by the config's budget growth."""
+        return grown_plan(self.layer_plan(layer_idx, head_offset, num_heads), self.budget_growth, int(keys))
 
     def layer_plan(self, layer_idx: int, head_offset: int, num_heads: int) -> LayerPlan:
         """Plans of query heads [head_offset, head_offset + num_heads) of one layer.

@@ -171,10 +171,12 @@ def dense_walk_launch(q, k, masks: CallMasks) -> Optional[TuneEntry]:
 
 def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_len: int, guard_threshold: float = 0.0,
               route_site: int = routing.NO_SITE, router: Optional[routing.Router] = None,
-              escalation: tuple = ()) -> CallPlan:
+              escalation: tuple = (), listed: Optional[LayerPlan] = None) -> CallPlan:
     """Decide the path of one call from metadata and the host's state alone (no host sync, nothing sized by the
     data): the tuned crossover and launch configs (``autotune.dispatch``), and the site's routing in ``router``
-    (default: the process's, :data:`routing.ROUTER`). Reading the routing counts a call that skips its index."""
+    (default: the process's, :data:`routing.ROUTER`). Reading the routing counts a call that skips its index.
+    ``listed``: the site's plan before a budget growth made ``plan`` (default ``plan``), whose budgets set the
+    crossover of a device without a measured one (grown budgets would push it past the very lengths they grow at)."""
     router = routing.ROUTER if router is None else router
     call = CallPlan(CallPath.EMPTY, masks, scale, plan, min_sparse_len, route_site=route_site, router=router)
     if q.numel() == 0:
@@ -183,7 +185,7 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
         # failed on them)
         return call
     if min_sparse_len < 0:
-        call = dataclasses.replace(call, min_sparse_len=dispatch.tuned_min_sparse_len(q, k, plan))
+        call = dataclasses.replace(call, min_sparse_len=dispatch.tuned_min_sparse_len(q, k, listed or plan))
     split = dense.split_plan(plan)
     dense_path = (CallPath.DENSE_BY_LENGTH if q.shape[-2] < call.min_sparse_len else CallPath.DENSE_LAYER
                   if split.all_dense else CallPath.NO_KEYS if k.shape[-2] == 0 else None)
@@ -261,9 +263,10 @@ def sparse_attention(
         # the first call, dense or sparse, waits for the kernels compiling in the background (at once when
         # none is): no CUDA work of that thread can then overlap a graph capture that follows this call
         precompile.wait()
-    plan = grown_plan(layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b)), growth, k.shape[-2])
-    call = plan_call(q, k, call_masks(q, k, key_mask, doc_ids, q_offset, window), scale, plan, min_sparse_len,
-                     guard_threshold, route_site, escalation=escalation_of(escalate_a, escalate_b))
+    listed = layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
+    call = plan_call(q, k, call_masks(q, k, key_mask, doc_ids, q_offset, window), scale,
+                     grown_plan(listed, growth, k.shape[-2]), min_sparse_len, guard_threshold, route_site,
+                     escalation=escalation_of(escalate_a, escalate_b), listed=listed)
     return run_call(call, q, k, v)
 
 

@@ -150,17 +150,33 @@ def growth_of(grow_from: int, grow_exponent: float) -> tuple:
     return (int(grow_from), float(grow_exponent)) if grow_from else ()
 
 
+GROWTH_STEPS_PER_OCTAVE = 8
+"""A growth's ratio of lengths is rounded up to a power of 2 ** (1 / this): each grown plan has pinned per-head
+tables of its own (``kernels.tables``, kept for the process, since a captured graph replays their copies), so the
+plans must come from a few steps, not from every prompt length. An eighth of an octave adds at most 9 % to a ratio."""
+
+
+def growth_factor(growth: tuple, keys: int) -> float:
+    """What ``growth`` (keys0, exponent) multiplies the listed budgets by at a call of ``keys`` keys: 1 up to keys0,
+    then (keys / keys0) ** exponent, with the ratio rounded up to a step of :data:`GROWTH_STEPS_PER_OCTAVE`."""
+    if not growth or keys <= growth[0]:
+        return 1.0
+    steps = math.ceil(GROWTH_STEPS_PER_OCTAVE * math.log2(keys / growth[0]) - 1e-9)
+    return 2.0 ** (steps / GROWTH_STEPS_PER_OCTAVE * growth[1])
+
+
 @functools.lru_cache(maxsize=4096)
 def grown_plan(plan: LayerPlan, growth: tuple, keys: int) -> LayerPlan:
     """``plan`` at a call of ``keys`` keys under ``growth`` (keys0, exponent): past keys0 keys, every vertical-slash
-    head's columns and diagonals and every block-sparse head's blocks times (keys / keys0) ** exponent, rounded up.
+    head's columns and diagonals and every block-sparse head's blocks times :func:`growth_factor`, rounded up.
 
     Budgets count keys (or blocks), not a share of the row, so a plan searched at keys0 keeps a smaller share of
     each row at a longer prompt; exponent 1 keeps the share, 0.5 lets it fall as 1 / sqrt(keys). A-shape heads
-    (a fixed sink and window) and dense heads stay as they are; so does every head at keys0 keys or fewer."""
-    if not growth or keys <= growth[0]:
+    (a fixed sink and window) and dense heads stay as they are; so does every head at keys0 keys or fewer. The
+    guard's escalation budgets do not grow: a head grown past them has no larger index to try."""
+    factor = growth_factor(growth, keys)
+    if factor == 1.0:
         return plan
-    factor = (keys / growth[0]) ** growth[1]
 
     def grow(budget: int) -> int:
         return min(math.ceil(budget * factor), MAX_BUDGET)

@@ -92,8 +92,8 @@ def spec_of(node) -> Optional[KernelSpec]:
     """The spec of a ``minference::sparse_attention`` call node, or None when its inputs are not on a GPU."""
     q, k, v, key_mask, doc_ids, scale, _q_offset, window, patterns, budget_a, budget_b, min_len, guard = node.args[:13]
     # the rewrite appends (route_site, escalate_a, escalate_b) only with an escalation or a budget growth; the
-    # growth's (grow_from, grow_exponent) after them change nothing here: the precompile's short inputs are
-    # below any growth's length
+    # growth's (grow_from, grow_exponent) after them change nothing here: the kernels read budgets from tables
+    # and keep the counts they derive out of their specialisation, so a grown plan runs the kernels compiled here
     escalation = escalation_of(*node.args[14:16]) if len(node.args) >= 16 else ()
     vals = [x.meta.get("example_value", x.meta.get("val")) if hasattr(x, "meta") else None for x in (q, k, v)]
     if any(not isinstance(t, torch.Tensor) for t in vals) or not _on_gpu(vals[0]):

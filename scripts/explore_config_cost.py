@@ -36,11 +36,13 @@ SITES: dict = {}
 
 
 def run_layer(config, layer: int, q, k, v):
-    """One call of the op with ``layer``'s plan and the config's guard (and escalation), sparse at any length."""
+    """One call of the op with ``layer``'s plan and the config's guard (and escalation, and budget growth), sparse
+    at any length."""
     patterns, budget_a, budget_b = config.layer_plan(layer, 0, QWEN["num_q_heads"]).op_arguments()
     escalation = tuple(config.guard_escalation) or (0, 0)
+    growth = tuple(config.budget_growth) or (0, 0.0)
     return sparse_attention(q, k, v, None, None, SCALE, 0, 0, patterns, budget_a, budget_b, 0,
-                            config.guard_threshold, SITES.get(layer, routing.NO_SITE), *escalation)
+                            config.guard_threshold, SITES.get(layer, routing.NO_SITE), *escalation, *growth)
 
 
 def main():
@@ -61,7 +63,7 @@ def main():
         q, k, v = structured_qkv(seq, **QWEN)
         cudnn = event_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, enable_gqa=True), 3)
         for layer in layers:
-            plan = config.layer_plan(layer, 0, QWEN["num_q_heads"])
+            plan = config.plan_at(layer, 0, QWEN["num_q_heads"], seq)
             ms = event_ms(lambda: run_layer(config, layer, q, k, v), 3)
             idx = event_ms(lambda: build_index_gpu(q, k, plan, scale=SCALE), 3)
             kinds = dict(Counter(f"{h.pattern.value[:2]}{h.budget_a}/{h.budget_b}" for h in plan.heads))

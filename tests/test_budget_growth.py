@@ -8,7 +8,8 @@ import transformers
 
 from minference_fx import ConfigError, default_config, inspect, load_config, model_identity_from_hf, sparse_attention
 from minference_fx.options import BackendOptions
-from minference_fx.plan import MAX_BUDGET, HeadPlan, LayerPlan, Pattern, grown_plan, is_budget_growth
+from minference_fx.plan import (GROWTH_STEPS_PER_OCTAVE, MAX_BUDGET, HeadPlan, LayerPlan, Pattern, grown_plan,
+                                growth_factor, is_budget_growth)
 from minference_fx.tools.tiny import tiny_config
 
 PLAN = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 100, 30), HeadPlan(Pattern.A_SHAPE, 64, 128),
@@ -19,10 +20,14 @@ def test_listed_budgets_grow_past_the_length_and_the_others_stay():
     grown = grown_plan(PLAN, (1000, 0.5), 4000)  # (4000 / 1000) ** 0.5 = 2
     assert grown.heads == (HeadPlan(Pattern.VERTICAL_SLASH, 200, 60), HeadPlan(Pattern.A_SHAPE, 64, 128),
                            HeadPlan(Pattern.BLOCK_SPARSE, 6), HeadPlan(Pattern.DENSE))
-    # rounded up: 100 * 1.5 ** 0.5 = 122.47
-    assert grown_plan(PLAN, (1000, 0.5), 1500).heads[0] == HeadPlan(Pattern.VERTICAL_SLASH, 123, 37)
-    # exponent 1 keeps the share of the row the budgets held at the length
-    assert grown_plan(PLAN, (1000, 1.0), 3000).heads[0] == HeadPlan(Pattern.VERTICAL_SLASH, 300, 90)
+    # the ratio 1.5 is rounded up to 2 ** (5 / 8) (steps of an eighth of an octave): 100 * 2 ** (5 / 16) = 124.2
+    assert growth_factor((1000, 0.5), 1500) == pytest.approx(2 ** (5 / 16))
+    assert grown_plan(PLAN, (1000, 0.5), 1500).heads[0] == HeadPlan(Pattern.VERTICAL_SLASH, 125, 38)
+    # exponent 1 keeps the share of the row the budgets held at the length (to within the step)
+    assert grown_plan(PLAN, (1000, 1.0), 4000).heads[0] == HeadPlan(Pattern.VERTICAL_SLASH, 400, 120)
+    # every length of a step reads one plan: few plans (and pinned tables) whatever the prompt lengths
+    plans = {grown_plan(PLAN, (1000, 0.5), keys) for keys in range(1001, 64001, 7)}
+    assert len(plans) == 6 * GROWTH_STEPS_PER_OCTAVE
     assert grown_plan(PLAN, (1000, 0.5), 1000) is PLAN and grown_plan(PLAN, (), 10**6) is PLAN
     huge = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, MAX_BUDGET, 1),))
     assert grown_plan(huge, (1, 1.0), 4).heads[0].budget_a == MAX_BUDGET
@@ -79,10 +84,14 @@ def test_the_option_and_the_config_reach_every_rewritten_op_and_the_report():
     assert "budget growth: past 4096 keys" in str(result)
     plain = inspect(model, ids, use_cache=False, options={"min_sparse_len": 0})
     assert "4096, 0.5" not in plain.diff() and "budget growth" not in str(plain)
+    # after an escalation's two arguments when there is one
+    both = inspect(model, ids, use_cache=False, options={"budget_growth": (4096, 0.5), "min_sparse_len": 0,
+                                                         "guard_escalation": (1000, 6096)})
+    assert "1000, 6096, 4096, 0.5)" in both.diff()
     config = default_config(model_identity_from_hf(model.config))
     config.defaults["budget_growth"] = [2048, 1.0]
     from_config = inspect(model, ids, use_cache=False, options={"config": config, "min_sparse_len": 0})
-    assert "2048, 1.0)" in from_config.diff()
+    assert "0, 0, 2048, 1.0)" in from_config.diff()  # no escalation: (0, 0) stands in for it
     off = inspect(model, ids, use_cache=False, options={"config": config, "min_sparse_len": 0, "budget_growth": ()})
     assert "2048, 1.0" not in off.diff()
 
@@ -113,3 +122,19 @@ def test_a_compiled_model_with_growth_matches_one_compiled_with_the_grown_config
     assert frames == 1, dict(counts["stats"])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got - as_listed).abs().max() > 1e-4  # the premise: the grown budgets read other keys
+
+
+def test_an_untuned_device_sets_its_crossover_from_the_listed_budgets_not_the_grown_ones(monkeypatch):
+    """Without a measured crossover the op derives one from the plan's budgets; grown ones would push it past the
+    lengths they grow at, so that growth switched the sparse path off."""
+    from minference_fx import op
+    from minference_fx.autotune import dispatch
+    from minference_fx.call_masks import CallMasks
+
+    asked = []
+    monkeypatch.setattr(dispatch, "tuned_min_sparse_len", lambda q, k, plan: asked.append(plan) or 0)
+    q = torch.zeros(1, 4, 512, 16)
+    small = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 40, 60),) * 4)
+    grown = grown_plan(small, (128, 1.0), 512)
+    call = op.plan_call(q, q, CallMasks(), 0.25, grown, -1, listed=small)
+    assert asked == [small] and call.plan == grown

@@ -511,6 +511,7 @@ def _minference_summary(reports, model, device, dtype, lengths, budgets: Optiona
         "min_sparse_len": option, "min_sparse_len_resolved": resolved,
         "guard_threshold": reports[0].guard_threshold if reports else None,
         "guard_escalation": list(reports[0].guard_escalation) if reports else None,
+        "budget_growth": list(reports[0].budget_growth) if reports else None,
         "path": {str(n): ("sparse" if n in sparse_lengths else "dense") for n in lengths},
         "launch": {str(n): _launch_config(q, k, n) for n in sparse_lengths} if device.type == "cuda" else {},
     }

@@ -481,7 +481,7 @@ def index_recall(model, ids: torch.Tensor, config: SemanticConfig, *, rows: int 
     length = ids.shape[1]
 
     def on_call(call: observe.AttentionCall):
-        plan = config.layer_plan(call.layer, 0, call.q.shape[1])
+        plan = config.plan_at(call.layer, 0, call.q.shape[1], call.k.shape[2])
         layer = head_recall(call.q, call.k, plan, scale=call.scale, rows=rows, guard_threshold=config.guard_threshold)
         for h, head in enumerate(plan.heads):
             mass = float(layer.guard_mass[h])
