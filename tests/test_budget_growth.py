@@ -76,15 +76,24 @@ def test_the_op_reads_the_grown_plan_past_the_length_and_its_own_before():
         _op(q, k, v, small, grow_from=-1, grow_exponent=0.5)
 
 
-def test_the_option_and_the_config_reach_every_rewritten_op_and_the_report():
+@pytest.mark.parametrize("option, value, arguments, said", [
+    ("guard_escalation", (1000, 6096), "1000, 6096)", "first try (1000, 6096) (columns, diagonals), then run dense"),
+    ("budget_growth", (4096, 0.5), "0, 0, 4096, 0.5)", "budget growth: past 4096 keys"),
+])
+def test_an_option_reaches_every_rewritten_op_and_the_report(option, value, arguments, said):
+    """The guard's escalation and the budget growth: trailing op arguments, (0, 0) standing in for no escalation
+    before a growth."""
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", "sdpa")).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 96))
-    result = inspect(model, ids, use_cache=False, options={"budget_growth": (4096, 0.5), "min_sparse_len": 0})
-    assert result.rewritten and "4096, 0.5)" in result.diff()
-    assert "budget growth: past 4096 keys" in str(result)
+    result = inspect(model, ids, use_cache=False, options={option: value, "min_sparse_len": 0})
+    assert result.rewritten and arguments in result.diff() and said in str(result)
     plain = inspect(model, ids, use_cache=False, options={"min_sparse_len": 0})
-    assert "4096, 0.5" not in plain.diff() and "budget growth" not in str(plain)
-    # after an escalation's two arguments when there is one
+    assert arguments not in plain.diff() and said not in str(plain)
+
+
+def test_a_growth_follows_an_escalation_and_a_config_carries_it():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", "sdpa")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 96))
     both = inspect(model, ids, use_cache=False, options={"budget_growth": (4096, 0.5), "min_sparse_len": 0,
                                                          "guard_escalation": (1000, 6096)})
     assert "1000, 6096, 4096, 0.5)" in both.diff()
