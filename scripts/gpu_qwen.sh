@@ -4,6 +4,7 @@
 # under $STATE (kept on the machine); `status` prints where each stands, `collect` packs the results into $OUT.
 #
 #   scripts/gpu_qwen.sh start STEP...   run the steps one after another in the background
+#   scripts/gpu_qwen.sh stop STEP       end a running step; the steps after it in its chain still run
 #   scripts/gpu_qwen.sh status          the tail of every step's log
 #   scripts/gpu_qwen.sh collect         $OUT/qwen_results.tar.gz: logs, JSON, the tuned cache, the config
 #   scripts/gpu_qwen.sh poll [SECONDS]  wait up to SECONDS (default 240) or until no step runs, then status and
@@ -165,6 +166,12 @@ case ${1:-status} in
     setsid bash -c "cd '$src'; for s in $*; do flock '$STATE/gpu.lock' bash '$src/scripts/gpu_qwen.sh' run \$s > '$STATE'/\$s.txt 2>&1; done" </dev/null >/dev/null 2>&1 &
     echo "started: $*" ;;
   run) step "$2" ;;
+  stop)  # end step $2 and what it runs (timeout ends its command's process group); its chain goes on to the next
+         # step. `pkill -f STEP` would also match the chain's own command line, and end every step after it too
+    for pid in $(pgrep -f "^bash .*gpu_qwen\.sh run $2\$"); do
+      kids=$(pgrep -P "$pid"); kill "$pid"; [ -n "$kids" ] && kill $kids
+    done
+    echo "stopped: $2" ;;
   status)
     for f in "$STATE"/*.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; tail -n "${TAIL:-4}" "$f"; }; done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
