@@ -33,8 +33,9 @@ read when all of these hold:
   has doubled (``routing.Router.index_due``), to see a head stop being near-dense.
 
 A row with no readable key yields zeros, never NaN. With ``grow_from`` > 0, a call of more than ``grow_from``
-keys reads its plan's vertical-slash and block-sparse budgets times ``(Skv / grow_from) ** grow_exponent``
-(:func:`plan.grown_plan`; the site's constant arguments stay as they are, so no recompile).
+keys reads its plan's vertical-slash and block-sparse budgets times ``(Skv / grow_from) ** grow_exponent``, the
+ratio rounded up to an eighth of an octave (:func:`plan.grown_plan`; the site's constant arguments stay as they
+are, so no recompile).
 
 Each call is planned, then run, as FlashInfer's wrappers split ``plan()`` from ``run()``: :func:`plan_call` reads
 the shapes, the device's tuned crossover and launch configs and the site's routing, and says which path the call

@@ -161,6 +161,7 @@ def growth_factor(growth: tuple, keys: int) -> float:
     then (keys / keys0) ** exponent, with the ratio rounded up to a step of :data:`GROWTH_STEPS_PER_OCTAVE`."""
     if not growth or keys <= growth[0]:
         return 1.0
+    # less a rounding error, so that an exact power of two of keys0 lands on its own step, not the next
     steps = math.ceil(GROWTH_STEPS_PER_OCTAVE * math.log2(keys / growth[0]) - 1e-9)
     return 2.0 ** (steps / GROWTH_STEPS_PER_OCTAVE * growth[1])
 
