@@ -96,13 +96,30 @@ def _escalation(values) -> tuple | None:
     return () if tuple(values) == (0, 0) else tuple(values)
 
 
+GROWTH_HELP = ("past KEYS keys, vertical-slash and block-sparse budgets grow as (keys / KEYS) ** EXPONENT (option "
+               "budget_growth); 0 0: none, even where the config has one (default: the config's)")
+
+
+def _growth(values) -> tuple | None:
+    """``--budget-growth KEYS EXPONENT`` as the backend option: None when not given (the config's), () for ``0 0``."""
+    if values is None:
+        return None
+    keys, exponent = values
+    if keys != int(keys):
+        raise ValueError(f"--budget-growth: KEYS must be an integer, got {keys:g}")
+    return () if (keys, exponent) == (0, 0) else (int(keys), float(exponent))
+
+
 def _minference_options(args) -> dict | None:
-    """The backend options ``--guard-threshold`` and ``--guard-escalation`` give the minference variants."""
+    """The backend options ``--guard-threshold``, ``--guard-escalation`` and ``--budget-growth`` give the minference
+    variants."""
     options = {}
     if args.guard_threshold is not None:
         options["guard_threshold"] = args.guard_threshold
     if args.guard_escalation is not None:
         options["guard_escalation"] = _escalation(args.guard_escalation)
+    if getattr(args, "budget_growth", None) is not None:
+        options["budget_growth"] = _growth(args.budget_growth)
     return options or None
 
 
@@ -180,6 +197,9 @@ def _search(args) -> int:
     if args.guard_escalation is not None:
         escalation = _escalation(args.guard_escalation)
         guard_defaults["guard_escalation"] = list(escalation) if escalation else None
+    growth = _growth(args.budget_growth)
+    if growth:
+        guard_defaults["budget_growth"] = list(growth)
     config = search.search(model, samples, data_name=data_name, seed=args.seed, bound=args.bound,
                            target_density=args.target_density, state_path=f"{args.out}.state",
                            min_sparse_len=args.min_sparse_len, guard_defaults=guard_defaults)
@@ -238,6 +258,11 @@ def _eval(args) -> int:
     if args.guard_threshold is not None:
         config = config.with_guard_threshold(args.guard_threshold)
         config_name += f", guard threshold {args.guard_threshold:g}"
+    growth = _growth(args.budget_growth)
+    if growth is not None:
+        config = config.with_budget_growth(growth)
+        config_name += f", budgets grow past {growth[0]} keys as (keys / {growth[0]}) ** {growth[1]:g}" if growth else \
+            ", no budget growth"
     escalation = _escalation(args.guard_escalation)
     if escalation is None:
         escalation = config.guard_escalation
@@ -297,6 +322,7 @@ def _add_asset_commands(sub) -> None:
                    help="the quality guard's threshold in the sparse runs and the recall's guarded columns (default: the config's)")
     e.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help=ESCALATION_HELP)
+    e.add_argument("--budget-growth", type=float, nargs=2, default=None, metavar=("KEYS", "EXPONENT"), help=GROWTH_HELP)
     e.add_argument("--data", default="austen", help="'austen' or a text file")
     e.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"])
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -345,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help="prefill, breakdown: " + ESCALATION_HELP)
+    b.add_argument("--budget-growth", type=float, nargs=2, default=None, metavar=("KEYS", "EXPONENT"),
+                   help="prefill, breakdown: " + GROWTH_HELP)
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--families", default="structured,scattered",
                    help="kernels: comma list of input families (structured: clustered slashes; scattered: slashes "
@@ -389,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the config's guard threshold (default: none written, the backend's default applies)")
     sp.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                     help="the config's guard escalation budgets (0 0 or not given: none)")
+    sp.add_argument("--budget-growth", type=float, nargs=2, default=None, metavar=("KEYS", "EXPONENT"),
+                    help="the config's budget growth (0 0 or not given: none), e.g. the search length and 0.5")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     sp.add_argument("--out", required=True, help="semantic config JSON to write (state for resuming beside it)")

@@ -313,7 +313,14 @@ class SemanticConfig:
 
     def with_guard_threshold(self, threshold: float) -> "SemanticConfig":
         """A copy whose quality guard runs at ``threshold`` (validated like a loaded config's)."""
-        copy = dataclasses.replace(self, defaults={**self.defaults, "guard_threshold": threshold})
+        return self._with_default("guard_threshold", threshold)
+
+    def with_budget_growth(self, growth: tuple) -> "SemanticConfig":
+        """A copy whose budgets grow by ``growth`` (keys, exponent), or not at all for () (validated)."""
+        return self._with_default("budget_growth", [growth[0], growth[1]] if growth else None)
+
+    def _with_default(self, key: str, value) -> "SemanticConfig":
+        copy = dataclasses.replace(self, defaults={**self.defaults, key: value})
         _raise_if(copy.validate(), None)
         return copy
 

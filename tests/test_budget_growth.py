@@ -147,3 +147,27 @@ def test_an_untuned_device_sets_its_crossover_from_the_listed_budgets_not_the_gr
     grown = grown_plan(small, (128, 1.0), 512)
     call = op.plan_call(q, q, CallMasks(), 0.25, grown, -1, listed=small)
     assert asked == [small] and call.plan == grown
+
+
+def test_the_cli_gives_the_growth_to_bench_eval_and_search_and_reads_0_0_as_none():
+    from minference_fx import cli
+
+    def args(*argv):
+        return cli.build_parser().parse_args(list(argv))
+
+    bench = args("bench", "prefill", "--budget-growth", "32768", "0.5")
+    assert cli._minference_options(bench) == {"budget_growth": (32768, 0.5)}
+    assert cli._minference_options(args("bench", "prefill")) is None  # the config's
+    assert cli._minference_options(args("bench", "prefill", "--budget-growth", "0", "0")) == {"budget_growth": ()}
+    assert args("eval", "--budget-growth", "8192", "1").budget_growth == [8192.0, 1.0]
+    assert args("search", "--out", "x.json", "--budget-growth", "8192", "0.5").budget_growth == [8192.0, 0.5]
+    with pytest.raises(ValueError, match="KEYS must be an integer"):
+        cli._minference_options(args("bench", "prefill", "--budget-growth", "1000.5", "0.5"))
+    with pytest.raises(ValueError, match="budget_growth"):  # the option checks the exponent
+        BackendOptions.from_user(cli._minference_options(args("bench", "prefill", "--budget-growth", "1000", "2")))
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", "sdpa"))
+    config = default_config(model_identity_from_hf(model.config))
+    assert config.with_budget_growth((8192, 1.0)).budget_growth == (8192, 1.0)
+    assert config.with_budget_growth((8192, 1.0)).with_budget_growth(()).budget_growth == ()
+    with pytest.raises(ConfigError, match="budget_growth"):
+        config.with_budget_growth((8192, 2.0))
