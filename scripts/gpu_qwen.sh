@@ -18,7 +18,8 @@
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
 # at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
-# escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K),
+# escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K), recall
+# (the index's recall against an oracle of the same key count, both configs, 32K and 128K),
 # candidate32k (the 32K-searched config in results/ sparse from 64K: TTFT 4K-128K, fidelity at 128K;
 # candidate32k_g0.9 the same with the guard at 0.9), task_layers (the layers of that config whose dense run gives
 # variable tracking back at 128K: every layer, measured), candidate32k_xN (that config with
@@ -134,6 +135,12 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config "$CONFIG" --guard-escalation 1000 6096 --reps 3 --out "$STATE/bench_prefill_qwen_escalation.json"
           timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ppl,ppl-code,niah --ppl-tokens 1024 \
             --config "$CONFIG" --guard-escalation 1000 6096 --out "$STATE/eval128_qwen_escalation.json" ;;
+    recall)  # issue 35's oracle bound: per head, the index's recall of dense attention mass against the heaviest keys
+             # at the same count (the oracle), shipped config and the 32K-searched one, at 32K and 128K
+          timeout 500 minference-fx eval --model $MODEL --lengths 32k,128k --tasks recall --config "$CONFIG" \
+            --out "$STATE/recall_qwen_shipped.json"
+          timeout 500 minference-fx eval --model $MODEL --lengths 32k,128k --tasks recall \
+            --config results/search_qwen_32k_h200_2026-12-03.json --out "$STATE/recall_qwen_search32k.json" ;;
     evalg0) timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ppl,ppl-code --ppl-tokens 1024 \
               --config "$CONFIG" --guard-threshold 0 --out "$STATE/evalg0_qwen.json" ;;
     peers)  # issue 36 part 4: MInference as shipped (its source, built here with nvcc) and FlashInfer (its wheel,
