@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Arithmetic, no kernel: the work two key layouts would do for the same vertical-slash picks (issue 36, part 2).
+
+For each head the picks come from the project's own estimate (``kernels.density.selection_of``, the reference
+path) on one of ``bench kernels``' input families, every head vertical-slash at the given budgets. Per 64-row query
+tile it counts the 64 x 64 blocks of work of:
+
+* **aligned tiles** (the walk today): a diagonal d = 64a + b crosses key tiles m - a and, when b > 0, m - a - 1;
+  the tiles a query tile lists are the union over its diagonals;
+* **unaligned ranges** (MInference's block offsets): diagonal d reads keys [64m - d, 64m + 63 - d]; diagonals
+  closer than 64 merge into one run, and a run of L keys costs ceil(L / 64) blocks that may start anywhere.
+
+Both add the same column groups: every picked column the query tile can read, 64 to a group (the walk reads
+only the columns its tiles miss, so this overcounts both alike). Physical density is blocks over causal tiles;
+logical is picked keys over causal keys (diagonal and column picks counted apart, so a key both picks hold counts
+twice: an upper bound). The layout that gets physical nearest logical wastes least. CPU only, no timing.
+
+    python scripts/explore_layouts.py --lengths 32k --families structured,scattered [--budgets 1000 6096]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from minference_fx.autotune.workload import scattered_qkv, structured_qkv
+from minference_fx.kernels.density import selection_of
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.cli import parse_lengths
+
+BLOCK = 64
+FAMILIES = {"structured": structured_qkv, "scattered": scattered_qkv}
+
+
+def aligned_blocks(diagonals: torch.Tensor, m_tiles: int) -> torch.Tensor:
+    """int64 [M]: key tiles each query tile lists for ``diagonals`` (ascending, >= 0): the tile offsets
+    {a, a + 1 if b > 0} of d = 64a + b, those that do not reach before key 0."""
+    a, b = diagonals // BLOCK, diagonals % BLOCK
+    offsets = torch.unique(torch.cat([a, a[b > 0] + 1]))
+    m = torch.arange(m_tiles)
+    return torch.searchsorted(offsets, m, right=True)  # offsets t <= m: tile m - t exists
+
+
+def unaligned_blocks(diagonals: torch.Tensor, m_tiles: int) -> torch.Tensor:
+    """int64 [M]: 64-key blocks each query tile reads when ``diagonals`` merge into runs of keys that may start
+    anywhere; a run is cut at key 0."""
+    d = diagonals
+    new_run = torch.ones_like(d, dtype=torch.bool)
+    new_run[1:] = (d[1:] - d[:-1]) > BLOCK  # ranges [-d, 63 - d] touch when the diagonals are <= 64 apart
+    run_id = torch.cumsum(new_run.long(), 0) - 1
+    first = torch.full((int(run_id[-1]) + 1,), -1, dtype=torch.int64).scatter_reduce(0, run_id, d, "amin", include_self=False)
+    last = torch.full_like(first, -1).scatter_reduce(0, run_id, d, "amax", include_self=False)
+    # query tile m, relative to key 64m: the run covers keys [-last, 63 - first], cut below at -64m
+    lo = torch.maximum(-last[None, :], -BLOCK * torch.arange(m_tiles)[:, None])
+    keys = (BLOCK - first[None, :] - lo).clamp(min=0)  # (63 - first) - lo + 1
+    return ((keys + BLOCK - 1) // BLOCK).sum(1)
+
+
+def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_heads: int) -> dict:
+    q, k, _ = FAMILIES[family](length, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+                               dtype=torch.float32, device="cpu")
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),) * heads)
+    picks = selection_of(q, k, plan, scale=128 ** -0.5)
+    m_tiles = math.ceil(length / BLOCK)
+    rows = torch.arange(length)
+    causal_tiles = m_tiles * (m_tiles + 1) // 2
+    causal_keys = length * (length + 1) // 2
+    totals = {"aligned": 0, "unaligned": 0, "columns": 0, "logical": 0}
+    for h in range(heads):
+        diagonals = picks.diagonals[0, h][picks.diagonals[0, h] >= 0].sort().values
+        columns = picks.columns[0, h][picks.columns[0, h] >= 0].sort().values
+        last_row = torch.clamp(torch.arange(m_tiles) * BLOCK + BLOCK - 1, max=length - 1)
+        column_groups = (torch.searchsorted(columns, last_row, right=True) + BLOCK - 1) // BLOCK
+        totals["aligned"] += int(aligned_blocks(diagonals, m_tiles).sum())
+        totals["unaligned"] += int(unaligned_blocks(diagonals, m_tiles).sum())
+        totals["columns"] += int(column_groups.sum())
+        kept = torch.searchsorted(diagonals, rows, right=True) + torch.searchsorted(columns, rows, right=True)
+        totals["logical"] += int(torch.minimum(kept, rows + 1).sum())
+    logical = totals["logical"] / (heads * causal_keys)
+    out = {"family": family, "length": length, "budgets": list(budgets), "heads": heads, "logical": logical}
+    for layout in ("aligned", "unaligned"):
+        physical = (totals[layout] + totals["columns"]) / (heads * causal_tiles)
+        out[layout] = {"physical": physical, "physical_over_logical": physical / logical,
+                       "diagonal_blocks_share": totals[layout] / (totals[layout] + totals["columns"])}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="32k")
+    ap.add_argument("--families", default="structured,scattered")
+    ap.add_argument("--budgets", type=int, nargs=2, default=(1000, 6096), metavar=("VERTICAL", "SLASH"))
+    ap.add_argument("--heads", type=int, default=32, help="query heads (Llama-3-8B: 32)")
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    print(f"{'family':<11}{'length':>8}{'logical':>9}{'aligned':>9}{'/logical':>9}{'unaligned':>11}{'/logical':>9}")
+    for family in args.families.split(","):
+        for length in parse_lengths(args.lengths):
+            r = measure(family, length, tuple(args.budgets), args.heads, args.kv_heads)
+            rows.append(r)
+            print(f"{family:<11}{length:>8}{r['logical']:>9.3f}{r['aligned']['physical']:>9.3f}"
+                  f"{r['aligned']['physical_over_logical']:>9.2f}{r['unaligned']['physical']:>11.3f}"
+                  f"{r['unaligned']['physical_over_logical']:>9.2f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python scripts/explore_layouts.py " + " ".join(
+                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                for k, v in vars(args).items() if k != "out" and v is not None), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
