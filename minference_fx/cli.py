@@ -118,7 +118,7 @@ def _minference_options(args) -> dict | None:
         options["guard_threshold"] = args.guard_threshold
     if args.guard_escalation is not None:
         options["guard_escalation"] = _escalation(args.guard_escalation)
-    if getattr(args, "budget_growth", None) is not None:
+    if args.budget_growth is not None:
         options["budget_growth"] = _growth(args.budget_growth)
     return options or None
 
@@ -261,8 +261,10 @@ def _eval(args) -> int:
     growth = _growth(args.budget_growth)
     if growth is not None:
         config = config.with_budget_growth(growth)
-        config_name += f", budgets grow past {growth[0]} keys as (keys / {growth[0]}) ** {growth[1]:g}" if growth else \
-            ", no budget growth"
+    if growth:
+        config_name += f", budgets grow past {growth[0]} keys as (keys / {growth[0]}) ** {growth[1]:g}"
+    elif growth == ():
+        config_name += ", no budget growth"
     escalation = _escalation(args.guard_escalation)
     if escalation is None:
         escalation = config.guard_escalation

@@ -77,7 +77,7 @@ class GuardedIndex(NamedTuple):
     index: reference.SparseIndex
     weak: Optional[torch.Tensor]
     """[B, Hq] bool: the pairs the quality guard forces dense; None without a guard"""
-    escalated: Optional[torch.Tensor]
+    escalated_pairs: Optional[torch.Tensor]
     """[B, Hq] bool: the pairs that took the escalated plan's index rows; None without an escalation"""
 
 

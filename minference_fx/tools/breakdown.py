@@ -176,22 +176,23 @@ def _layer_row(call, q, k, v, length: int, number: int) -> LayerRow:
         return sparse_path.sparse_on_gpu(q, k, v, plan, scale, masks, call.guard_threshold, call.sparse_launch,
                                          call.walk_launch, call.routed, call.escalated)
 
+    def index():  # as the path builds it: with the guard's estimate and, where the call has one, the escalation's
+        return sparse_path.guarded_index_on_gpu(q, k, plan, scale, masks, call.guard_threshold, call.escalated)
+
     result = path()
     path_ms = event_ms(path)
-    # the index as the path builds it: with the guard's estimate and, where the call has one, the escalation's
-    index_ms = event_ms(lambda: sparse_path.guarded_index_on_gpu(q, k, plan, scale, masks, call.guard_threshold,
-                                                                 call.escalated))
+    index_ms = event_ms(index)
     # the heads the path hands to fused SDPA: the plan's dense ones and the routed ones
     heads = tuple(sorted(set(plan_dense) | set(call.routed)))
     out = torch.empty_like(q)
     with _sdpa_context("eager", q.device):
         dense_heads_ms = event_ms(lambda: dense.dense_heads_by_sdpa(
             q, k, v, out, heads, dense.kv_heads_of(heads, q.shape[1] // k.shape[1]), scale, masks)) if heads else 0.0
-    guarded = sparse_path.guarded_index_on_gpu(q, k, plan, scale, masks, call.guard_threshold, call.escalated)
+    guarded = index()
     density = _density(q, k, plan, guarded.index, masks.q_offset, scale, result.ran_dense)
-    if guarded.escalated is not None:  # the pairs that took the escalated index keep its picks
+    if guarded.escalated_pairs is not None:  # the pairs that took the escalated index keep its picks
         up = _density(q, k, call.escalated, guarded.index, masks.q_offset, scale, result.ran_dense)
-        took = guarded.escalated
+        took = guarded.escalated_pairs
         density = Density(torch.where(took, up.logical_keys, density.logical_keys), density.causal_keys,
                           torch.where(took, up.physical_tiles, density.physical_tiles), density.causal_tiles)
     physical, logical = density.overall()
