@@ -1,10 +1,12 @@
 """The tuned-config cache: how fast each launch config is on a GPU, never which edges are read.
 
-One JSON file in a user cache directory holds two tables:
+One JSON file in a user cache directory holds three tables:
 
 * ``configs``: :class:`TuneKey` → :class:`TuneEntry` (tile sizes, warps, stages);
 * ``crossovers``: :class:`CrossoverKey` → the prompt length from which the sparse
-  path (index + attention) beats dense SDPA; ``null`` when it never did.
+  path (index + attention) beats dense SDPA; ``null`` when it never did;
+* ``costs``: :class:`CrossoverKey` → :class:`WalkCost`, what the op's cost model weighs a head's
+  sparse walk against the fused SDPA with (a table written before it existed has none).
 
 Lookups read the user file first, then the tables shipped as package data
 (``autotune/*.json``). A missing entry gives a safe default and one log line;
@@ -89,6 +91,25 @@ class CrossoverKey:
     """query heads per kv head (GQA)"""
 
 
+@dataclasses.dataclass(frozen=True)
+class WalkCost:
+    """The sparse path's speed against the device's fused SDPA at one shape, as the cost model
+    (``minference_fx.cost``) reads it: a head whose index keeps a share ``s`` of its causal key tiles walks
+    them in ``s / walk_rate`` of the time the fused SDPA takes for that head's dense causal attention, and
+    the index of a call of ``n`` keys costs ``index_share * measured_at / n`` of the dense layer (it grows
+    with the keys, dense attention with their square)."""
+
+    walk_rate: float
+    """the sparse walk's speed per walked key tile over the fused SDPA's per causal key tile"""
+    index_share: float
+    """the index's time over the dense layer's at ``measured_at`` keys"""
+    measured_at: int
+    """the prompt length both were timed at (0: not measured)"""
+
+    def index_share_at(self, keys: int) -> float:
+        return self.index_share * self.measured_at / keys if keys > 0 and self.measured_at > 0 else 0.0
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class TuneKey(CrossoverKey):
     """A launch config is chosen per kernel and length bucket on top of what the crossover is keyed by."""
@@ -123,17 +144,20 @@ class ForeignFile(ValueError):
 class Table:
     configs: dict[TuneKey, TuneEntry] = dataclasses.field(default_factory=dict)
     crossovers: dict[CrossoverKey, Optional[int]] = dataclasses.field(default_factory=dict)
+    costs: dict[CrossoverKey, WalkCost] = dataclasses.field(default_factory=dict)
 
     def merged(self, newer: "Table") -> "Table":
-        return Table({**self.configs, **newer.configs}, {**self.crossovers, **newer.crossovers})
+        return Table({**self.configs, **newer.configs}, {**self.crossovers, **newer.crossovers},
+                     {**self.costs, **newer.costs})
 
     def __bool__(self) -> bool:
-        return bool(self.configs or self.crossovers)
+        return bool(self.configs or self.crossovers or self.costs)
 
     def to_json(self) -> str:
         configs = [{"key": dataclasses.asdict(k), "entry": dataclasses.asdict(self.configs[k])} for k in sorted(self.configs)]
         crossovers = [{"key": dataclasses.asdict(k), "min_sparse_len": self.crossovers[k]} for k in sorted(self.crossovers)]
-        doc = {"schema": SCHEMA, "version": VERSION, "configs": configs, "crossovers": crossovers}
+        costs = [{"key": dataclasses.asdict(k), "cost": dataclasses.asdict(self.costs[k])} for k in sorted(self.costs)]
+        doc = {"schema": SCHEMA, "version": VERSION, "configs": configs, "crossovers": crossovers, "costs": costs}
         return json.dumps(doc, indent=1) + "\n"
 
     @classmethod
@@ -149,9 +173,11 @@ class Table:
         try:
             configs = {_record(TuneKey, row["key"]): _record(TuneEntry, row["entry"]) for row in doc["configs"]}
             crossovers = {_record(CrossoverKey, row["key"]): _length(row["min_sparse_len"]) for row in doc["crossovers"]}
+            costs = {_record(CrossoverKey, row["key"]): _cost(_record(WalkCost, row["cost"]))
+                     for row in doc.get("costs", [])}
         except (KeyError, TypeError, ValueError) as e:
             raise ForeignFile(f"malformed record ({e})") from None
-        return cls(configs, crossovers)
+        return cls(configs, crossovers, costs)
 
 
 def _record(cls, raw):
@@ -159,11 +185,18 @@ def _record(cls, raw):
     if not isinstance(raw, dict) or set(raw) != set(fields):
         raise ValueError(f"{cls.__name__} needs fields {sorted(fields)}, got {raw!r}")
     for name, value in raw.items():
-        want = int if fields[name] in (int, "int") else str
-        # bool is an int to Python, never to this schema
-        if type(value) is not want:
-            raise ValueError(f"{cls.__name__}.{name} = {value!r} is not {want.__name__}")
+        # bool is an int to Python, never to this schema; a float field takes a JSON integer too
+        kind = fields[name] if isinstance(fields[name], str) else fields[name].__name__
+        want = {"int": (int,), "float": (float, int)}.get(kind, (str,))
+        if type(value) not in want:
+            raise ValueError(f"{cls.__name__}.{name} = {value!r} is not {want[0].__name__}")
     return cls(**raw)
+
+
+def _cost(cost: WalkCost) -> WalkCost:
+    if not (cost.walk_rate > 0 and 0 <= cost.index_share and cost.measured_at >= 0):
+        raise ValueError(f"{cost} needs walk_rate > 0, index_share >= 0 and measured_at >= 0")
+    return cost
 
 
 def _length(value) -> Optional[int]:
@@ -235,14 +268,15 @@ def read_table(path) -> Table:
     return _read(Path(path))[0]
 
 
-def write(configs: Optional[dict] = None, crossovers: Optional[dict] = None, path=None) -> Optional[Path]:
+def write(configs: Optional[dict] = None, crossovers: Optional[dict] = None, path=None,
+          costs: Optional[dict] = None) -> Optional[Path]:
     """Merge these records into the user cache file (or ``path``), atomically and under a lock.
 
     Returns the path written, or None when the cache location cannot take a file (see :func:`unwritable`):
     then nothing is stored and one warning says why, so a forward that tunes on a miss runs on what it has.
     An error while the new file replaces the old one (a full disk) raises, and the old file stands."""
     path = Path(path) if path is not None else cache_path()
-    update = Table(dict(configs or {}), dict(crossovers or {}))
+    update = Table(dict(configs or {}), dict(crossovers or {}), dict(costs or {}))
     try:
         lock = _locked(path)
     except OSError as e:
@@ -408,6 +442,14 @@ def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SP
     return untuned
 
 
+def lookup_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
+    """The measured :class:`WalkCost` for ``key`` (user cache first, then shipped tables), or None."""
+    for table in _tables(path):
+        if key in table.costs:
+            return table.costs[key]
+    return None
+
+
 def describe(path=None) -> str:
     """The user cache and the shipped tables as text, one record a line (a table ignored says why)."""
     path = Path(path) if path is not None else cache_path()
@@ -432,4 +474,9 @@ def _describe_table(title: str, table: Table, ignored: Optional[str] = None) -> 
         shown = "never (dense at every measured length)" if length is None else f"sparse from {length}"
         lines.append(f"  crossover {k.gpu} sm{k.capability} triton {k.triton} src {k.source_hash} {k.dtype} "
                      f"d{k.head_dim} g{k.group}: {shown}")
+    for k in sorted(table.costs):
+        c = table.costs[k]
+        lines.append(f"  cost {k.gpu} sm{k.capability} triton {k.triton} src {k.source_hash} {k.dtype} "
+                     f"d{k.head_dim} g{k.group}: sparse walk at {c.walk_rate:.3f}x the fused SDPA's rate per tile, "
+                     f"index {c.index_share:.4f} of the dense layer at {c.measured_at} keys")
     return "\n".join(lines)

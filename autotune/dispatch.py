@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from ..cost import UNTUNED_COST
 from ..defaults import DEFAULTS
 from ..kernels.reference import BLOCK
 from ..plan import LayerPlan, Pattern
@@ -119,3 +120,11 @@ def launch_config(q: torch.Tensor, k: torch.Tensor, kernel: str = "sparse_attent
         _tune_now(q, k, cache.seq_bucket(shape[4]))
     return cache.remembered(("config", _where(), kernel, *shape[:4], cache.seq_bucket(shape[4])),
                             lambda: cache.lookup(tune_key(kernel, *shape)))
+
+
+
+def walk_cost(q: torch.Tensor, k: torch.Tensor) -> cache.WalkCost:
+    """The measured :class:`~.cache.WalkCost` of this shape on this device (``cost.UNTUNED_COST`` where none was)."""
+    shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+    return cache.remembered(("cost", _where(), *shape),
+                            lambda: cache.lookup_cost(crossover_key(*shape)) or UNTUNED_COST)

@@ -16,7 +16,7 @@ import torch
 import triton.testing
 
 from . import cache, space
-from .cache import CrossoverKey, TuneEntry, TuneKey
+from .cache import CrossoverKey, TuneEntry, TuneKey, WalkCost
 from .identity import DeviceIdentity, dtype_name, kernel_source_hash, triton_version
 from .progress import ProgressBar
 from .workload import CudaWorkload
@@ -104,6 +104,8 @@ class Workload(Protocol):
     def dense_walk(self, length: int, config: TuneEntry) -> Callable[[], object]: ...
     def sparse(self, length: int, config: TuneEntry, dense_walk: TuneEntry) -> Callable[[], object]: ...
     def dense(self, length: int) -> Callable[[], object]: ...
+    def index(self, length: int) -> Callable[[], object]: ...
+    def kept_share(self, length: int) -> float: ...
 
 
 @dataclasses.dataclass
@@ -115,6 +117,8 @@ class WarmUpReport:
     crossover: Optional[int]
     dense_walk: dict[int, TuneResult] = dataclasses.field(default_factory=dict)
     """the dense walk's tuning, at the lengths asked for"""
+    cost: Optional[WalkCost] = None
+    """the cost model's rates, at the longest crossover length"""
 
     def __str__(self) -> str:
         lines = [f"{'length':>8} {'config (M, N, warps, stages)':>29} {'kernel ms':>10} {'default ms':>10} {'tuned gain':>10} "
@@ -136,6 +140,8 @@ class WarmUpReport:
         if self.dense_ms:
             shown = "never (dense at every measured length)" if self.crossover is None else f"sparse from {self.crossover}"
             lines.append(f"crossover: {shown}")
+        if self.cost is not None:
+            lines.append(describe_cost(self.cost))
         lines.append(f"written to {self.path}")
         return "\n".join(lines)
 
@@ -198,8 +204,47 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
                 bar.step(f"index + sparse @ {length}")
     finally:
         bar.close()
-    crossover = None
+    crossover = cost = None
     if grid:
         crossover = find_crossover(grid, dense_ms, sparse_ms, margin=CROSSOVER_MARGIN)
-        cache.write(crossovers={measured_on: crossover}, path=path)
-    return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks)
+        top = grid[-1]
+        cost = measure_cost(workload, top, results[top].best, timer, dense_ms=dense_ms[top],
+                            kernel_ms=results[top].best_ms)
+        cache.write(crossovers={measured_on: crossover}, costs={measured_on: cost}, path=path)
+    return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks, cost)
+
+
+def measure_cost(workload: Workload, length: int, config: TuneEntry, timer: Timer, *,
+                 dense_ms: Optional[float] = None, kernel_ms: Optional[float] = None) -> WalkCost:
+    """The cost model's :class:`~.cache.WalkCost` of ``workload``'s shape at ``length``: the sparse walk (launch
+    ``config``) over the share of causal key tiles its index keeps, against the fused SDPA over all of them; and
+    the index against the fused SDPA. Times what is not given."""
+    dense_ms = float(timer(workload.dense(length))) if dense_ms is None else dense_ms
+    kernel_ms = float(timer(workload.kernel(length, config))) if kernel_ms is None else kernel_ms
+    index_ms = float(timer(workload.index(length)))
+    return WalkCost(walk_rate=workload.kept_share(length) * dense_ms / kernel_ms, index_share=index_ms / dense_ms,
+                    measured_at=length)
+
+
+def describe_cost(cost: WalkCost) -> str:
+    return (f"cost at {cost.measured_at}: the sparse walk runs {cost.walk_rate:.3f}x the fused SDPA's rate per key "
+            f"tile (heads keeping more than that share route to SDPA); the index costs {cost.index_share:.4f} of "
+            f"the dense layer")
+
+
+def measure_costs(head_dim: int, gqa: int, dtype: Union[str, torch.dtype] = torch.bfloat16, *, num_kv_heads: int = 8,
+                  length: int = max(CROSSOVER_LENGTHS), workload: Optional[Workload] = None,
+                  timer: Optional[Timer] = None, path=None) -> WalkCost:
+    """Measure the cost model's rates alone (:func:`measure_cost`), with the launch config the cache holds for
+    ``length``, and write them to the cache: for a table tuned before the rates existed."""
+    dtype = as_dtype(dtype)
+    timer = timer or do_bench
+    if workload is None:
+        workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads)
+    ident = workload.identity
+    measured_on = CrossoverKey(kernel_source_hash(), ident.gpu, ident.capability, triton_version(), dtype_name(dtype),
+                               head_dim, gqa)
+    config = cache.lookup(TuneKey.of("sparse_attention", measured_on, length), path=path)
+    cost = measure_cost(workload, length, config, timer)
+    cache.write(costs={measured_on: cost}, path=path)
+    return cost

@@ -18,6 +18,7 @@ from ..call_masks import CallMasks
 from ..defaults import DEFAULTS
 from ..dense import dense_attention
 from ..kernels.attend import sparse_attention_triton
+from ..kernels import guard
 from ..kernels.index import build_index_gpu
 from ..plan import HeadPlan, LayerPlan, Pattern
 from ..sparse_path import sparse_on_gpu
@@ -414,3 +415,13 @@ class CudaWorkload:
         """The op's dense path (fused SDPA, causal, GQA without repeat_kv)."""
         q, k, v, scale, _ = self._at(length)
         return lambda: dense_attention(q, k, v, CallMasks(), scale)
+
+    def index(self, length: int) -> Callable[[], object]:
+        """The online index alone."""
+        q, k, _, scale, _ = self._at(length)
+        return lambda: build_index_gpu(q, k, self.plan, scale=scale)
+
+    def kept_share(self, length: int) -> float:
+        """The share of the causal key tiles the index keeps, over every head: what :meth:`kernel` walks."""
+        q, k, _, _, index = self._at(length)
+        return float(guard.kept_share(index, length, length, 0).mean())

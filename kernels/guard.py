@@ -106,15 +106,16 @@ def causal_tiles(sq: int, skv: int, q_offset: int) -> int:
     return sum(min(q_offset + min(m * BLOCK + BLOCK - 1, sq - 1), skv - 1) // BLOCK + 1 for m in range(m_tiles))
 
 
-def near_dense(index: SparseIndex, sq: int, skv: int, q_offset: int, key_mask=None) -> torch.Tensor:
-    """[B, H] bool: the heads whose index keeps at least ``NEAR_DENSE_SHARE`` of the causal tiles.
+def kept_share(index: SparseIndex, sq: int, skv: int, q_offset: int, key_mask=None) -> torch.Tensor:
+    """[B, H] fp32: the share of the causal key tiles each head's index keeps (its columns counted as tiles of
+    ``BLOCK``), the work the sparse walk does for that head against the work of a dense one.
 
     With a padding mask both counts start at each row's first kept key: a left-padded prompt's padding query
     tiles read nothing and its padding key tiles hold no key it reads, so counting them decided a head of the
     same prompt one way padded and the other unpadded (output off by 0.46-0.67). Computed on the device: no sync."""
     if key_mask is None:
         kept = index.tile_count.sum(-1, dtype=torch.float32) + index.col_count.sum(-1, dtype=torch.float32) / BLOCK
-        return kept >= NEAR_DENSE_SHARE * causal_tiles(sq, skv, q_offset)
+        return kept / max(causal_tiles(sq, skv, q_offset), 1)
     dev = index.tile_count.device
     first = first_kept_keys(key_mask, dev)[:, None]  # [B or 1, 1]
     m = torch.arange(index.tile_count.shape[-1], device=dev)
@@ -123,4 +124,12 @@ def near_dense(index: SparseIndex, sq: int, skv: int, q_offset: int, key_mask=No
     causal = torch.where(sees, torch.clamp(hi, max=skv - 1)[None] // BLOCK - first // BLOCK + 1, 0).sum(-1)
     kept = (index.tile_count * sees[:, None]).sum(-1, dtype=torch.float32)
     kept = kept + (index.col_count * sees[:, None]).sum(-1, dtype=torch.float32) / BLOCK
-    return kept >= NEAR_DENSE_SHARE * causal[:, None]
+    causal = causal[:, None].to(torch.float32)
+    # a row that sees no key has nothing to skip: as good as dense (it attends to nothing either way)
+    return torch.where(causal > 0, kept / causal.clamp(min=1), 1.0)
+
+
+def near_dense(index: SparseIndex, sq: int, skv: int, q_offset: int, key_mask=None) -> torch.Tensor:
+    """[B, H] bool: the heads whose index keeps at least ``NEAR_DENSE_SHARE`` of the causal tiles
+    (:func:`kept_share`)."""
+    return kept_share(index, sq, skv, q_offset, key_mask) >= NEAR_DENSE_SHARE

@@ -236,6 +236,9 @@ def _autotune(args) -> int:
         sys.exit(f"minference-fx autotune: cannot write the autotune cache {cache.cache_path()}: {problem} "
                  f"(point {cache.ENV_DIR} at a writable directory)")
     try:
+        if args.costs_only:
+            print(tuner.describe_cost(tuner.measure_costs(head_dim, gqa, args.dtype, num_kv_heads=kv_heads or 8)))
+            return 0
         report = tuner.warm_up(parse_lengths(args.lengths), head_dim, gqa, args.dtype, progress=not args.quiet,
                          num_kv_heads=kv_heads or 8)
     except RuntimeError as e:
@@ -433,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     t.add_argument("--model", default=None, help="HF config.json or model directory: head dim, GQA and kv heads from it")
     t.add_argument("--show", action="store_true", help="print the cache and the shipped tables, tune nothing")
+    t.add_argument("--costs-only", action="store_true",
+                   help="measure only the cost model's rates (sparse walk and index against SDPA) with the launch "
+                        "configs already tuned; a full tune measures them too")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(run=_autotune)
     _add_asset_commands(sub)

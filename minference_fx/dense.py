@@ -314,17 +314,17 @@ def dense_rules(q, k, plan: LayerPlan, index, scale: float, masks: CallMasks, gu
     return near, weak_heads(guard_mass(q, k, index, scale, masks), plan, guard_threshold)
 
 
-def forced_on_gpu(index, plan: LayerPlan, q, k, masks: CallMasks,
+def forced_on_gpu(share: Optional[torch.Tensor], plan: LayerPlan,
                   weak: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[B, Hq] bool on the device, for the GPU's index (it lists only the listed heads): the pairs the quality
-    guard found ``weak`` or whose index is near-dense, decided without a host sync; None when neither rule can
-    fire (no guard, and no listed head)."""
+    """[B, Hq] bool on the device: the pairs the quality guard found ``weak`` or whose index is near-dense by
+    ``share`` (``guard.kept_share`` of the GPU's index, which lists only the listed heads, so the others keep
+    nothing there and are never near-dense), decided without a host sync; None when neither rule can fire (no
+    guard, and no listed head: ``share`` is then None)."""
     split = split_plan(plan)
-    if not split.n_listed:  # only listed heads can be near-dense: a plan without any needs no check
+    if not split.n_listed:
         return weak
-    # the GPU index lists nothing for other heads, so near_dense alone never picks them
-    near = guard.near_dense(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask)
-    guard.record(near, q.shape[0] * split.n_listed, NEAR_DENSE_STATS)
+    near = share >= guard.NEAR_DENSE_SHARE
+    guard.record(near, share.shape[0] * split.n_listed, NEAR_DENSE_STATS)
     return near if weak is None else weak | near
 
 

@@ -24,7 +24,8 @@ read when all of these hold:
   (``minference-fx autotune``; untuned: from the plan's budgets, ``autotune.dispatch.untuned_crossover``,
   32768 for MInference's default head);
 * or unless ``route_site`` names a rewritten site (``routing.new_site``) whose previous call ran the
-  head dense in every batch row (near-dense index or guard), and this call needs no mask that SDPA would
+  head dense in every batch row (near-dense index or guard) or found it cheaper dense (the cost model,
+  :mod:`minference_fx.cost`, with the device's measured walk rate), and this call needs no mask that SDPA would
   have to read (:func:`dense.routable`: no documents or window, a prefill aligned at 0 or a decode step; a
   padding mask only with one batch row): then the head runs dense through the device's SDPA this call,
   without the mask, and a row the padding mask hides keys of runs it again with the mask in the kernel's
@@ -51,9 +52,9 @@ from typing import Optional
 
 import torch
 
-from . import dense, precompile, routing, sparse_path
+from . import cost, dense, precompile, routing, sparse_path
 from .autotune import dispatch
-from .autotune.cache import TuneEntry
+from .autotune.cache import TuneEntry, WalkCost
 from .call_masks import CallMasks
 from .kernels import guard
 from .plan import LayerPlan, escalated_plan, escalation_of, grown_plan, growth_of, is_budget_growth, layer_plan
@@ -154,6 +155,9 @@ class CallPlan:
     """the sparse walk's launch config (GPU sparse path)"""
     walk_launch: Optional[TuneEntry] = None
     """the dense walk's launch config, where the path launches it"""
+    walk_cost: WalkCost = cost.UNTUNED_COST
+    """what the cost model weighs the heads with for the next call's routing (sparse paths; measured per
+    device and shape, :func:`autotune.dispatch.walk_cost`)"""
 
 
 def call_masks(q, k, key_mask, doc_ids, q_offset: int, window: int) -> CallMasks:
@@ -203,6 +207,7 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
         # the CPU's SDPA reads the mask itself; the GPU's runs again in the dense walk the rows it hides keys of
         walk = dispatch.launch_config(q, k, "dense_walk") if q.is_cuda and masks.key_mask is not None else None
         return dataclasses.replace(call, path=CallPath.ALL_ROUTED, walk_launch=walk)
+    call = dataclasses.replace(call, walk_cost=dispatch.walk_cost(q, k))
     if q.is_cuda:
         return dataclasses.replace(call, path=CallPath.SPARSE_GPU, sparse_launch=dispatch.launch_config(q, k),
                                    walk_launch=dispatch.launch_config(q, k, "dense_walk"))
@@ -220,14 +225,15 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
         return dense.dense_attention(q, k, v, call.masks, call.scale, walk=call.walk_launch)
     if call.path is CallPath.SPARSE_GPU:
         result = sparse_path.sparse_on_gpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
-                                           call.sparse_launch, call.walk_launch, call.routed, call.escalated)
+                                           call.sparse_launch, call.walk_launch, call.routed, call.escalated,
+                                           call.walk_cost)
     else:
         result = sparse_path.sparse_on_cpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
-                                           call.routed, call.escalated)
+                                           call.routed, call.escalated, call.walk_cost)
     if result.weak is not None:
         guard.record(result.weak, q.shape[0] * dense.split_plan(call.plan).n_listed)
-    if result.ran_dense is not None and call.routable:
-        call.router.observe(call.route_site, result.ran_dense, q.shape[-2])
+    if result.route_next is not None and call.routable:
+        call.router.observe(call.route_site, result.route_next, q.shape[-2])
     return result.out
 
 

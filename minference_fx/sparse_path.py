@@ -11,7 +11,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import dense
+from . import cost, dense
+from .autotune.cache import WalkCost
 from .call_masks import CallMasks
 from .kernels import attend, guard, reference
 from .kernels.index import build_index_gpu, build_index_pair_gpu
@@ -25,10 +26,14 @@ class SparseResult(NamedTuple):
     ran_dense: Optional[torch.Tensor]
     """[B, Hq] bool: the pairs this call's index or guard ran dense (routed heads by their own index, not by
     the routing); None when the plan lists no head and there is no guard"""
+    route_next: Optional[torch.Tensor]
+    """[B, Hq] bool: the pairs the site's next call should send to the fused SDPA: ``ran_dense`` and those the
+    cost model (:func:`cost.heads_to_route`) finds slower walked; None where ``ran_dense`` is"""
 
 
 def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
-                  routed: tuple = (), escalated: Optional[LayerPlan] = None) -> SparseResult:
+                  routed: tuple = (), escalated: Optional[LayerPlan] = None,
+                  walk_cost: WalkCost = cost.UNTUNED_COST) -> SparseResult:
     """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``walk`` (the dense walk): index, the
     heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
     ``routed`` ones through the device's fused SDPA without a mask (the whole layer in one call when that is
@@ -37,15 +42,17 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     covers routed heads, so ``ran_dense`` says whether they would have run dense. With an ``escalated`` plan
     (:func:`~minference_fx.plan.escalated_plan`) the heads the guard finds weak take its index, and only those
     still under the threshold there run dense (no host sync: both indexes are built, from one vertical-slash
-    estimate, and the rows chosen on the device)."""
+    estimate, and the rows chosen on the device). ``walk_cost`` weighs the heads for the next call's routing."""
     split = dense.split_plan(plan)
     index, weak, _ = guarded_index_on_gpu(q, k, plan, scale, masks, guard_threshold, escalated)
-    force = ran_dense = dense.forced_on_gpu(index, plan, q, k, masks, weak)
+    share = guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask) if split.n_listed else None
+    force = ran_dense = dense.forced_on_gpu(share, plan, weak)
+    route_next = ran_dense if share is None else cost.heads_to_route(ran_dense, share, plan, walk_cost, k.shape[-2])
     by_sdpa = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:
         split = dense.split_plan(dense.with_dense_heads(plan, routed))
         if split.all_dense:
-            return SparseResult(dense.every_head_routed(q, k, v, masks, scale, walk), weak, ran_dense)
+            return SparseResult(dense.every_head_routed(q, k, v, masks, scale, walk), weak, ran_dense, route_next)
     padded, walk_launch = masks.padded_rows(), walk.launch()
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:
@@ -70,7 +77,7 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
                                   scale, masks.without_key_mask())
         dense.padded_rows_again((q, k, v, index, *split.op_args), out, sdpa_heads, padded, masks, scale=scale,
                                 **walk_launch)
-    return SparseResult(out, weak, ran_dense)
+    return SparseResult(out, weak, ran_dense, route_next)
 
 
 class GuardedIndex(NamedTuple):
@@ -100,11 +107,12 @@ def guarded_index_on_gpu(q, k, plan: LayerPlan, scale: float, masks: CallMasks, 
 
 
 def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float,
-                  routed: tuple = (), escalated: Optional[LayerPlan] = None) -> SparseResult:
+                  routed: tuple = (), escalated: Optional[LayerPlan] = None,
+                  walk_cost: WalkCost = cost.UNTUNED_COST) -> SparseResult:
     """The op's CPU path: the reference is the implementation (the Triton interpreter is for tests, not speed).
     Its index lists every head, the run-time rules (:func:`dense.dense_rules`) and the ``routed`` heads densify
     it, and the reference attends over it; ``ran_dense`` leaves the routing out, as on the GPU. With an
-    ``escalated`` plan, weak heads first take its index, as on the GPU."""
+    ``escalated`` plan, weak heads first take its index, as on the GPU; ``walk_cost`` as there."""
     split = dense.split_plan(plan)
     index = reference.build_index(q, k, plan, scale=scale, **masks.kwargs())
     near, weak = dense.dense_rules(q, k, plan, index, scale, masks, guard_threshold)
@@ -114,11 +122,13 @@ def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
         near, weak = dense.dense_rules(q, k, plan, index, scale, masks, guard_threshold)
     guard.record(near, q.shape[0] * split.n_listed, dense.NEAR_DENSE_STATS)
     ran_dense = near if weak is None else near | weak
+    share = guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask)
+    route_next = cost.heads_to_route(ran_dense, share, plan, walk_cost, k.shape[-2])
     force = ran_dense | dense.head_mask(routed, q.shape[1])[None, :]
     if bool(force.any()):  # CPU: a host check is free, and densify copies the index
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], masks.q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks.kwargs())
-    return SparseResult(out.to(q.dtype).contiguous(), weak, ran_dense)
+    return SparseResult(out.to(q.dtype).contiguous(), weak, ran_dense, route_next)
 
 
 def _full_mass(q) -> torch.Tensor:

@@ -25,7 +25,9 @@
 # variable tracking back at 128K: every layer, measured), candidate32k_xN (that config with
 # every budget times N, e.g. _x2), candidate32k_grow (budgets growing past 32K as sqrt(keys / 32K)), candidate32k_ro (that config sparse from 16K,
 # with and without CUDA graphs), candidate32k_eval32 (its fidelity at 32K), peers
-# (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel).
+# (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel), costs (the cost
+# model's rates of the three tuned shapes), tests_cost (the GPU tests of routing and the cost model), kernels_op
+# (bench kernels with the op's guarded, routed column, both families, 32K-512K).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -67,6 +69,18 @@ step() {   # $1: step name; its log is $STATE/$1.txt
   case $1 in
     tune) timeout 560 minference-fx autotune --lengths 32k,64k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16
           minference-fx autotune --show ;;
+    costs)  # the cost model's rates (sparse walk and index against cuDNN) of the three tuned shapes, at 64K, with the
+            # launch configs of the shipped table: SmolLM2's d64/g3, Llama-3-8B's d128/g4, Qwen's d128/g6
+          timeout 200 minference-fx autotune --costs-only --head-dim 64 --gqa 3 --kv-heads 3
+          timeout 200 minference-fx autotune --costs-only --head-dim 128 --gqa 4 --kv-heads 8
+          timeout 200 minference-fx autotune --costs-only --head-dim 128 --gqa 6 --kv-heads 2
+          minference-fx autotune --show | grep " cost " ;;
+    tests_cost)  # the GPU tests of routing, capture and the cost model
+          TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            --import-mode=importlib tests/test_gpu.py -k "cost or routed or captures or near_dense" ;;
+    kernels_op)  # bench kernels with the op column (guard, routing, cost model), both families, up to 512K
+          timeout 500 minference-fx bench kernels --lengths 32k,128k,512k --families structured,scattered \
+            --baselines cudnn --out "$STATE/bench_kernels_op.json" ;;
     tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
              --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
     kernels) timeout 300 minference-fx bench kernels --lengths 32k,128k --families structured,scattered \

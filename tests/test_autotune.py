@@ -382,6 +382,12 @@ class FakeWorkload:
     def dense(self, n):
         return lambda: ("dense", n)
 
+    def index(self, n):
+        return lambda: ("index", n)
+
+    def kept_share(self, n):
+        return 0.25
+
 
 def fake_timer(fn):
     kind, n, *config = fn()
@@ -393,6 +399,8 @@ def fake_timer(fn):
         c = config[0]
         return n / 512 * (1 + 0.1 * abs(c.num_stages - 3) + (0.0 if c.num_warps == 4 else 0.05)
                           + (0.0 if (c.BLOCK_M, c.BLOCK_N) == (128, 64) else 0.01))
+    if kind == "index":
+        return n / 1024 / 8
     return (n / 1024) ** 2 if kind == "dense" else 6 + n / 1024
 
 
@@ -422,6 +430,46 @@ def test_warm_up_with_fake_timings_writes_configs_and_crossover_and_leaves_the_s
     assert "pattern" not in text and "budget" not in text
     assert "[" in capsys.readouterr().err  # the progress bar
     assert "crossover: sparse from 4096" in str(report)
+    # the cost model's rates at the longest crossover length: a quarter of the tiles walked in the tuned kernel's
+    # 32 ms against dense's 32 ** 2 for all of them, and the index's 4 ms
+    cost = table.costs[next(iter(table.crossovers))]
+    assert cost == report.cost and cost.measured_at == 32768
+    assert cost.walk_rate == pytest.approx(0.25 * 1024 / 32)
+    assert cost.index_share == pytest.approx(4 / 1024)
+    assert "the sparse walk runs 8.000x" in str(report)
+
+
+def test_costs_only_measures_the_rates_with_the_cached_launch_config(cache_dir):
+    tuner.warm_up([8192], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=fake_timer)
+    table = Table.from_json((cache_dir / cache.FILE_NAME).read_text())
+    table.costs.clear()
+    (cache_dir / cache.FILE_NAME).write_text(table.to_json())
+    cache.forget()
+    timed = []
+
+    def timer(fn):
+        timed.append(fn()[:2])
+        return fake_timer(fn)
+
+    cost = tuner.measure_costs(128, 4, "bf16", length=8192, workload=FakeWorkload(), timer=timer)
+    assert timed == [("dense", 8192), ("kernel", 8192), ("index", 8192)]
+    assert cost.walk_rate == pytest.approx(0.25 * 64 / 8)  # at the tuned (64, 64, 8, 3) kernel's time
+    assert Table.from_json((cache_dir / cache.FILE_NAME).read_text()).costs == {next(iter(table.crossovers)): cost}
+
+
+def test_a_cost_table_round_trips_and_a_bad_cost_is_refused():
+    key = _xkey()
+    table = Table(costs={key: cache.WalkCost(0.8, 0.02, 65536)})
+    assert Table.from_json(table.to_json()) == table
+    old = json.loads(table.to_json())
+    del old["costs"]  # a table written before the cost model reads as one without costs
+    assert Table.from_json(json.dumps(old)).costs == {}
+    for bad in ({"walk_rate": 0, "index_share": 0.1, "measured_at": 1}, {"walk_rate": True, "index_share": 0.1,
+                "measured_at": 1}, {"walk_rate": 0.8, "index_share": 0.1, "measured_at": 1.5}):
+        doc = json.loads(table.to_json())
+        doc["costs"][0]["cost"] = bad
+        with pytest.raises(cache.ForeignFile, match="malformed"):
+            Table.from_json(json.dumps(doc))
 
 
 def test_tuned_entries_reach_the_op_dispatch(cache_dir):

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minference_fx import cost
+from minference_fx.autotune import dispatch
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
 from minference_fx.kernels.attend import sparse_attention_triton
@@ -445,6 +447,7 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     diffuse = [(1.28 * torch.randn(1, h, n, 128, device="cuda", generator=g)).bfloat16() for h in (8, 2, 2)]
     structured = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
     monkeypatch.setattr(routing.ROUTER, "recheck_every", 2)
+    monkeypatch.setattr(dispatch, "walk_cost", lambda q, k: cost.UNTUNED_COST)  # the near-dense rule alone
     site = routing.new_site()
     args = (scale, 0, 0, *plan.op_arguments(), 0, 0.0)
     OP(*diffuse, None, None, *args, site)
@@ -476,6 +479,47 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     torch.cuda.synchronize()
     assert torch.equal(out, dense)
     assert routing.ROUTER.routed_heads(site, 8, q.device) == tuple(range(8))  # the capture observed nothing
+
+
+def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_replays_them(monkeypatch):
+    """With a walk rate of 0.5 (as if the device's walk ran at half cuDNN's rate per tile), the structured heads
+    of 16K that keep more than half their causal tiles route at the next call and equal cuDNN there, the others
+    keep their index; a CUDA graph of that call replays the same. The layer is cheaper mixed (a free index), so
+    it is not routed whole."""
+    import torch.nn.functional as F
+
+    from minference_fx import routing
+    from minference_fx.autotune.cache import WalkCost
+    from minference_fx.autotune.workload import structured_qkv
+    from minference_fx.kernels import guard
+    from minference_fx.kernels.index import build_index_gpu
+
+    n, scale = 16384, 128 ** -0.5
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
+    q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
+    share = guard.kept_share(build_index_gpu(q, k, plan, scale=scale), n, n, 0)[0].tolist()
+    costly = tuple(h for h in range(8) if share[h] >= 0.5)
+    assert costly and len(costly) < 8 and all(s < guard.NEAR_DENSE_SHARE for s in share)  # the premise
+    monkeypatch.setattr(dispatch, "walk_cost", lambda q, k: WalkCost(0.5, 0.0, 0))
+    site = routing.new_site()
+    args = (scale, 0, 0, *plan.op_arguments(), 0, 0.0)
+    unrouted = OP(q, k, v, None, None, *args)
+    OP(q, k, v, None, None, *args, site)
+    torch.cuda.synchronize()
+    assert routing.ROUTER.routed_heads(site, 8, q.device) == costly
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    routed = OP(q, k, v, None, None, *args, site)
+    cheap = [h for h in range(8) if h not in costly]
+    torch.testing.assert_close(routed[:, list(costly)], dense[:, list(costly)])
+    torch.testing.assert_close(routed[:, cheap], unrouted[:, cheap])
+    torch.cuda.synchronize()
+    static = [t.clone() for t in (q, k, v)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OP(*static, None, None, *args, site)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, routed)
 
 
 @pytest.mark.parametrize("recheck_every", [1, 8], ids=["index checked", "index skipped"])

@@ -278,7 +278,7 @@ def test_gpu_path_sends_dense_heads_to_sdpa_and_matches_the_reference(padded, mo
         key_mask = torch.ones(2, 200, dtype=torch.bool)
         key_mask[1, :90] = False  # left padding: the first rows of batch 1 read nothing
     masks = CallMasks(key_mask)
-    got, force, _ = sparse_on_gpu(q, k, v, plan, 0.2, masks, 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"])
+    got, force, *_ = sparse_on_gpu(q, k, v, plan, 0.2, masks, 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"])
     index = reference.build_index(q, k, plan, scale=0.2, **masks.kwargs())
     near = dense.near_dense_heads(index, plan, 200, 200, 0, key_mask)  # the op runs these dense (batch 1's VS head)
     index = guard.densify(index, near, 200, 200, 0) if bool(near.any()) else index
@@ -378,7 +378,7 @@ def test_gpu_path_without_listed_heads_runs_one_launch_and_matches_the_reference
     monkeypatch.setattr(attend, "sparse_attention_triton", lambda *a, **kw: launches.append(kw.get("forced")) or real(*a, **kw))
     q, k, v = _qkv(200, 200)
     plan = LayerPlan((HeadPlan(Pattern.A_SHAPE, 16, 64), HeadPlan(Pattern.DENSE)) * 2)
-    got, weak, _ = sparse_on_gpu(q, k, v, plan, 0.25, CallMasks(), 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"])
+    got, weak, *_ = sparse_on_gpu(q, k, v, plan, 0.25, CallMasks(), 0.0, DEFAULT_ENTRY, DEFAULT_ENTRIES["dense_walk"])
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=reference.build_index(q, k, plan, scale=0.25))
     assert launches == [None] and weak is None
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -126,15 +126,16 @@ def test_rows_of_both_families_on_cpu(tmp_path):
         assert 0 < fields["logical_density"] < fields["physical_density"] <= 1
         assert len(fields["physical_by_head"]) == len(fields["logical_by_head"]) == 4
         rows.append(bench.KernelRow(family=family, seq=1024, index_ms=1.0, kernel_ms=2.0, total_ms=3.0,
-                                    tflops_computed=1.0, cudnn_ms=6.0, flash_ms=None, flex_ms=None, flex_mask_ms=None,
-                                    **fields))
+                                    tflops_computed=1.0, cudnn_ms=6.0, op_ms=4.0, op_routed_heads=1, flash_ms=None,
+                                    flex_ms=None, flex_mask_ms=None, **fields))
     table = bench.format_kernel_rows(rows)
     lines = table.splitlines()
     assert "family" in lines[0] and "ph/lo" in lines[0] and "phys%" in lines[0] and "log%" in lines[0]
     for row, line in zip(rows, lines[1:3]):
         assert line.split()[0] == row.family
         assert f"{100 * row.physical_density:.2f}" in line and f"{row.waste:.2f}" in line
-        assert line.split()[-6:-4] == ["6.00", "2.00"]  # cuDNN 6 ms, 2x our 3 ms
+        # cuDNN 6 ms, 2x our 3 ms; the op 4 ms, 1.5x, one head routed
+        assert line.split()[-9:-4] == ["6.00", "2.00", "4.00", "1.50", "1"]
     out = tmp_path / "k.json"
     bench.write_json(out, rows, "test")
     saved = json.loads(out.read_text())["rows"]

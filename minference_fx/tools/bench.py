@@ -13,6 +13,12 @@ families (``--families``, see :data:`~minference_fx.autotune.workload.FAMILIES`)
 Random Q/K make every diagonal look alike and would flatter nobody in particular. Each row reports
 the index's physical density (key tiles walked / causal key tiles) and logical density (keys kept /
 causal keys), from :mod:`minference_fx.kernels.density`.
+
+"index + kernel" is the sparse path with nothing sent dense. The "op" column is the op as a compiled
+model calls it, once per forward at the same site: the quality guard on, the near-dense rule, and the
+routing that sends the heads the previous call ran dense, or found slower walked than dense (the cost
+model, :mod:`minference_fx.cost`), to the fused SDPA; its time is the mean over calls in the routing's
+steady state, index rebuilds included.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from .. import routing
 from ..autotune.dispatch import launch_config
 from ..autotune.workload import FAMILIES, family_qkv
 from ..defaults import DEFAULTS
@@ -64,6 +71,25 @@ def _ms(fn, reps_hint: float) -> float:
     if reps_hint <= 1:
         return event_ms(fn, 2)
     return float(triton.testing.do_bench(fn, warmup=max(1, int(reps_hint)), rep=max(1, int(4 * reps_hint)), return_mode="median"))
+
+
+def _op_ms(q, k, v, scale: float, plan: LayerPlan, calls: int) -> tuple[float, int]:
+    """(mean milliseconds, heads routed) of the op at one new site with the default guard and no crossover: the
+    mean of ``calls`` calls after three that let the routing settle (its decisions land a call late), so an
+    all-routed site's periodic index is in it."""
+    site = routing.new_site()
+    args = (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
+    op = torch.ops.minference.sparse_attention.default
+    for _ in range(3):
+        op(*args)
+        torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        op(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls, len(routing.ROUTER.routed_heads(site, q.shape[1], q.device))
 
 
 def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
@@ -150,6 +176,10 @@ class KernelRow:
     logical_density: float
     tflops_computed: float
     cudnn_ms: float | None
+    op_ms: float | None
+    """the op with the guard and routing (see the module's docstring)"""
+    op_routed_heads: int | None
+    """query heads its routing sent to the fused SDPA at the timed calls"""
     flash_ms: float | None
     flex_ms: float | None
     flex_mask_ms: float | None
@@ -202,6 +232,8 @@ def bench_kernels(lengths, *, families=KERNEL_FAMILIES, budgets=DEFAULTS.budgets
                    **density_fields(case.density),
                    tflops_computed=4 * shape["head_dim"] * computed_pairs / (kernel_ms * 1e-3) / 1e12,
                    cudnn_ms=None, flash_ms=None, flex_ms=None, flex_mask_ms=None)
+        calls = 2 * routing.ROUTER.recheck_every if seq <= 131072 else routing.ROUTER.recheck_every
+        row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, calls)
         dense_reps = 3 if seq <= 131072 else 1
         k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -238,18 +270,22 @@ def format_kernel_rows(rows) -> str:
         return "-" if x is None else format(x, spec)
 
     head = f"{'family':>10} {'seq':>8} {'index':>8} {'kernel':>8} {'total':>8} {'idx%':>5} {'phys%':>6} {'log%':>6} " \
-           f"{'ph/lo':>5} {'TF/s':>6} {'cuDNN':>9} {'x':>6} {'flash':>9} {'x':>6} {'flex':>8} {'x':>6}"
+           f"{'ph/lo':>5} {'TF/s':>6} {'cuDNN':>9} {'x':>6} {'op':>9} {'x':>6} {'routed':>6} {'flash':>9} {'x':>6} " \
+           f"{'flex':>8} {'x':>6}"
     lines = [head]
     for r in rows:
         flex_x = None if r.flex_ms is None else r.flex_ms / r.kernel_ms
+        op_x = None if r.op_ms is None or r.cudnn_ms is None else r.cudnn_ms / r.op_ms
         lines.append(
             f"{r.family:>10} {r.seq:>8} {r.index_ms:>8.2f} {r.kernel_ms:>8.2f} {r.total_ms:>8.2f} "
             f"{100 * r.index_ms / r.total_ms:>5.1f} {100 * r.physical_density:>6.2f} {100 * r.logical_density:>6.2f} "
             f"{f(r.waste, '5.2f')} {r.tflops_computed:>6.0f} "
-            f"{f(r.cudnn_ms, '9.2f')} {f(r.speedup(r.cudnn_ms), '6.2f')} {f(r.flash_ms, '9.2f')} {f(r.speedup(r.flash_ms), '6.2f')} "
+            f"{f(r.cudnn_ms, '9.2f')} {f(r.speedup(r.cudnn_ms), '6.2f')} {f(r.op_ms, '9.2f')} {f(op_x, '6.2f')} "
+            f"{f(r.op_routed_heads, '6d')} {f(r.flash_ms, '9.2f')} {f(r.speedup(r.flash_ms), '6.2f')} "
             f"{f(r.flex_ms, '8.2f')} {f(flex_x, '6.2f')}"
         )
     lines.append("times in ms; x = baseline / ours (index + kernel; flex: its kernel+mask vs our kernel on the same tiles); "
+                 "op = the op with guard and routing, its x = cuDNN / op, routed = heads it sent to SDPA; "
                  "phys% = key tiles walked / causal key tiles, log% = keys kept / causal keys, ph/lo = their ratio")
     return "\n".join(lines)
 
