@@ -124,6 +124,9 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     prefill_searched)  # TTFT 8K-128K, eager vs minference, with the config as searched (sparse from 16K)
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 8k,16k,32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;
+    prefill_shipped)  # TTFT 32K-128K, eager vs minference, the shipped config (after a change to the op's routing)
+          timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
+            --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_shipped.json" ;;
     prefill) timeout 900 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
                --variants eager,inductor,minference,minference-noguard --config "$CONFIG" --reps 3 \
                --out "$STATE/bench_prefill_qwen.json" ;;
