@@ -514,13 +514,7 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
     torch.testing.assert_close(routed[:, list(costly)], dense[:, list(costly)])
     torch.testing.assert_close(routed[:, cheap], unrouted[:, cheap])
     torch.cuda.synchronize()
-    static = [t.clone() for t in (q, k, v)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = OP(*static, None, None, *args, site)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, routed)
+    torch.testing.assert_close(_replayed(q, k, v, None, None, *args, site), routed)
 
 
 @pytest.mark.parametrize("recheck_every", [1, 8], ids=["index checked", "index skipped"])
@@ -567,13 +561,19 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
     assert _rel(routed, want) < 1e-2
 
     route_all()
+    torch.testing.assert_close(_replayed(q, k, v, key_mask, None, *args, site), routed)
+
+
+def _replayed(q, k, v, *rest):
+    """The op's output from a CUDA graph captured on copies of ``q``, ``k``, ``v`` (the other arguments ``rest``),
+    replayed once."""
     static = [t.clone() for t in (q, k, v)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = OP(*static, key_mask, None, *args, site)
+        out = OP(*static, *rest)
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, routed)
+    return out
 
 
 class _EinsumBlock(torch.nn.Module):
