@@ -6,7 +6,8 @@ One JSON file in a user cache directory holds three tables:
 * ``crossovers``: :class:`CrossoverKey` → the prompt length from which the sparse
   path (index + attention) beats dense SDPA; ``null`` when it never did;
 * ``costs``: :class:`CrossoverKey` → :class:`WalkCost`, what the op's cost model weighs a head's
-  sparse walk against the fused SDPA with (a table written before it existed has none).
+  sparse walk against the fused SDPA with. A table written before it existed has none; the version stays 1, so
+  a release from before reads a newer file (it ignores ``costs``) and drops them when it writes.
 
 Lookups read the user file first, then the tables shipped as package data
 (``autotune/*.json``). A missing entry gives a safe default and one log line;
@@ -28,6 +29,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -173,7 +175,7 @@ class Table:
         try:
             configs = {_record(TuneKey, row["key"]): _record(TuneEntry, row["entry"]) for row in doc["configs"]}
             crossovers = {_record(CrossoverKey, row["key"]): _length(row["min_sparse_len"]) for row in doc["crossovers"]}
-            costs = {_record(CrossoverKey, row["key"]): _cost(_record(WalkCost, row["cost"]))
+            costs = {_record(CrossoverKey, row["key"]): checked_cost(_record(WalkCost, row["cost"]))
                      for row in doc.get("costs", [])}
         except (KeyError, TypeError, ValueError) as e:
             raise ForeignFile(f"malformed record ({e})") from None
@@ -193,10 +195,23 @@ def _record(cls, raw):
     return cls(**raw)
 
 
-def _cost(cost: WalkCost) -> WalkCost:
-    if not (cost.walk_rate > 0 and 0 <= cost.index_share and cost.measured_at >= 0):
-        raise ValueError(f"{cost} needs walk_rate > 0, index_share >= 0 and measured_at >= 0")
-    return cost
+MAX_COST_LENGTH = 1 << 40
+"""the longest ``measured_at`` a cost may carry (a larger one is no measurement, and overflows a float)"""
+
+
+def checked_cost(cost: WalkCost) -> WalkCost:
+    """``cost`` with float rates, or ValueError when it is no measurement: a rate that is not a positive finite
+    number, a negative or infinite index share, a length outside [0, :data:`MAX_COST_LENGTH`]. A table holding one
+    is foreign as a whole, so a bad measurement must never be written (the tuner checks before it writes)."""
+    try:
+        rate, share = float(cost.walk_rate), float(cost.index_share)
+    except OverflowError:
+        raise ValueError(f"{cost}: a rate too large for a float") from None
+    if not (math.isfinite(rate) and rate > 0 and math.isfinite(share) and share >= 0
+            and 0 <= cost.measured_at <= MAX_COST_LENGTH):
+        raise ValueError(f"{cost} needs a finite walk_rate > 0, a finite index_share >= 0 and 0 <= measured_at <= "
+                         f"{MAX_COST_LENGTH}")
+    return WalkCost(rate, share, cost.measured_at)
 
 
 def _length(value) -> Optional[int]:

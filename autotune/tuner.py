@@ -208,9 +208,14 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     if grid:
         crossover = find_crossover(grid, dense_ms, sparse_ms, margin=CROSSOVER_MARGIN)
         top = grid[-1]
-        cost = measure_cost(workload, top, results[top].best, timer, dense_ms=dense_ms[top],
-                            kernel_ms=results[top].best_ms)
-        cache.write(crossovers={measured_on: crossover}, costs={measured_on: cost}, path=path)
+        costs = {}
+        if top == max(crossover_lengths):
+            # a cost from a shorter grid would replace the full one's with launch overhead (a user cache wins over
+            # the shipped table): only the whole grid measures it
+            cost = measure_cost(workload, top, results[top].best, timer, dense_ms=dense_ms[top],
+                                kernel_ms=results[top].best_ms)
+            costs = {measured_on: cost}
+        cache.write(crossovers={measured_on: crossover}, costs=costs, path=path)
     return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks, cost)
 
 
@@ -218,17 +223,20 @@ def measure_cost(workload: Workload, length: int, config: TuneEntry, timer: Time
                  dense_ms: Optional[float] = None, kernel_ms: Optional[float] = None) -> WalkCost:
     """The cost model's :class:`~.cache.WalkCost` of ``workload``'s shape at ``length``: the sparse walk (launch
     ``config``) over the share of causal key tiles its index keeps, against the fused SDPA over all of them; and
-    the index against the fused SDPA. Times what is not given."""
+    the index against the fused SDPA. Times what is not given. ValueError when the timings make no cost (a zero
+    time, a NaN): nothing is written then, since a table holding it would be read as foreign as a whole."""
     dense_ms = float(timer(workload.dense(length))) if dense_ms is None else dense_ms
     kernel_ms = float(timer(workload.kernel(length, config))) if kernel_ms is None else kernel_ms
     index_ms = float(timer(workload.index(length)))
-    return WalkCost(walk_rate=workload.kept_share(length) * dense_ms / kernel_ms, index_share=index_ms / dense_ms,
-                    measured_at=length)
+    if not (dense_ms > 0 and kernel_ms > 0):
+        raise ValueError(f"cannot weigh the walk at {length}: dense {dense_ms} ms, kernel {kernel_ms} ms")
+    return cache.checked_cost(WalkCost(walk_rate=workload.kept_share(length) * dense_ms / kernel_ms,
+                                       index_share=index_ms / dense_ms, measured_at=length))
 
 
 def describe_cost(cost: WalkCost) -> str:
     return (f"cost at {cost.measured_at}: the sparse walk runs {cost.walk_rate:.3f}x the fused SDPA's rate per key "
-            f"tile (heads keeping more than that share route to SDPA); the index costs {cost.index_share:.4f} of "
+            f"tile (heads keeping at least that share route to SDPA); the index costs {cost.index_share:.4f} of "
             f"the dense layer")
 
 

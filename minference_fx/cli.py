@@ -437,8 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="HF config.json or model directory: head dim, GQA and kv heads from it")
     t.add_argument("--show", action="store_true", help="print the cache and the shipped tables, tune nothing")
     t.add_argument("--costs-only", action="store_true",
-                   help="measure only the cost model's rates (sparse walk and index against SDPA) with the launch "
-                        "configs already tuned; a full tune measures them too")
+                   help="measure only the cost model's rates (sparse walk and index against SDPA), at 64K whatever "
+                        "--lengths says, with the launch configs already tuned; a tune that reaches 64K measures them too")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(run=_autotune)
     _add_asset_commands(sub)

@@ -3,13 +3,17 @@
 A head whose index keeps a share ``s`` of its causal key tiles costs ``s / walk_rate`` of the fused SDPA's time
 for its dense causal attention (:class:`~minference_fx.autotune.cache.WalkCost`, measured per shape by
 ``minference-fx autotune``): past ``s = walk_rate`` the tile walk is the slower one, though it reads fewer keys.
-On the H200 that rate is about 0.8 (d128, 32K: the scattered input family's 88.7 % of tiles took 16.3 ms
-against cuDNN's 14.8 ms for all of them, BENCHMARKS.md section 1), so a head between 80 and 90 % (the
-near-dense rule's share) was slower than dense. Such a head is marked here, and the routing
+On the H200 that rate is 0.77-0.85 (BENCHMARKS.md section 1), so a head between it and the near-dense rule's
+90 % was slower walked than dense: the scattered input family's heads at 32K keep 73-99 % of their tiles, and
+their walk took 16.84 ms against cuDNN's 14.95 ms for every tile. Such a head is marked here, and the routing
 (:mod:`minference_fx.routing`) sends it to SDPA from the next call on. Routing one head still leaves the
 index to pay: when the call as a whole (the index, the routed heads at 1, the walked ones at ``s /
 walk_rate``) would cost at least the dense layer, every head is marked, and the site then skips its index at
 most calls (``routing.Router.index_due``). A guarded call then costs at most the index and the cheaper path.
+
+Not weighed: a guard escalation's second index (the measured index share is one index of the default plan), and
+a row a padding mask hides keys of, which a routed head runs twice (SDPA unmasked, then the masked dense walk):
+such rows are never marked for cost, only by the rules that ran them dense.
 
 The decision is the previous call's (the host reads it without a sync), so it holds for prompts whose
 density changes slowly; a head routed for cost only gains keys, so the model changes speed, never accuracy.
@@ -33,21 +37,29 @@ rate and a free index, so only a near-dense head is costly and no layer is route
 
 
 def heads_to_route(ran_dense: Optional[torch.Tensor], share: torch.Tensor, plan: LayerPlan, cost: WalkCost,
-                   keys: int) -> torch.Tensor:
+                   keys: int, padded: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """[B, Hq] bool on the device: the pairs a site's next call should run through the fused SDPA.
 
     ``ran_dense``: the pairs this call ran dense (near-dense index, quality guard), or None; ``share``: [B, Hq]
     each head's kept share of its causal key tiles (``kernels.guard.kept_share``; the plan's unlisted heads
-    are read from the plan, not from it); ``keys``: the call's key count. No host sync."""
+    are read from the plan, not from it); ``keys``: the call's key count; ``padded``: [B, 1] the rows a padding
+    mask hides keys of (``CallMasks.padded_rows``), never marked for cost. No host sync."""
+    index_share = cost.index_share_at(keys)
+    if index_share == 0 and cost.walk_rate >= NEAR_DENSE_SHARE:
+        return ran_dense  # every head past the rate is near-dense already, and nothing makes a whole layer dearer
     split = split_plan(plan)
     # built on the device from pinned host tables (no sync, and a CUDA graph can capture it)
     listed = int_table(split.listed_mask, share.device).bool()
     dense_heads = int_table(head_mask(split.dense_heads, len(plan.heads)).tolist(), share.device).bool()
-    route = listed[None, :] & (share >= cost.walk_rate)
-    if ran_dense is not None:
-        route = route | ran_dense
+    costly = listed[None, :] & (share >= cost.walk_rate)
+    route = costly if ran_dense is None else costly | ran_dense
     # a listed head walks its share; an A-shape head's few fixed tiles count as free, a dense one as one SDPA
     walked = torch.where(listed[None, :], (share / cost.walk_rate).clamp(max=1.0), dense_heads[None, :].float())
-    per_call = torch.where(route, 1.0, walked).mean(-1) + cost.index_share_at(keys)
-    return route | (per_call >= 1.0)[:, None]
-
+    # the index estimates only the listed heads; its share was measured with every head listed
+    index = index_share * split.n_listed / len(plan.heads)
+    whole = torch.where(route, 1.0, walked).double().mean(-1, keepdim=True) + index >= 1.0
+    # the plan's dense heads run SDPA either way: marking them would only miscount the routed heads
+    for_cost = costly | (whole & ~dense_heads[None, :])
+    if padded is not None:
+        for_cost = for_cost & ~padded
+    return for_cost if ran_dense is None else for_cost | ran_dense

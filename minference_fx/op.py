@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from . import cost, dense, precompile, routing, sparse_path
+from . import dense, precompile, routing, sparse_path
 from .autotune import dispatch
 from .autotune.cache import TuneEntry, WalkCost
 from .call_masks import CallMasks
@@ -155,9 +155,9 @@ class CallPlan:
     """the sparse walk's launch config (GPU sparse path)"""
     walk_launch: Optional[TuneEntry] = None
     """the dense walk's launch config, where the path launches it"""
-    walk_cost: WalkCost = cost.UNTUNED_COST
-    """what the cost model weighs the heads with for the next call's routing (sparse paths; measured per
-    device and shape, :func:`autotune.dispatch.walk_cost`)"""
+    walk_cost: Optional[WalkCost] = None
+    """what the cost model weighs the heads with for the next call's routing (measured per device and shape,
+    :func:`autotune.dispatch.walk_cost`); None where the call records no routing (no site, or not routable)"""
 
 
 def call_masks(q, k, key_mask, doc_ids, q_offset: int, window: int) -> CallMasks:
@@ -207,7 +207,8 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
         # the CPU's SDPA reads the mask itself; the GPU's runs again in the dense walk the rows it hides keys of
         walk = dispatch.launch_config(q, k, "dense_walk") if q.is_cuda and masks.key_mask is not None else None
         return dataclasses.replace(call, path=CallPath.ALL_ROUTED, walk_launch=walk)
-    call = dataclasses.replace(call, walk_cost=dispatch.walk_cost(q, k))
+    if can_route and route_site != routing.NO_SITE:
+        call = dataclasses.replace(call, walk_cost=dispatch.walk_cost(q, k))
     if q.is_cuda:
         return dataclasses.replace(call, path=CallPath.SPARSE_GPU, sparse_launch=dispatch.launch_config(q, k),
                                    walk_launch=dispatch.launch_config(q, k, "dense_walk"))

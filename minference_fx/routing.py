@@ -4,11 +4,11 @@ Which heads run dense at a call (a near-dense index, or the quality guard) is de
 after the index is built; the host cannot know it without a sync, so on the GPU those heads go
 through the kernel's dense walk, which is slower than cuDNN on the same work (0.93x of it inside a
 Llama-shaped model at 128K on an H200, ``git show 6fb579a:results/explore_prefill_profile_h200_2026-12-01.txt``).
-Each rewritten site therefore remembers the heads that ran dense at its previous call, read back
-by an asynchronous copy into pinned memory, and its next call sends them to SDPA instead. A head
-routed this way runs dense whatever its index says, so routing can only add keys: it changes speed,
-never costs accuracy. The index is still built for routed heads, so a head that stops being
-near-dense is routed back at the call after. Measured on random weights (every head near-dense), 8
+Each rewritten site therefore remembers the heads that ran dense at its previous call, and those the cost
+model (:mod:`minference_fx.cost`) found cheaper dense than walked, read back by an asynchronous copy into
+pinned memory, and its next call sends them to SDPA instead. A head routed this way runs dense whatever its
+index says, so routing can only add keys: it changes speed, never costs accuracy. The index is still built
+for routed heads, so a head that stops being near-dense (or costly) is routed back at the call after. Measured on random weights (every head near-dense), 8
 layers of the Llama-3-8B shape: 0.98x -> 1.04x HF eager at 128K; at 256K the dense walk keeps up with
 cuDNN and routing changes nothing (``results/bench_prefill_h200_2026-12-01_v15*``, ``_v16_256k*`` in git history at 6fb579a).
 Under a padding mask (``generate`` always passes one) a call of one batch row routes too: routed heads
@@ -16,7 +16,7 @@ run SDPA without the mask, and the row again masked if the mask hides keys (``de
 generate's all-ones mask, 0.98x -> 1.04x at 128K (``results/bench_prefill_h200_2026-12-01_v19*``, BENCHMARKS.md). A padded batch does not route.
 
 A site whose every head is routed runs the whole layer through SDPA, and its index then only serves to see
-whether a head has stopped being near-dense. It builds the index at one call in ``RECHECK_EVERY`` (and at
+whether a head has stopped being near-dense or costly. It builds the index at one call in ``RECHECK_EVERY`` (and at
 once when the prompt has grown ``RECHECK_GROWTH``-fold since the call it last checked), and skips it in
 between. On random weights (every head routed) a checking call costs ~1 % of the model's prefill at 64K-128K
 (+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*`` at 6fb579a), which the other seven calls
@@ -105,8 +105,9 @@ class Router:
             return next(self._site_ids)
 
     def routed_heads(self, site: int, heads: int, device: torch.device) -> tuple:
-        """The query heads ``site`` sends to SDPA at this call: those that ran dense in every batch row at
-        its latest observed call with the same head count; () for a new site or ``NO_SITE``."""
+        """The query heads ``site`` sends to SDPA at this call: those its latest observed call with the same head
+        count marked in every batch row (ran dense, or cheaper dense: :meth:`observe`); () for a new site or
+        ``NO_SITE``."""
         state = self.states.get(site)
         if site == NO_SITE or state is None or state.heads != heads:
             return ()
@@ -139,9 +140,9 @@ class Router:
             self._every_call.reset(token)
 
     def observe(self, site: int, ran_dense: torch.Tensor, length: int) -> None:
-        """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense, at
-        query ``length``) for the next call of ``site``. On the GPU: an asynchronous copy, read when it has
-        landed."""
+        """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense, and
+        those the cost model marked, ``SparseResult.route_next``, at query ``length``) for the next call of
+        ``site``. On the GPU: an asynchronous copy, read when it has landed."""
         if site == NO_SITE or _capturing(ran_dense.device):
             return
         heads = ran_dense.shape[1]

@@ -33,7 +33,7 @@ class SparseResult(NamedTuple):
 
 def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float, tuned, walk,
                   routed: tuple = (), escalated: Optional[LayerPlan] = None,
-                  walk_cost: WalkCost = cost.UNTUNED_COST) -> SparseResult:
+                  walk_cost: Optional[WalkCost] = None) -> SparseResult:
     """The op's GPU path with launch configs ``tuned`` (the sparse walk) and ``walk`` (the dense walk): index, the
     heads to run dense this call (quality guard, near-dense index), kernel; the plan's dense heads and the
     ``routed`` ones through the device's fused SDPA without a mask (the whole layer in one call when that is
@@ -42,18 +42,20 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     covers routed heads, so ``ran_dense`` says whether they would have run dense. With an ``escalated`` plan
     (:func:`~minference_fx.plan.escalated_plan`) the heads the guard finds weak take its index, and only those
     still under the threshold there run dense (no host sync: both indexes are built, from one vertical-slash
-    estimate, and the rows chosen on the device). ``walk_cost`` weighs the heads for the next call's routing."""
+    estimate, and the rows chosen on the device). ``walk_cost`` weighs the heads for the next call's routing
+    (:func:`_route_next`)."""
     split = dense.split_plan(plan)
     index, weak, _ = guarded_index_on_gpu(q, k, plan, scale, masks, guard_threshold, escalated)
     share = guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask) if split.n_listed else None
     force = ran_dense = dense.forced_on_gpu(share, plan, weak)
-    route_next = ran_dense if share is None else cost.heads_to_route(ran_dense, share, plan, walk_cost, k.shape[-2])
+    padded = masks.padded_rows()
+    route_next = _route_next(ran_dense, share, plan, walk_cost, k.shape[-2], padded)
     by_sdpa = dense.routable(q.shape[0], q.shape[-2], k.shape[-2], masks)
     if routed and by_sdpa:
         split = dense.split_plan(dense.with_dense_heads(plan, routed))
         if split.all_dense:
             return SparseResult(dense.every_head_routed(q, k, v, masks, scale, walk), weak, ran_dense, route_next)
-    padded, walk_launch = masks.padded_rows(), walk.launch()
+    walk_launch = walk.launch()
     kernel_args, sdpa_heads = split.kernel_args, split.dense_heads
     if sdpa_heads and not by_sdpa:
         # With documents, a window or a padded batch SDPA would read a materialised mask (or run padded rows
@@ -108,7 +110,7 @@ def guarded_index_on_gpu(q, k, plan: LayerPlan, scale: float, masks: CallMasks, 
 
 def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guard_threshold: float,
                   routed: tuple = (), escalated: Optional[LayerPlan] = None,
-                  walk_cost: WalkCost = cost.UNTUNED_COST) -> SparseResult:
+                  walk_cost: Optional[WalkCost] = None) -> SparseResult:
     """The op's CPU path: the reference is the implementation (the Triton interpreter is for tests, not speed).
     Its index lists every head, the run-time rules (:func:`dense.dense_rules`) and the ``routed`` heads densify
     it, and the reference attends over it; ``ran_dense`` leaves the routing out, as on the GPU. With an
@@ -123,12 +125,20 @@ def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     guard.record(near, q.shape[0] * split.n_listed, dense.NEAR_DENSE_STATS)
     ran_dense = near if weak is None else near | weak
     share = guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask)
-    route_next = cost.heads_to_route(ran_dense, share, plan, walk_cost, k.shape[-2])
+    route_next = _route_next(ran_dense, share, plan, walk_cost, k.shape[-2], masks.padded_rows())
     force = ran_dense | dense.head_mask(routed, q.shape[1])[None, :]
     if bool(force.any()):  # CPU: a host check is free, and densify copies the index
         index = guard.densify(index, force, q.shape[-2], k.shape[-2], masks.q_offset)
     out = reference.sparse_attention_reference(q, k, v, plan, scale=scale, index=index, **masks.kwargs())
     return SparseResult(out.to(q.dtype).contiguous(), weak, ran_dense, route_next)
+
+
+def _route_next(ran_dense, share, plan: LayerPlan, walk_cost: Optional[WalkCost], keys: int, padded):
+    """What the site's next call should route: ``ran_dense`` and, with a ``walk_cost`` (a call whose routing is
+    recorded) and a listed head (a ``share``), the heads the cost model marks (:func:`cost.heads_to_route`)."""
+    if walk_cost is None or share is None:
+        return ran_dense
+    return cost.heads_to_route(ran_dense, share, plan, walk_cost, keys, padded)
 
 
 def _full_mass(q) -> torch.Tensor:

@@ -430,21 +430,33 @@ def test_warm_up_with_fake_timings_writes_configs_and_crossover_and_leaves_the_s
     assert "pattern" not in text and "budget" not in text
     assert "[" in capsys.readouterr().err  # the progress bar
     assert "crossover: sparse from 4096" in str(report)
-    # the cost model's rates at the longest crossover length: a quarter of the tiles walked in the tuned kernel's
-    # 32 ms against dense's 32 ** 2 for all of them, and the index's 4 ms
+    # a grid short of 64K measures no cost: it would replace the whole grid's with one of launch overhead
+    assert table.costs == {} and report.cost is None
+
+
+def test_a_tune_up_to_64k_measures_the_cost_models_rates(cache_dir):
+    report = tuner.warm_up([65536], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=fake_timer)
+    table = Table.from_json(report.path.read_text())
+    # a quarter of the tiles walked in the tuned kernel's 64 ms against dense's 64 ** 2 for all of them, and the
+    # index's 8 ms
     cost = table.costs[next(iter(table.crossovers))]
-    assert cost == report.cost and cost.measured_at == 32768
-    assert cost.walk_rate == pytest.approx(0.25 * 1024 / 32)
-    assert cost.index_share == pytest.approx(4 / 1024)
-    assert "the sparse walk runs 8.000x" in str(report)
+    assert cost == report.cost and cost.measured_at == 65536
+    assert cost.walk_rate == pytest.approx(0.25 * 4096 / 64)
+    assert cost.index_share == pytest.approx(8 / 4096)
+    assert "the sparse walk runs 16.000x" in str(report)
+
+
+def test_a_timing_that_makes_no_cost_is_refused_before_anything_is_written(cache_dir):
+    with pytest.raises(ValueError, match="cannot weigh"):
+        tuner.measure_cost(FakeWorkload(), 65536, TuneEntry(), lambda fn: 0.0)
+    with pytest.raises(ValueError, match="finite"):
+        tuner.measure_cost(FakeWorkload(), 65536, TuneEntry(), lambda fn: float("nan") if fn()[0] == "index" else 1.0)
 
 
 def test_costs_only_measures_the_rates_with_the_cached_launch_config(cache_dir):
     tuner.warm_up([8192], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=fake_timer)
     table = Table.from_json((cache_dir / cache.FILE_NAME).read_text())
-    table.costs.clear()
-    (cache_dir / cache.FILE_NAME).write_text(table.to_json())
-    cache.forget()
+    assert not table.costs  # the premise: a short tune measures none
     timed = []
 
     def timer(fn):
@@ -465,11 +477,20 @@ def test_a_cost_table_round_trips_and_a_bad_cost_is_refused():
     del old["costs"]  # a table written before the cost model reads as one without costs
     assert Table.from_json(json.dumps(old)).costs == {}
     for bad in ({"walk_rate": 0, "index_share": 0.1, "measured_at": 1}, {"walk_rate": True, "index_share": 0.1,
-                "measured_at": 1}, {"walk_rate": 0.8, "index_share": 0.1, "measured_at": 1.5}):
+                "measured_at": 1}, {"walk_rate": 0.8, "index_share": 0.1, "measured_at": 1.5},
+                {"walk_rate": float("inf"), "index_share": 0.1, "measured_at": 1},
+                {"walk_rate": 0.8, "index_share": float("nan"), "measured_at": 1},
+                {"walk_rate": 0.8, "index_share": -0.1, "measured_at": 1},
+                {"walk_rate": 10 ** 400, "index_share": 0.1, "measured_at": 1},
+                {"walk_rate": 0.8, "index_share": 0.1, "measured_at": 10 ** 400}):
         doc = json.loads(table.to_json())
         doc["costs"][0]["cost"] = bad
         with pytest.raises(cache.ForeignFile, match="malformed"):
             Table.from_json(json.dumps(doc))
+    # a JSON integer where a rate goes is read as the float it is
+    doc = json.loads(table.to_json())
+    doc["costs"][0]["cost"]["walk_rate"] = 1
+    assert type(Table.from_json(json.dumps(doc)).costs[key].walk_rate) is float
 
 
 def test_tuned_entries_reach_the_op_dispatch(cache_dir):

@@ -23,8 +23,9 @@ def _fresh_routing():
     routing.ROUTER.reset()
 
 
-def _route(shares, plan=FOUR_VS, walk_cost=WalkCost(0.8, 0.0, 0), ran_dense=None, keys=1000):
-    return cost.heads_to_route(ran_dense, torch.tensor([shares]), plan, walk_cost, keys)[0].tolist()
+def _route(shares, plan=FOUR_VS, walk_cost=WalkCost(0.8, 0.0, 0), ran_dense=None, keys=1000, padded=None):
+    got = cost.heads_to_route(ran_dense, torch.tensor([shares]), plan, walk_cost, keys, padded)
+    return [False] * len(shares) if got is None else got[0].tolist()
 
 
 def test_untuned_cost_routes_only_what_ran_dense():
@@ -51,14 +52,26 @@ def test_a_layer_whose_walk_and_index_cost_more_than_dense_routes_whole():
     assert walk_cost.index_share_at(4000) == pytest.approx(0.025)
 
 
-def test_unlisted_heads_are_weighed_by_their_plan_and_never_routed_for_cost():
+def test_unlisted_heads_are_weighed_by_their_plan_and_never_routed_for_cost_alone():
     """An A-shape head's share in the reference index means nothing to the walk (it reads fixed keys); a dense
-    head runs SDPA on either side, so it weighs one."""
+    head runs SDPA on either side, so it weighs one. The index estimates the two listed heads of four, so it
+    costs half its measured share. A layer routed whole marks its A-shape head too (else the site would still
+    build its index), not its dense one (it runs SDPA anyway)."""
     mixed = LayerPlan((VS, HeadPlan(Pattern.A_SHAPE, 4, 64), HeadPlan(Pattern.DENSE), VS))
     assert _route([0.5, 0.99, 0.99, 0.5], plan=mixed) == [False] * 4
-    # 0.625 + 0 + 1 + 0.625 = 2.25 of 4 heads, plus an index at 0.4: 0.96, under the dense layer's cost
-    assert _route([0.5, 0.99, 0.99, 0.5], plan=mixed, walk_cost=WalkCost(0.8, 0.4, 1000)) == [False] * 4
-    assert _route([0.5, 0.99, 0.99, 0.5], plan=mixed, walk_cost=WalkCost(0.8, 0.45, 1000)) == [True] * 4
+    # 0.625 + 0 + 1 + 0.625 = 2.25 of 4 heads, plus half an index of 0.8: 0.96, under the dense layer's cost
+    assert _route([0.5, 0.99, 0.99, 0.5], plan=mixed, walk_cost=WalkCost(0.8, 0.8, 1000)) == [False] * 4
+    assert _route([0.5, 0.99, 0.99, 0.5], plan=mixed, walk_cost=WalkCost(0.8, 0.9, 1000)) == [True, True, False, True]
+
+
+def test_a_row_a_padding_mask_hides_keys_of_is_not_routed_for_cost():
+    """A routed head runs such a row twice (SDPA unmasked, then the masked dense walk), so only the rules that ran
+    it dense route it."""
+    shares = torch.tensor([[0.85, 0.1, 0.1, 0.1], [0.85, 0.1, 0.1, 0.1]])
+    ran = torch.tensor([[False, False, False, False], [False, True, False, False]])
+    padded = torch.tensor([[False], [True]])
+    got = cost.heads_to_route(ran, shares, FOUR_VS, WalkCost(0.8, 0.0, 0), 1000, padded)
+    assert got.tolist() == [[True, False, False, False], [False, True, False, False]]
 
 
 def test_each_batch_row_is_weighed_on_its_own():
