@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
+from ..cost import WalkCost
 from ..defaults import DEFAULTS
 
 log = logging.getLogger("minference_fx.autotune")
@@ -91,25 +92,6 @@ class CrossoverKey:
     head_dim: int
     group: int
     """query heads per kv head (GQA)"""
-
-
-@dataclasses.dataclass(frozen=True)
-class WalkCost:
-    """The sparse path's speed against the device's fused SDPA at one shape, as the cost model
-    (``minference_fx.cost``) reads it: a head whose index keeps a share ``s`` of its causal key tiles walks
-    them in ``s / walk_rate`` of the time the fused SDPA takes for that head's dense causal attention, and
-    the index of a call of ``n`` keys costs ``index_share * measured_at / n`` of the dense layer (it grows
-    with the keys, dense attention with their square)."""
-
-    walk_rate: float
-    """the sparse walk's speed per walked key tile over the fused SDPA's per causal key tile"""
-    index_share: float
-    """the index's time over the dense layer's at ``measured_at`` keys"""
-    measured_at: int
-    """the prompt length both were timed at (0: not measured)"""
-
-    def index_share_at(self, keys: int) -> float:
-        return self.index_share * self.measured_at / keys if keys > 0 and self.measured_at > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from ..cost import UNTUNED_COST
+from ..cost import UNTUNED_COST, WalkCost
 from ..defaults import DEFAULTS
 from ..kernels.reference import BLOCK
 from ..plan import LayerPlan, Pattern
@@ -123,8 +123,8 @@ def launch_config(q: torch.Tensor, k: torch.Tensor, kernel: str = "sparse_attent
 
 
 
-def walk_cost(q: torch.Tensor, k: torch.Tensor) -> cache.WalkCost:
-    """The measured :class:`~.cache.WalkCost` of this shape on this device (``cost.UNTUNED_COST`` where none was)."""
+def walk_cost(q: torch.Tensor, k: torch.Tensor) -> WalkCost:
+    """The measured :class:`~minference_fx.cost.WalkCost` of this shape on this device (``cost.UNTUNED_COST`` where none was)."""
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
     return cache.remembered(("cost", _where(), *shape),
                             lambda: cache.lookup_cost(crossover_key(*shape)) or UNTUNED_COST)

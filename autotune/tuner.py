@@ -15,8 +15,9 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence, Union
 import torch
 import triton.testing
 
+from ..cost import WalkCost
 from . import cache, space
-from .cache import CrossoverKey, TuneEntry, TuneKey, WalkCost
+from .cache import CrossoverKey, TuneEntry, TuneKey
 from .identity import DeviceIdentity, dtype_name, kernel_source_hash, triton_version
 from .progress import ProgressBar
 from .workload import CudaWorkload
@@ -221,7 +222,7 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
 
 def measure_cost(workload: Workload, length: int, config: TuneEntry, timer: Timer, *,
                  dense_ms: Optional[float] = None, kernel_ms: Optional[float] = None) -> WalkCost:
-    """The cost model's :class:`~.cache.WalkCost` of ``workload``'s shape at ``length``: the sparse walk (launch
+    """The cost model's :class:`~minference_fx.cost.WalkCost` of ``workload``'s shape at ``length``: the sparse walk (launch
     ``config``) over the share of causal key tiles its index keeps, against the fused SDPA over all of them; and
     the index against the fused SDPA. Times what is not given. ValueError when the timings make no cost (a zero
     time, a NaN): nothing is written then, since a table holding it would be read as foreign as a whole."""

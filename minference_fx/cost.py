@@ -1,7 +1,7 @@
 """The cost model: which heads a site's next call sends to the device's fused SDPA because they run faster there.
 
 A head whose index keeps a share ``s`` of its causal key tiles costs ``s / walk_rate`` of the fused SDPA's time
-for its dense causal attention (:class:`~minference_fx.autotune.cache.WalkCost`, measured per shape by
+for its dense causal attention (:class:`WalkCost`, measured per shape by
 ``minference-fx autotune``): past ``s = walk_rate`` the tile walk is the slower one, though it reads fewer keys.
 On the H200 that rate is 0.77-0.85 (BENCHMARKS.md section 1), so a head between it and the near-dense rule's
 90 % was slower walked than dense: the scattered input family's heads at 32K keep 73-99 % of their tiles, and
@@ -21,15 +21,35 @@ Where no cost was measured, :data:`UNTUNED_COST` reproduces the near-dense rule 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
-from .autotune.cache import WalkCost
 from .dense import head_mask, split_plan
 from .kernels.guard import NEAR_DENSE_SHARE
 from .kernels.tables import int_table
 from .plan import LayerPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkCost:
+    """The sparse path's speed against the device's fused SDPA at one shape, as the cost model reads it (the
+    autotune cache's ``costs`` table holds one per measured device and shape): a head whose index keeps a share ``s`` of its causal key tiles walks
+    them in ``s / walk_rate`` of the time the fused SDPA takes for that head's dense causal attention, and
+    the index of a call of ``n`` keys costs ``index_share * measured_at / n`` of the dense layer (it grows
+    with the keys, dense attention with their square)."""
+
+    walk_rate: float
+    """the sparse walk's speed per walked key tile over the fused SDPA's per causal key tile"""
+    index_share: float
+    """the index's time over the dense layer's at ``measured_at`` keys"""
+    measured_at: int
+    """the prompt length both were timed at (0: not measured)"""
+
+    def index_share_at(self, keys: int) -> float:
+        return self.index_share * self.measured_at / keys if keys > 0 and self.measured_at > 0 else 0.0
+
 
 UNTUNED_COST = WalkCost(walk_rate=NEAR_DENSE_SHARE, index_share=0.0, measured_at=0)
 """Where no cost was measured a head is weighed as before the model existed: the walk at the near-dense share's

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import cost, dense
-from .autotune.cache import WalkCost
+from .cost import WalkCost
 from .call_masks import CallMasks
 from .kernels import attend, guard, reference
 from .kernels.index import build_index_gpu, build_index_pair_gpu

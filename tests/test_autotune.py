@@ -18,6 +18,7 @@ from minference_fx.autotune.cache import CrossoverKey, Table, TuneEntry, TuneKey
 from minference_fx.autotune.identity import DeviceIdentity
 from minference_fx.autotune.shapes import shape_from_hf_config
 from minference_fx.config import ModelIdentity, default_config
+from minference_fx.cost import WalkCost
 
 OP = torch.ops.minference.sparse_attention.default
 VS = ([2, 2, 2, 2], [1000] * 4, [6096] * 4)
@@ -471,7 +472,7 @@ def test_costs_only_measures_the_rates_with_the_cached_launch_config(cache_dir):
 
 def test_a_cost_table_round_trips_and_a_bad_cost_is_refused():
     key = _xkey()
-    table = Table(costs={key: cache.WalkCost(0.8, 0.02, 65536)})
+    table = Table(costs={key: WalkCost(0.8, 0.02, 65536)})
     assert Table.from_json(table.to_json()) == table
     old = json.loads(table.to_json())
     del old["costs"]  # a table written before the cost model reads as one without costs

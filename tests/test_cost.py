@@ -6,7 +6,8 @@ import torch.nn.functional as F
 import minference_fx.kernels.reference as reference
 from minference_fx import cost, routing
 from minference_fx.autotune import cache, dispatch
-from minference_fx.autotune.cache import Table, WalkCost
+from minference_fx.autotune.cache import Table
+from minference_fx.cost import WalkCost
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import guard
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern

@@ -489,7 +489,7 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
     import torch.nn.functional as F
 
     from minference_fx import routing
-    from minference_fx.autotune.cache import WalkCost
+    from minference_fx.cost import WalkCost
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
     from minference_fx.kernels.index import build_index_gpu
