@@ -55,8 +55,8 @@ import torch
 from . import dense, precompile, routing, sparse_path
 from .autotune import dispatch
 from .autotune.cache import TuneEntry
-from .cost import WalkCost
 from .call_masks import CallMasks
+from .cost import WalkCost
 from .kernels import guard
 from .plan import LayerPlan, escalated_plan, escalation_of, grown_plan, growth_of, is_budget_growth, layer_plan
 

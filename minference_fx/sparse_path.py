@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import cost, dense
-from .cost import WalkCost
 from .call_masks import CallMasks
+from .cost import WalkCost
 from .kernels import attend, guard, reference
 from .kernels.index import build_index_gpu, build_index_pair_gpu
 from .plan import LayerPlan
