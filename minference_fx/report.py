@@ -150,8 +150,8 @@ class Report:
             out.append(f"budget growth: past {keys} keys, vertical-slash and block-sparse budgets times "
                        f"(keys / {keys}) ** {exponent:g}")
         if self.rewritten:
-            out.append("routing: heads that ran dense at a site's last call run through SDPA at its next" if self.route_dense
-                       else "routing off: heads that run dense take the kernel's dense walk")
+            out.append("routing: heads that ran dense at a site's last call, or cost more walked than dense, run through "
+                       "SDPA at its next" if self.route_dense else "routing off: heads that run dense take the kernel's dense walk")
         return "\n".join(out)
 
     def __str__(self) -> str:
