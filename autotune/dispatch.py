@@ -122,7 +122,6 @@ def launch_config(q: torch.Tensor, k: torch.Tensor, kernel: str = "sparse_attent
                             lambda: cache.lookup(tune_key(kernel, *shape)))
 
 
-
 def walk_cost(q: torch.Tensor, k: torch.Tensor) -> WalkCost:
     """The measured :class:`~minference_fx.cost.WalkCost` of this shape on this device (``cost.UNTUNED_COST`` where none was)."""
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])

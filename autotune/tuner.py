@@ -183,9 +183,7 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     walk_todo = set(lengths)
     bar = ProgressBar(len(todo) * len(candidates[kernel]) + len(walk_todo) * len(candidates[DENSE_WALK]) + 2 * len(grid),
                       enabled=progress)
-    ident = workload.identity
-    measured_on = CrossoverKey(kernel_source_hash(), ident.gpu, ident.capability, triton_version(), dtype_name(dtype),
-                               head_dim, gqa)
+    measured_on = _measured_on(workload, dtype, head_dim, gqa)
 
     results, walks, dense_ms, sparse_ms = {}, {}, {}, {}
     try:
@@ -220,10 +218,17 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks, cost)
 
 
+def _measured_on(workload: Workload, dtype: torch.dtype, head_dim: int, gqa: int) -> CrossoverKey:
+    """The key of what this process times on ``workload``'s device, with these kernels and this Triton."""
+    ident = workload.identity
+    return CrossoverKey(kernel_source_hash(), ident.gpu, ident.capability, triton_version(), dtype_name(dtype),
+                        head_dim, gqa)
+
+
 def measure_cost(workload: Workload, length: int, config: TuneEntry, timer: Timer, *,
                  dense_ms: Optional[float] = None, kernel_ms: Optional[float] = None) -> WalkCost:
-    """The cost model's :class:`~minference_fx.cost.WalkCost` of ``workload``'s shape at ``length``: the sparse walk (launch
-    ``config``) over the share of causal key tiles its index keeps, against the fused SDPA over all of them; and
+    """The cost model's :class:`~minference_fx.cost.WalkCost` of ``workload``'s shape at ``length``: the sparse
+    walk (launch ``config``) over the share of causal key tiles its index keeps, against the fused SDPA over all of them; and
     the index against the fused SDPA. Times what is not given. ValueError when the timings make no cost (a zero
     time, a NaN): nothing is written then, since a table holding it would be read as foreign as a whole."""
     dense_ms = float(timer(workload.dense(length))) if dense_ms is None else dense_ms
@@ -250,9 +255,7 @@ def measure_costs(head_dim: int, gqa: int, dtype: Union[str, torch.dtype] = torc
     timer = timer or do_bench
     if workload is None:
         workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads)
-    ident = workload.identity
-    measured_on = CrossoverKey(kernel_source_hash(), ident.gpu, ident.capability, triton_version(), dtype_name(dtype),
-                               head_dim, gqa)
+    measured_on = _measured_on(workload, dtype, head_dim, gqa)
     config = cache.lookup(TuneKey.of("sparse_attention", measured_on, length), path=path)
     cost = measure_cost(workload, length, config, timer)
     cache.write(costs={measured_on: cost}, path=path)

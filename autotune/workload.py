@@ -17,8 +17,8 @@ import torch
 from ..call_masks import CallMasks
 from ..defaults import DEFAULTS
 from ..dense import dense_attention
-from ..kernels.attend import sparse_attention_triton
 from ..kernels import guard
+from ..kernels.attend import sparse_attention_triton
 from ..kernels.index import build_index_gpu
 from ..plan import HeadPlan, LayerPlan, Pattern
 from ..sparse_path import sparse_on_gpu

@@ -22,11 +22,12 @@ Where no cost was measured, :data:`UNTUNED_COST` reproduces the near-dense rule 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
 
-from .dense import head_mask, split_plan
+from .dense import split_plan
 from .kernels.guard import NEAR_DENSE_SHARE
 from .kernels.tables import int_table
 from .plan import LayerPlan
@@ -35,10 +36,10 @@ from .plan import LayerPlan
 @dataclasses.dataclass(frozen=True)
 class WalkCost:
     """The sparse path's speed against the device's fused SDPA at one shape, as the cost model reads it (the
-    autotune cache's ``costs`` table holds one per measured device and shape): a head whose index keeps a share ``s`` of its causal key tiles walks
-    them in ``s / walk_rate`` of the time the fused SDPA takes for that head's dense causal attention, and
-    the index of a call of ``n`` keys costs ``index_share * measured_at / n`` of the dense layer (it grows
-    with the keys, dense attention with their square)."""
+    autotune cache's ``costs`` table holds one per measured device and shape): a head whose index keeps a share
+    ``s`` of its causal key tiles walks them in ``s / walk_rate`` of the time the fused SDPA takes for that
+    head's dense causal attention, and the index of a call of ``n`` keys costs ``index_share * measured_at / n``
+    of the dense layer (it grows with the keys, dense attention with their square)."""
 
     walk_rate: float
     """the sparse walk's speed per walked key tile over the fused SDPA's per causal key tile"""
@@ -56,6 +57,17 @@ UNTUNED_COST = WalkCost(walk_rate=NEAR_DENSE_SHARE, index_share=0.0, measured_at
 rate and a free index, so only a near-dense head is costly and no layer is routed whole for its cost."""
 
 
+_OTHER, _LISTED, _DENSE = 0, 1, 2
+"""what :func:`_head_kinds` says of a head: A-shape (fixed keys), listed (vertical-slash, block-sparse), dense"""
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_kinds(plan: LayerPlan) -> tuple:
+    split = split_plan(plan)
+    return tuple(_DENSE if h in split.dense_heads else _LISTED if listed else _OTHER
+                 for h, listed in enumerate(split.listed_mask))
+
+
 def heads_to_route(ran_dense: Optional[torch.Tensor], share: torch.Tensor, plan: LayerPlan, cost: WalkCost,
                    keys: int, padded: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """[B, Hq] bool on the device: the pairs a site's next call should run through the fused SDPA.
@@ -68,9 +80,9 @@ def heads_to_route(ran_dense: Optional[torch.Tensor], share: torch.Tensor, plan:
     if index_share == 0 and cost.walk_rate >= NEAR_DENSE_SHARE:
         return ran_dense  # every head past the rate is near-dense already, and nothing makes a whole layer dearer
     split = split_plan(plan)
-    # built on the device from pinned host tables (no sync, and a CUDA graph can capture it)
-    listed = int_table(split.listed_mask, share.device).bool()
-    dense_heads = int_table(head_mask(split.dense_heads, len(plan.heads)).tolist(), share.device).bool()
+    # one table a call, built on the device from a pinned host copy (no sync, and a CUDA graph can capture it)
+    kinds = int_table(_head_kinds(plan), share.device)
+    listed, dense_heads = kinds == _LISTED, kinds == _DENSE
     costly = listed[None, :] & (share >= cost.walk_rate)
     route = costly if ran_dense is None else costly | ran_dense
     # a listed head walks its share; an A-shape head's few fixed tiles count as free, a dense one as one SDPA

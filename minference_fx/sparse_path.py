@@ -46,7 +46,8 @@ def sparse_on_gpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
     (:func:`_route_next`)."""
     split = dense.split_plan(plan)
     index, weak, _ = guarded_index_on_gpu(q, k, plan, scale, masks, guard_threshold, escalated)
-    share = guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask) if split.n_listed else None
+    share = (guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask) if split.n_listed
+             else None)
     force = ran_dense = dense.forced_on_gpu(share, plan, weak)
     padded = masks.padded_rows()
     route_next = _route_next(ran_dense, share, plan, walk_cost, k.shape[-2], padded)
@@ -124,7 +125,9 @@ def sparse_on_cpu(q, k, v, plan: LayerPlan, scale: float, masks: CallMasks, guar
         near, weak = dense.dense_rules(q, k, plan, index, scale, masks, guard_threshold)
     guard.record(near, q.shape[0] * split.n_listed, dense.NEAR_DENSE_STATS)
     ran_dense = near if weak is None else near | weak
-    share = guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset, masks.key_mask)
+    # the reference's index lists every head, so the share is only needed for the cost model
+    share = None if walk_cost is None else guard.kept_share(index, q.shape[-2], k.shape[-2], masks.q_offset,
+                                                            masks.key_mask)
     route_next = _route_next(ran_dense, share, plan, walk_cost, k.shape[-2], masks.padded_rows())
     force = ran_dense | dense.head_mask(routed, q.shape[1])[None, :]
     if bool(force.any()):  # CPU: a host check is free, and densify copies the index
