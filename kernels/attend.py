@@ -256,12 +256,11 @@ def _sparse_attn_fwd(
     ``Plan``: the per-head tables ``(Patterns, BudgetA, BudgetB)``."""
     TileCount, TileIndex, ColCount, ColIndex = Index
     Patterns, BudgetA, BudgetB = Plan
-    if FORCE_MODE == FORCE_ONLY:
-        # the dense walk's programs differ in length by the causal triangle: launching the longest first
-        # leaves short ones for the last wave
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
+    # A head's programs differ in length: by the causal triangle, and in the sparse walk by the diagonals whose keys
+    # exist only past the first rows. Launching each head's last query tile (its longest walk) first leaves short
+    # programs for the last wave: on the scattered family at 128K this cut the sparse walk by 9 %
+    # (scripts/explore_launch_order.py)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
     b = pid_bh // num_heads
     h = pid_bh % num_heads

@@ -12,7 +12,8 @@
 #
 # The device tool gives a machine back after 30 s without a call, and what the steps wrote goes with it: while
 # steps run, keep calling `poll` (each call keeps the machine busy while it waits), never leave a gap.
-# Steps: tune (d128/g6, the model's shape, with the 64K bucket the shipped table lacks), tests (the GPU suite but the fuzz), kernels (bench kernels, both input
+# Steps: tune (d128/g6, the model's shape, with the 64K bucket the shipped table lacks), retune (the three shipped shapes
+# after a Triton kernel edit), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K, sparse from 16K), prefill_searched (TTFT 8K-128K with it), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
@@ -69,6 +70,14 @@ step() {   # $1: step name; its log is $STATE/$1.txt
   case $1 in
     tune) timeout 560 minference-fx autotune --lengths 32k,64k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16
           minference-fx autotune --show ;;
+    retune)  # after an edit of a Triton kernel: the three shipped shapes from scratch (launch configs, crossovers, costs),
+             # then the table as the shipped autotune/h200.json would hold it (collect copies the user cache)
+          timeout 330 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
+          timeout 330 minference-fx autotune --lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3 --dtype bf16 --quiet
+          timeout 330 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet
+          minference-fx autotune --show ;;
+    fuzz) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider \
+             --import-mode=importlib tests/test_gpu.py -k fuzz ;;
     costs)  # the cost model's rates (sparse walk and index against cuDNN) of the three tuned shapes, at 64K, with the
             # launch configs of the shipped table: SmolLM2's d64/g3, Llama-3-8B's d128/g4, Qwen's d128/g6
           timeout 200 minference-fx autotune --costs-only --head-dim 64 --gqa 3 --kv-heads 3
