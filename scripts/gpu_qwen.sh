@@ -133,6 +133,10 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     prefill_searched)  # TTFT 8K-128K, eager vs minference, with the config as searched (sparse from 16K)
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 8k,16k,32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;
+    prefill_shipped32k)  # TTFT 32K-128K, eager vs minference, the config shipped for prompts past 8K
+          timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
+            --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --reps 3 \
+            --out "$STATE/bench_prefill_qwen_shipped32k.json" ;;
     prefill_shipped)  # TTFT 32K-128K, eager vs minference, the shipped config (after a change to the op's routing)
           timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_shipped.json" ;;
