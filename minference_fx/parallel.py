@@ -96,7 +96,10 @@ def _tensor_parallel_params(gm: fx.GraphModule) -> dict:
 def _read_within(start: fx.Node, inside: tuple, path_of) -> set:
     """Placeholders that ``start`` is computed from through nodes of the module at ``inside`` (or its
     submodules); the walk stops at nodes of other modules (the layer norm before the attention, the rotary
-    embedding's cos/sin), so only this attention's own projections are reached, not earlier layers'."""
+    embedding's cos/sin), so only this attention's own projections are reached, not earlier layers'.
+
+    It walks through nodes of no known module: transformers 5.25 traces ``apply_rotary_pos_emb`` (a function that
+    hub kernels may replace) with no module stack, between the query projection and the attention."""
     seen, todo, reached = set(), [start], set()
     while todo:
         node = todo.pop()
@@ -107,7 +110,7 @@ def _read_within(start: fx.Node, inside: tuple, path_of) -> set:
             reached.add(node)
             continue
         path = path_of(node)
-        if node is not start and (path is None or path[:len(inside)] != inside):
+        if node is not start and path is not None and path[:len(inside)] != inside:
             continue
         todo.extend(node.all_input_nodes)
     return reached
@@ -132,8 +135,10 @@ def _share_of(site: AttentionSite, params: dict, path_of, model_heads: Optional[
     attention = path_of(site.node)
     if attention is None:
         return None, "tensor parallel: the site's module path is not known, so which sharded projection its query reads is not"
-    from_query = {params[n].path: params[n] for n in _read_within(site.query, attention, path_of) if n in params}
-    from_key = {params[n].path for n in _read_within(site.key, attention, path_of) if n in params}
+    # only the attention's own parameters: a walk through nodes of no module may reach others' placeholders
+    own = {n for n, p in params.items() if p.path[:len(attention)] == attention}
+    from_query = {params[n].path: params[n] for n in _read_within(site.query, attention, path_of) if n in own}
+    from_key = {params[n].path for n in _read_within(site.key, attention, path_of) if n in own}
     if not from_query:
         return None, ("tensor parallel: the query reads no sharded projection of its attention module, so which of the "
                       "model's heads it holds is not known (give options={'head_offset': ...})")

@@ -306,7 +306,7 @@ def _install_gguf(store: Path) -> None:
 def _install_project() -> None:
     """Install this checkout (editable, no dependencies) where the package is not installed yet, as on a fresh
     GPU machine. Importing it from the checkout itself fails: its subpackages live beside it (passes/,
-    kernels/, ...) and only the install maps them in."""
+    autotune/, ...) and only the install maps them in."""
     try:
         importlib.metadata.distribution("minference-fx")
         return

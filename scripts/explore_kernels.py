@@ -6,7 +6,7 @@ usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k]
   index over structured inputs, and on dense work (every head DENSE) against cuDNN, in one run; each
   variant's output is checked against the first;
 * the index, eager and CUDA-graph replay, and with ``--old-index`` the same inputs through an older
-  ``kernels/index.py`` (e.g. ``git show REV:kernels/index.py``) for an A/B in the same run.
+  ``minference_fx/kernels/index.py`` (e.g. ``git show REV:kernels/index.py``) for an A/B in the same run.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """GPU exploration (not a test): the sparse and dense walks' speed by the order their programs launch in.
 
-usage: git show fa62708:kernels/attend.py > kernels/attend.py && git apply scripts/explore_launch_order.patch &&
+usage: git show fa62708:kernels/attend.py > minference_fx/kernels/attend.py && git apply scripts/explore_launch_order.patch &&
        python scripts/explore_launch_order.py --out DIR [--orders m,heads,rev,heads_rev] [--lengths 32k,128k]
 
 The patch makes the launch order an environment switch of the kernel of fa62708 (and ``MFX_WS=1`` marks its key loops

@@ -18,7 +18,7 @@ from tiny_models import reports_since
 
 ROOT = Path(__file__).resolve().parents[1]
 # the package's source folders (pyproject.toml's package-dir)
-PACKAGE_DIRS = ("minference_fx", "passes", "kernels", "autotune", "configs")
+PACKAGE_DIRS = ("minference_fx", "passes", "autotune", "configs")
 # files that still write the default budgets themselves, to be switched to minference_fx.defaults; remove a file
 # from here once it reads DEFAULTS (the test then keeps it from writing them again)
 PENDING = {

@@ -1,4 +1,4 @@
-"""Physical (tiles walked) against logical (keys kept) density of an index (kernels/density.py).
+"""Physical (tiles walked) against logical (keys kept) density of an index (minference_fx/kernels/density.py).
 
 Hand-built indexes with answers worked out by hand, then brute force on both builders' indexes: the
 reference's, and the GPU builder's under the interpreter. CPU, small shapes, fp32/fp16.

@@ -1,4 +1,4 @@
-"""The on-device index builder (kernels/index.py) against the oracle (kernels/reference.py).
+"""The on-device index builder (minference_fx/kernels/index.py) against the oracle (minference_fx/kernels/reference.py).
 
 On CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set by
 conftest), so the same code paths as on the GPU are exercised, only slower.

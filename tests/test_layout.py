@@ -1,6 +1,6 @@
 """The layout shows the architecture: the core never imports the tooling (``minference_fx.tools``).
 
-The core is every module of ``minference_fx/`` but ``tools/`` and the CLI, plus ``passes/``, ``kernels/`` and
+The core is every module of ``minference_fx/`` (``kernels/`` among them) but ``tools/`` and the CLI, plus ``passes/`` and
 ``autotune/`` (pyproject.toml's package-dir maps them to ``minference_fx.passes`` and so on). Benchmarks, the eval,
 the demo and the assets they fetch live in ``minference_fx.tools``; the CLI, the scripts and the tests import them.
 """
@@ -15,8 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = "minference_fx.tools"
 # source folder -> the package it is imported as (pyproject.toml's [tool.setuptools] package-dir)
-CORE_DIRS = {"minference_fx": "minference_fx", "passes": "minference_fx.passes", "kernels": "minference_fx.kernels",
-             "autotune": "minference_fx.autotune"}
+CORE_DIRS = {"minference_fx": "minference_fx", "passes": "minference_fx.passes", "autotune": "minference_fx.autotune"}
 NOT_CORE = ("minference_fx/tools/", "minference_fx/cli.py")
 
 
@@ -98,3 +97,21 @@ def test_importing_the_core_loads_no_tool():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def _checkout_packages() -> set[str]:
+    """Names ``import`` finds in the checkout's root folder (where ``python -m pytest`` and ``python -c`` put it
+    first on ``sys.path``): its folders with an ``__init__.py`` and its top-level modules."""
+    return ({p.parent.name for p in ROOT.glob("*/__init__.py")} | {p.stem for p in ROOT.glob("*.py")}) - {"minference_fx"}
+
+
+def test_no_folder_of_the_checkout_shadows_an_installed_package():
+    """A top-level ``kernels/`` once stood where Hugging Face's ``kernels`` is imported: transformers 5.25 requires it
+    and imports it while loading a model, and from the checkout's root it got ours (ImportError: CUDAProperties)."""
+    from importlib import metadata
+
+    assert {"passes", "autotune", "configs"} <= _checkout_packages()  # the walk sees the folders
+    installed = {name for name, dists in metadata.packages_distributions().items() if "minference-fx" not in dists
+                 and "minference_fx" not in dists}
+    clashes = sorted(_checkout_packages() & installed)
+    assert not clashes, f"these folders of the checkout shadow installed packages of the same name: {clashes}"

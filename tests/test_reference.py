@@ -1,4 +1,4 @@
-"""Tests of the pure-PyTorch oracle (kernels/reference.py).
+"""Tests of the pure-PyTorch oracle (minference_fx/kernels/reference.py).
 
 The expected key sets are rebuilt here from the written definitions with plain
 loops and float64 scores; nothing but the public functions of the reference is

@@ -6,7 +6,7 @@
 * **Physical density**: the BLOCK x BLOCK tile steps the attention walk runs, over the (query tile, key tile)
   pairs that hold a causal pair. A listed tile counts whole even where the causal mask or the end of the keys
   leaves part of it unused, and the leftover columns count one step per BLOCK of them (the kernel gathers them
-  BLOCK at a time), as ``kernels/attend.py`` walks them.
+  BLOCK at a time), as ``minference_fx/kernels/attend.py`` walks them.
 
 Their ratio is the waste of the layout: about 1 when the kept keys fill whole tiles (a wide local band, tiles
 of a block-sparse head), up to 2 * BLOCK / (rows in a tile) per far slash diagonal, which crosses two key tiles
