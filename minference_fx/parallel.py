@@ -5,7 +5,7 @@ parallelism each rank runs a slice of every layer's heads, so the backend must k
 query head to read the right entries. This module reads it from the graph, so no option is needed.
 
 How HF transformers shards a model (``from_pretrained(..., tp_plan="auto")`` under torchrun, or
-``DistributedConfig(tp_size=...)``), on 5.17 and 5.24 alike: the TP plan marks the attention's q/k/v
+``DistributedConfig(tp_size=...)``), on 5.17 to 5.25 alike: the TP plan marks the attention's q/k/v
 projections "colwise", and their weights become DTensors placed ``Shard(0)`` over the TP mesh. Rank ``r`` of
 ``W`` holds output rows ``[r·N/W, (r+1)·N/W)`` of the query projection (``N = Hq·head_dim``), which are
 the global query heads ``[r·Hq/W, (r+1)·Hq/W)``. With autograd off (a prefill) HF's hooks run each projection

@@ -6,7 +6,7 @@ and a short prompt with the head offset read from the sharding, the long prompt'
 rank but 0) ``head_offset=0``, and what each compile's report said.
 
 The model is sharded as ``from_pretrained(..., tp_plan="auto")`` shards it, by the same transformers calls
-(``prepare_distribute_model`` then ``maybe_distribute_model``, on 5.17 and 5.24 alike), but from a model built
+(``prepare_distribute_model`` then ``maybe_distribute_model``, on 5.17 to 5.25 alike), but from a model built
 in memory: loading from a directory with a TP plan needs ``accelerate``, which the CI stacks do not install.
 """
 import sys
