@@ -207,14 +207,12 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     if grid:
         crossover = find_crossover(grid, dense_ms, sparse_ms, margin=CROSSOVER_MARGIN)
         top = grid[-1]
-        costs = {}
         if top == max(crossover_lengths):
             # a cost from a shorter grid would replace the full one's with launch overhead (a user cache wins over
             # the shipped table): only the whole grid measures it
             cost = measure_cost(workload, top, results[top].best, timer, dense_ms=dense_ms[top],
                                 kernel_ms=results[top].best_ms)
-            costs = {measured_on: cost}
-        cache.write(crossovers={measured_on: crossover}, costs=costs, path=path)
+        cache.write(crossovers={measured_on: crossover}, costs={measured_on: cost} if cost else {}, path=path)
     return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks, cost)
 
 

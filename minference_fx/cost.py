@@ -3,9 +3,9 @@
 A head whose index keeps a share ``s`` of its causal key tiles costs ``s / walk_rate`` of the fused SDPA's time
 for its dense causal attention (:class:`WalkCost`, measured per shape by
 ``minference-fx autotune``): past ``s = walk_rate`` the tile walk is the slower one, though it reads fewer keys.
-On the H200 that rate is 0.77-0.85 (BENCHMARKS.md section 1), so a head between it and the near-dense rule's
-90 % was slower walked than dense: the scattered input family's heads at 32K keep 73-99 % of their tiles, and
-their walk took 16.84 ms against cuDNN's 14.95 ms for every tile. Such a head is marked here, and the routing
+On the H200 that rate is 0.77-0.87 (BENCHMARKS.md sections 1 and 6), so a head between it and the near-dense
+rule's 90 % was slower walked than dense: the scattered input family's heads at 32K keep 73-99 % of their tiles,
+and their walk took 16.62 ms against cuDNN's 14.52 ms for every tile. Such a head is marked here, and the routing
 (:mod:`minference_fx.routing`) sends it to SDPA from the next call on. Routing one head still leaves the
 index to pay: when the call as a whole (the index, the routed heads at 1, the walked ones at ``s /
 walk_rate``) would cost at least the dense layer, every head is marked, and the site then skips its index at
@@ -79,16 +79,16 @@ def heads_to_route(ran_dense: Optional[torch.Tensor], share: torch.Tensor, plan:
     index_share = cost.index_share_at(keys)
     if index_share == 0 and cost.walk_rate >= NEAR_DENSE_SHARE:
         return ran_dense  # every head past the rate is near-dense already, and nothing makes a whole layer dearer
-    split = split_plan(plan)
+    head_kinds = _head_kinds(plan)
     # one table a call, built on the device from a pinned host copy (no sync, and a CUDA graph can capture it)
-    kinds = int_table(_head_kinds(plan), share.device)
+    kinds = int_table(head_kinds, share.device)
     listed, dense_heads = kinds == _LISTED, kinds == _DENSE
     costly = listed[None, :] & (share >= cost.walk_rate)
     route = costly if ran_dense is None else costly | ran_dense
     # a listed head walks its share; an A-shape head's few fixed tiles count as free, a dense one as one SDPA
     walked = torch.where(listed[None, :], (share / cost.walk_rate).clamp(max=1.0), dense_heads[None, :].float())
     # the index estimates only the listed heads; its share was measured with every head listed
-    index = index_share * split.n_listed / len(plan.heads)
+    index = index_share * head_kinds.count(_LISTED) / len(head_kinds)
     whole = torch.where(route, 1.0, walked).double().mean(-1, keepdim=True) + index >= 1.0
     # the plan's dense heads run SDPA either way: marking them would only miscount the routed heads
     for_cost = costly | (whole & ~dense_heads[None, :])
