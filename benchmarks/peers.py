@@ -66,9 +66,9 @@ def block_mask_of(index: SparseIndex, skv: int) -> torch.Tensor:
     """bool ``[B, Hq, M, N]``: the key blocks of 64 each query tile reads, the index's tiles and the blocks that
     hold its leftover columns."""
     n_blocks = _cdiv(skv, BLOCK)
-    B, H, M = index.tile_count.shape
-    mask = torch.zeros(B, H, M, n_blocks + 1, dtype=torch.bool, device=index.tile_count.device)
-    for count, entries, width in ((index.tile_count, index.tile_index, 1), (index.col_count, index.col_index, BLOCK)):
+    B, H, M = index.block_count.shape
+    mask = torch.zeros(B, H, M, n_blocks + 1, dtype=torch.bool, device=index.block_count.device)
+    for count, entries, width in ((index.block_count, index.block_start, 1), (index.col_count, index.col_index, BLOCK)):
         listed = torch.arange(entries.shape[-1], device=entries.device) < count[..., None].long()
         # unlisted entries go to a spare block that is dropped afterwards
         mask.scatter_(-1, torch.where(listed, entries.long() // width, n_blocks), True)
@@ -113,14 +113,14 @@ def flashinfer_layout(index: SparseIndex, sq: int, skv: int | None = None, *, ba
         h, row = (last != m).nonzero()[0].tolist()
         raise ValueError(f"head {h} query block {row} ends at key block {int(last[h, row])}, not its diagonal block "
                          f"{row}: FlashInfer's causal mask would be misaligned there")
-    tiles = index.tile_count[batch].long().sum()
+    tiles = index.block_count[batch].long().sum()
     return FlashInferLayout(mask, _block_sizes(sq, H, mask.device), _block_sizes(skv, H, mask.device),
                             int(mask.sum() - tiles))
 
 
 def tile_steps(index: SparseIndex) -> int:
     """64 x 64 steps our kernel walks over ``index``: its listed tiles and its leftover columns 64 at a time."""
-    return int(index.tile_count.long().sum() + ((index.col_count.long() + BLOCK - 1) // BLOCK).sum())
+    return int(index.block_count.long().sum() + ((index.col_count.long() + BLOCK - 1) // BLOCK).sum())
 
 
 # --------------------------------------------------------------------------- MInference's indices

@@ -281,7 +281,7 @@ block-sparse) (batch, head) pairs, ``heads_forced_dense`` those whose index was 
 def near_dense_heads(index, plan: LayerPlan, sq: int, skv: int, q_offset: int, key_mask=None) -> torch.Tensor:
     """[B, Hq] bool: the (batch, head) pairs the op runs dense by the near-dense rule, for an index that lists
     every head (the reference's; it enumerates dense and A-shape heads' tiles too, which the rule skips)."""
-    listed = torch.tensor(split_plan(plan).listed_mask, device=index.tile_count.device)
+    listed = torch.tensor(split_plan(plan).listed_mask, device=index.block_count.device)
     return guard.near_dense(index, sq, skv, q_offset, key_mask) & listed[None, :]
 
 
@@ -338,11 +338,11 @@ def take_index(base: SparseIndex, other: SparseIndex, take: torch.Tensor) -> Spa
         return F.pad(t, (0, width - t.shape[-1]), value=-1)
 
     rows = take[:, :, None]
-    tiles = max(base.tile_index.shape[-1], other.tile_index.shape[-1])
+    tiles = max(base.block_start.shape[-1], other.block_start.shape[-1])
     cols = max(base.col_index.shape[-1], other.col_index.shape[-1])
     return SparseIndex(
-        tile_count=torch.where(rows, other.tile_count, base.tile_count),
-        tile_index=torch.where(rows[..., None], pad(other.tile_index, tiles), pad(base.tile_index, tiles)),
+        block_count=torch.where(rows, other.block_count, base.block_count),
+        block_start=torch.where(rows[..., None], pad(other.block_start, tiles), pad(base.block_start, tiles)),
         col_count=torch.where(rows, other.col_count, base.col_count),
         col_index=torch.where(rows[..., None], pad(other.col_index, cols), pad(base.col_index, cols)),
     )

@@ -97,7 +97,7 @@ def candidates_for(length: int) -> list[HeadPlan]:
 def physical_density(index: reference.SparseIndex, sq: int, skv: int) -> torch.Tensor:
     """[Hq]: computed (i, j) pairs over causal pairs, tiles at BLOCK×BLOCK and columns at BLOCK rows."""
     b = reference.BLOCK
-    work = index.tile_count.double() * b * b + index.col_count.double() * b  # [B, Hq, M]
+    work = index.block_count.double() * b * b + index.col_count.double() * b  # [B, Hq, M]
     causal = sq * (sq + 1) / 2 + sq * (skv - sq)
     return (work.sum(-1) / causal).mean(0).clamp(max=1.0)
 
@@ -136,8 +136,8 @@ def _row_key_mask(index: reference.SparseIndex, rows: torch.Tensor, skv: int) ->
         out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool, device=idx.device)
         return out.scatter_(-1, slot, True)[..., :length]
 
-    tiles = rows.to(index.tile_index.device) // reference.BLOCK
-    per_tile = scatter(index.tile_index[:, :, tiles], n_tiles).repeat_interleave(reference.BLOCK, dim=-1)[..., :skv]
+    tiles = rows.to(index.block_start.device) // reference.BLOCK
+    per_tile = scatter(index.block_start[:, :, tiles], n_tiles).repeat_interleave(reference.BLOCK, dim=-1)[..., :skv]
     return per_tile | scatter(index.col_index[:, :, tiles], skv)
 
 

@@ -77,7 +77,7 @@ def test_skipped_heads_are_left_alone_and_the_others_unchanged(launch):
     index = reference.build_index(q, k, plan, scale=scale)
     patterns, budget_a, budget_b = plan.op_arguments()
     skipped = [0, 2, 3]  # a vertical-slash head (its lists are in the index), a block-sparse and a dense head
-    assert index.tile_count[:, 0].sum() > 0 and index.col_count[:, 0].sum() > 0
+    assert index.block_count[:, 0].sum() > 0 and index.col_count[:, 0].sum() > 0
     patterns = [SKIP_CODE if h in skipped else p for h, p in enumerate(patterns)]
     before = torch.full_like(q, 7.0)
     got = sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, out=before.clone(),

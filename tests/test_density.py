@@ -24,9 +24,9 @@ def plan_of(*heads) -> LayerPlan:
 
 def index_from_masks(tiles: torch.Tensor, cols: torch.Tensor) -> ref.SparseIndex:
     """A SparseIndex listing the tiles ``[B, H, M, N]`` and columns ``[B, H, M, Skv]`` marked True."""
-    tile_count, tile_index = ref._pack(tiles, 1)
+    block_count, block_start = ref._pack(tiles, 1)
     col_count, col_index = ref._pack(cols, 1)
-    return ref.SparseIndex(tile_count, tile_index, col_count, col_index)
+    return ref.SparseIndex(block_count, block_start, col_count, col_index)
 
 
 def selection(columns, diagonals) -> den.KeySelection:
@@ -179,7 +179,7 @@ def test_brute_force_on_both_builders(family, dtype):
         assert got.physical_tiles[0, 0].item() == walked, name
         a_tiles = _as_masks(reference_index, sq)[0][0, 1].sum().item()  # the reference lists A-shape tiles
         assert got.physical_tiles[0, 1].item() == a_tiles, name
-        assert got.physical_tiles[0, 2].item() == reference_index.tile_count[0, 2].sum().item(), name
+        assert got.physical_tiles[0, 2].item() == reference_index.block_count[0, 2].sum().item(), name
         assert got.physical[0, 3].item() == 1.0 and got.logical[0, 3].item() == 1.0, name
         assert (got.physical >= got.logical).all(), name
 
@@ -192,7 +192,7 @@ def _as_masks(index, skv):
         out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool)
         return out.scatter_(-1, torch.where(idx >= 0, idx, length), True)[..., :length]
 
-    return scatter(index.tile_index, n_tiles), scatter(index.col_index, skv)
+    return scatter(index.block_start, n_tiles), scatter(index.col_index, skv)
 
 
 def test_picks_from_the_gpu_estimate_match_the_torch_one():

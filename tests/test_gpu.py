@@ -169,13 +169,13 @@ def _full_index(gpu_index, q, k, plan, masks, scale):
     """The GPU index lists only VS/BS heads; take dense/A-shape heads' tiles from the reference."""
     ref = reference.build_index(q, k, plan, scale=scale, **masks.kwargs())
     implicit = torch.tensor([h.pattern in (Pattern.DENSE, Pattern.A_SHAPE) for h in plan.heads], device=q.device)
-    t = max(ref.tile_index.shape[-1], gpu_index.tile_index.shape[-1])
+    t = max(ref.block_start.shape[-1], gpu_index.block_start.shape[-1])
     c = max(ref.col_index.shape[-1], gpu_index.col_index.shape[-1])
     pad = lambda x, n: torch.nn.functional.pad(x, (0, n - x.shape[-1]), value=-1)  # noqa: E731
     sel = implicit[None, :, None]
     return reference.SparseIndex(
-        torch.where(sel, ref.tile_count, gpu_index.tile_count),
-        torch.where(sel[..., None], pad(ref.tile_index, t), pad(gpu_index.tile_index, t)),
+        torch.where(sel, ref.block_count, gpu_index.block_count),
+        torch.where(sel[..., None], pad(ref.block_start, t), pad(gpu_index.block_start, t)),
         torch.where(sel, ref.col_count, gpu_index.col_count),
         torch.where(sel[..., None], pad(ref.col_index, c), pad(gpu_index.col_index, c)),
     )

@@ -64,10 +64,10 @@ def test_gpu_index_mass_matches_the_reference_estimate(batch, plan):
     torch.testing.assert_close(mass[:, checked], want[:, checked], rtol=1e-4, atol=1e-5)
     assert (mass[:, checked] < 1).all()  # random q/k: tiny budgets miss mass, so an unwritten 1 would show
     assert (mass[:, unchecked] == -1).all()  # other heads untouched
-    assert index.tile_count.shape == (batch, 4, 5)
+    assert index.block_count.shape == (batch, 4, 5)
     # the estimate's picks are the same with the guard's block-sparse rows added after them, or without
     alone = build_index_gpu(q, k, plan, scale=0.25)
-    for name in ("tile_count", "tile_index", "col_count", "col_index"):
+    for name in ("block_count", "block_start", "col_count", "col_index"):
         assert torch.equal(getattr(index, name), getattr(alone, name)), name
 
 
@@ -119,9 +119,9 @@ def test_near_dense_counts_leftover_columns_as_tiles():
     no column is under 90 %."""
     from minference_fx.kernels.reference import SparseIndex
 
-    tile_count = torch.tensor([[[1, 2, 3, 3]], [[1, 2, 3, 2]]], dtype=torch.int32)  # 9 and 8 of 10 tiles
+    block_count = torch.tensor([[[1, 2, 3, 3]], [[1, 2, 3, 2]]], dtype=torch.int32)  # 9 and 8 of 10 tiles
     col_count = torch.tensor([[[0, 0, 0, 64]], [[0, 0, 0, 0]]], dtype=torch.int32)
-    index = SparseIndex(tile_count, torch.zeros(2, 1, 4, 4, dtype=torch.int32), col_count,
+    index = SparseIndex(block_count, torch.zeros(2, 1, 4, 4, dtype=torch.int32), col_count,
                         torch.zeros(2, 1, 4, 64, dtype=torch.int32))
     assert guard.causal_tiles(256, 256, 0) == 10
     assert guard.near_dense(index, 256, 256, 0).tolist() == [[True], [False]]

@@ -53,15 +53,15 @@ def test_take_index_takes_the_chosen_rows_and_pads_the_narrower_tables():
     base, other = index(2, 3, 4, 2, 5, 1), index(2, 3, 4, 6, 3, 7)
     take = torch.tensor([[False, True, False], [True, False, False]])
     got = dense.take_index(base, other, take)
-    assert got.tile_index.shape[-1] == 6 and got.col_index.shape[-1] == 5
-    assert got.tile_index.dtype == torch.int16
+    assert got.block_start.shape[-1] == 6 and got.col_index.shape[-1] == 5
+    assert got.block_start.dtype == torch.int16
     for b in range(2):
         for h in range(3):
             want_tiles = [7] * 6 if take[b, h] else [1, 1, -1, -1, -1, -1]
             want_cols = [7, 7, 7, -1, -1] if take[b, h] else [1] * 5
-            assert got.tile_index[b, h, 0].tolist() == want_tiles
+            assert got.block_start[b, h, 0].tolist() == want_tiles
             assert got.col_index[b, h, 0].tolist() == want_cols
-            assert int(got.tile_count[b, h, 0]) == (7 if take[b, h] else 1)
+            assert int(got.block_count[b, h, 0]) == (7 if take[b, h] else 1)
 
 
 def test_a_weak_head_runs_at_the_escalated_budgets_instead_of_dense_on_the_cpu_op():

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minference_fx.kernels import reference as ref
-from minference_fx.kernels.index import build_index_gpu, index_bytes, index_capacity, index_tile_dtype, vs_estimate
+from minference_fx.kernels.index import build_index_gpu, index_bytes, index_capacity, index_start_dtype, vs_estimate
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 BLOCK = 64
@@ -47,17 +47,17 @@ def as_masks(index, skv):
         out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool, device=idx.device)
         return out.scatter_(-1, torch.where(idx >= 0, idx, length), True)[..., :length]
 
-    return scatter(index.tile_index, n_tiles), scatter(index.col_index, skv)
+    return scatter(index.block_start, n_tiles), scatter(index.col_index, skv)
 
 
 def check_format(index, plan, sq, skv):
     """dtypes, `count` ascending entries then -1, capacities as promised, no column inside a listed tile."""
-    B, Hq, M = index.tile_count.shape
+    B, Hq, M = index.block_count.shape
     assert M == -(-sq // BLOCK)
     tile_cap, col_cap = index_capacity(plan, skv)
-    assert index.tile_index.shape == (B, Hq, M, tile_cap) and index.col_index.shape == (B, Hq, M, col_cap)
-    assert index.tile_index.dtype == index_tile_dtype(skv) and index.col_index.dtype == torch.int32
-    for lists, counts in ((index.tile_index, index.tile_count), (index.col_index, index.col_count)):
+    assert index.block_start.shape == (B, Hq, M, tile_cap) and index.col_index.shape == (B, Hq, M, col_cap)
+    assert index.block_start.dtype == index_start_dtype(skv) and index.col_index.dtype == torch.int32
+    for lists, counts in ((index.block_start, index.block_count), (index.col_index, index.col_count)):
         assert counts.dtype == torch.int32
         valid = torch.arange(lists.shape[-1], device=lists.device) < counts[..., None].long()
         assert torch.equal(lists >= 0, valid), "entries must fill the first `count` slots, then -1"
@@ -146,7 +146,7 @@ def assert_matches_reference(q, k, plan, *, scale=None, **kw):
     for h, hp in enumerate(plan.heads):
         if hp.pattern in (VS, BS):
             for b in range(q.shape[0]):
-                for m in range(got.tile_count.shape[2]):
+                for m in range(got.block_count.shape[2]):
                     assert torch.equal(got_tiles[b, h, m], want_tiles[b, h, m]), (
                         f"tiles of (b={b}, h={h} {hp}, m={m}): got {got_tiles[b, h, m].nonzero().flatten().tolist()}, "
                         f"want {want_tiles[b, h, m].nonzero().flatten().tolist()}"
@@ -156,7 +156,7 @@ def assert_matches_reference(q, k, plan, *, scale=None, **kw):
                         f"want {want_cols[b, h, m].nonzero().flatten().tolist()}"
                     )
         else:
-            assert int(got.tile_count[:, h].abs().sum()) == 0 and int(got.col_count[:, h].abs().sum()) == 0, h
+            assert int(got.block_count[:, h].abs().sum()) == 0 and int(got.col_count[:, h].abs().sum()) == 0, h
     return got
 
 
@@ -246,7 +246,7 @@ def test_planted_diagonal(sq, skv, delta):
     got = assert_matches_reference(q, k, plan, q_offset=offset)
     vertical, slash = vs_estimate(q, k, scale=32 ** -0.5, q_offset=offset)
     assert int(slash[0, 0, 100:].argmax()) + 100 == delta  # the planted diagonal is the one picked
-    assert int(got.tile_count.sum()) > 0
+    assert int(got.block_count.sum()) > 0
 
 
 def test_window_padding_and_documents():
@@ -281,9 +281,9 @@ def test_longer_mixed_plan():
 def test_only_dense_heads_and_empty_inputs():
     q, k = rand_qk(1, 2, 1, 100, 100, 16)
     idx = build_index_gpu(q, k, plan_of((DENSE,), (ASHAPE, 4, 64)), scale=0.25)
-    assert idx.tile_index.shape == (1, 2, 2, 0) and int(idx.tile_count.abs().sum()) == 0
+    assert idx.block_start.shape == (1, 2, 2, 0) and int(idx.block_count.abs().sum()) == 0
     idx = build_index_gpu(q[:, :, :0], k, plan_of((VS, 30, 50), (BS, 2)), scale=0.25)
-    assert idx.tile_count.shape == (1, 2, 0)
+    assert idx.block_count.shape == (1, 2, 0)
 
 
 def test_tile_capacity_reached_exactly():
@@ -302,7 +302,7 @@ def test_tile_capacity_reached_exactly():
     plan = plan_of((VS, 30, 100 + len(deltas)))
     assert index_capacity(plan, skv)[0] == 4 + 2 * len(deltas) < -(-skv // BLOCK)
     got = assert_matches_reference(q, k, plan, q_offset=offset)
-    assert int(got.tile_count.max()) == index_capacity(plan, skv)[0]
+    assert int(got.block_count.max()) == index_capacity(plan, skv)[0]
 
 
 def test_attention_on_the_gpu_index_equals_the_reference_index():
@@ -314,7 +314,7 @@ def test_attention_on_the_gpu_index_equals_the_reference_index():
     plan = plan_of((VS, 40, 60), (BS, 2), (VS, 30, 120), (BS, 3))
     got = build_index_gpu(q, k, plan, scale=0.25)
     want = ref.build_index(q, k, plan, scale=0.25)
-    assert got.tile_index.dtype == torch.int16 and want.tile_index.dtype == torch.int32
+    assert got.block_start.dtype == torch.int16 and want.block_start.dtype == torch.int32
     args = (*plan.op_arguments(),)
     out_got = sparse_attention_triton(q, k, v, got, *args, scale=0.25)
     out_want = sparse_attention_triton(q, k, v, want, *args, scale=0.25)
@@ -326,9 +326,9 @@ def test_index_bytes_counts_what_is_allocated():
     q, k = rand_qk(2, 8, 2, 200, 264, 16, seed=67)
     got = build_index_gpu(q, k, plan, scale=0.25, q_offset=64)
     nbytes = index_bytes(plan, 2, 200, 264, head_dim=16)
-    assert nbytes["tile_index"] == got.tile_index.nbytes
+    assert nbytes["block_start"] == got.block_start.nbytes
     assert nbytes["col_index"] == got.col_index.nbytes
-    assert nbytes["counts"] == got.tile_count.nbytes + got.col_count.nbytes
+    assert nbytes["counts"] == got.block_count.nbytes + got.col_count.nbytes
     assert nbytes["total"] == sum(v for name, v in nbytes.items() if name != "total") and nbytes["scratch"] > 0
 
 
@@ -415,7 +415,7 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         fresh = build_index_gpu(new_q, new_k, plan, **kw)
         torch.cuda.synchronize()
-        for name in ("tile_count", "tile_index", "col_count", "col_index"):
+        for name in ("block_count", "block_start", "col_count", "col_index"):
             a, b = getattr(captured, name), getattr(fresh, name)
             # slash sums come from atomics in any order: allow a rare near-tie swap, nothing more
             assert (a != b).float().mean().item() <= 1e-3, name
@@ -438,7 +438,7 @@ def test_16k_bf16_close_to_reference():
     cols_diff = (got_c ^ want_c)[:, sparse].sum().item()
     assert tiles_diff <= 0.005 * want_t[:, sparse].sum().item(), tiles_diff
     assert cols_diff <= 0.005 * max(1, want_c[:, sparse].sum().item()), cols_diff
-    assert int(got.tile_count[:, ~sparse].abs().sum()) == 0
+    assert int(got.block_count[:, ~sparse].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -458,7 +458,7 @@ def test_the_index_pair_equals_two_builds_from_one_estimate(masked):
     two = build_index_gpu(q, k, up, scale=0.25, mass_out=masses[1], **kw)
     got, got_up = build_index_pair_gpu(q, k, plan, up, scale=0.25, mass_out=masses[2], escalated_mass_out=masses[3], **kw)
     for want, have in ((one, got), (two, got_up)):
-        for name in ("tile_count", "tile_index", "col_count", "col_index"):
+        for name in ("block_count", "block_start", "col_count", "col_index"):
             assert torch.equal(getattr(want, name), getattr(have, name)), name
     assert torch.equal(masses[0], masses[2]) and torch.equal(masses[1], masses[3])
     # both estimates written (heads 0 and 1 miss mass at their budgets), the escalated one capturing more

@@ -124,7 +124,7 @@ def test_flashinfer_layout_is_the_tiles_plus_the_column_blocks(sq, seed):
 
     # the blocks: exactly those holding a listed tile or a listed column
     assert torch.equal(layout.block_mask_map, _tiles_of(listed))
-    no_cols = ref.SparseIndex(index.tile_count, index.tile_index, torch.zeros_like(index.col_count),
+    no_cols = ref.SparseIndex(index.block_count, index.block_start, torch.zeros_like(index.col_count),
                               torch.full_like(index.col_index, -1))
     tiles_only = ref.index_to_mask(no_cols, range(0, sq), sq)[0]
     assert layout.column_blocks == int(layout.block_mask_map.sum() - _tiles_of(tiles_only).sum()) > 0
@@ -146,12 +146,12 @@ def test_flashinfer_layout_is_the_tiles_plus_the_column_blocks(sq, seed):
 def test_flashinfer_layout_refuses_a_row_without_its_diagonal_block():
     sq = 256
     index, _ = _case(sq)
-    tiles = index.tile_index.clone()
+    tiles = index.block_start.clone()
     # drop query block 2's diagonal tile of head 1: the causal alignment to the gathered keys would be off
     row = tiles[0, 1, 2]
     row[row == 2] = -1
     tiles[0, 1, 2] = torch.cat([row[row >= 0], row[row < 0]])
-    count = index.tile_count.clone()
+    count = index.block_count.clone()
     count[0, 1, 2] -= 1
     broken = ref.SparseIndex(count, tiles, index.col_count, index.col_index)
     with pytest.raises(ValueError, match="head 1 query block 2"):
@@ -264,7 +264,7 @@ def test_adapters_feed_the_peers_our_keys(monkeypatch):
     k_rep, v_rep = k[0].repeat_interleave(group, 0), v[0].repeat_interleave(group, 0)
     _, _, out, column_blocks = peers.run_flashinfer(case, reps=1)
     blocks = peers.block_mask_of(index, sq)[0]
-    assert out.shape == q.shape and column_blocks == int(blocks.sum() - index.tile_count.sum())
+    assert out.shape == q.shape and column_blocks == int(blocks.sum() - index.block_count.sum())
     expected = _masked_attention(q[0], k_rep, v_rep, _blocks_to_keys(blocks, sq) & _causal(sq), scale)
     torch.testing.assert_close(out[0], expected)
 

@@ -146,17 +146,17 @@ def expected_index(q, k, plan, scale, pos, base, key_mask=None):
 
 
 def check_structure(index, expected, B, Hq, M, hi):
-    for name in ("tile_count", "tile_index", "col_count", "col_index"):
+    for name in ("block_count", "block_start", "col_count", "col_index"):
         assert getattr(index, name).dtype == torch.int32, name
-    assert index.tile_index.shape[:3] == (B, Hq, M) and index.col_index.shape[:3] == (B, Hq, M)
-    for lists, counts in ((index.tile_index, index.tile_count), (index.col_index, index.col_count)):
+    assert index.block_start.shape[:3] == (B, Hq, M) and index.col_index.shape[:3] == (B, Hq, M)
+    for lists, counts in ((index.block_start, index.block_count), (index.col_index, index.col_count)):
         valid = torch.arange(lists.shape[-1]) < counts[..., None].long()
         assert torch.equal(lists >= 0, valid), "entries must be the first `count` slots, then -1"
         assert bool((lists[~valid] == -1).all())
         steps = lists[..., 1:] - lists[..., :-1]
         assert bool((steps[valid[..., 1:]] > 0).all()), "entries must be strictly ascending"
     for (b, h, m), (tiles, cols) in expected.items():
-        got_tiles = index.tile_index[b, h, m, : index.tile_count[b, h, m]].tolist()
+        got_tiles = index.block_start[b, h, m, : index.block_count[b, h, m]].tolist()
         got_cols = index.col_index[b, h, m, : index.col_count[b, h, m]].tolist()
         assert got_tiles == tiles, (b, h, m)
         assert got_cols == cols, (b, h, m)

@@ -267,7 +267,7 @@ def test_an_all_routed_layer_launches_the_same_with_its_index_built_or_skipped(m
 
     def record(*args, **kw):
         index = args[3]
-        shapes = tuple(t.shape for t in (index.tile_count, index.tile_index, index.col_count, index.col_index))
+        shapes = tuple(t.shape for t in (index.block_count, index.block_start, index.col_count, index.col_index))
         launches.append((shapes, kw.get("forced"), kw.get("key_mask") is not None))
         return real(*args, **kw)
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import PATTERN_CODES, Pattern
-from .reference import BLOCK, SparseIndex, first_kept_keys
+from .reference import BLOCK, NO_BLOCK, SparseIndex, first_kept_keys
 from .tables import int_table, rows_per_batch
 
 DENSE = tl.constexpr(PATTERN_CODES[Pattern.DENSE])
@@ -46,6 +46,7 @@ FORCE_HERE = tl.constexpr(FORCE_MODES["here"])
 FORCE_SKIP = tl.constexpr(FORCE_MODES["skip"])
 FORCE_ONLY = tl.constexpr(FORCE_MODES["only"])
 
+TILE_KEYS = tl.constexpr(BLOCK)
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -147,12 +148,13 @@ def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
                      HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, KV_DESC: tl.constexpr, CROSSING: tl.constexpr,
                      APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
-    """Keys ``start .. start + BLOCK_N - 1`` (one whole tile, or one step of the dense walk): contiguous rows of
-    K/V, so TMA can copy them when ``KV_DESC``. Unless ``CROSSING``, they lie inside the keys."""
+    """Keys ``start .. start + BLOCK_N - 1`` (one whole block, or one step of the dense walk): contiguous rows of
+    K/V, so TMA can copy them when ``KV_DESC`` (zeros past either end). Unless ``CROSSING``, they lie inside the
+    keys."""
     seq_k = prog[5]
     cols = start + offs_n
     if CROSSING:
-        col_ok = cols < seq_k
+        col_ok = (cols >= 0) & (cols < seq_k)
     else:
         col_ok = cols >= 0  # all true
     return _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, kv, prog, masks, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW,
@@ -161,15 +163,15 @@ def _contiguous_step(start, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
 
 
 @triton.jit
-def _tile_number(i, tiles, slot_ok=True):
-    """Key tile in slot i (scalar or vector) of a query tile's visits: listed (VS/BS), or enumerated for
-    dense and A-shape (sinks from tile ``sink_first``, then the window).
+def _block_start(i, tiles, slot_ok=True):
+    """First key of the block in slot i (scalar or vector) of a query tile's visits: listed (VS/BS), or
+    enumerated for dense and A-shape (sink tiles from tile ``sink_first``, then the window's tiles).
 
-    ``tiles``: ``(pattern, listed, tile_list, sink_first, sink_tiles, win_first)``."""
-    pattern, listed, tile_list, sink_first, sink_tiles, win_first = tiles
+    ``tiles``: ``(pattern, listed, block_list, sink_first, sink_tiles, win_first)``."""
+    pattern, listed, block_list, sink_first, sink_tiles, win_first = tiles
     n = tl.where(i < sink_tiles, sink_first + i, win_first + i - sink_tiles)
     n = tl.where(pattern == DENSE, i, n)
-    return tl.where(listed, tl.load(tile_list + i, mask=listed & slot_ok, other=0), n)
+    return tl.where(listed, tl.load(block_list + i, mask=listed & slot_ok, other=0).to(tl.int32), n * TILE_KEYS)
 
 
 @triton.jit
@@ -177,20 +179,20 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, tiles, kv, prog, masks,
                 HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, TILE: tl.constexpr, KV_DESC: tl.constexpr,
                 CROSSING: tl.constexpr, APPLY_MASK: tl.constexpr, FULL_TILE: tl.constexpr):
-    """Visit slots ``first .. stop - 1`` of the query tile's key tiles.
+    """Visit slots ``first .. stop - 1`` of the query tile's key blocks.
 
-    ``CROSSING``: the slots whose tiles may cross the diagonal or the end of the keys (causal mask, bounds);
-    the others lie wholly before the query rows and inside the keys. BLOCK_N == TILE walks a tile a step
-    (TMA copies when ``KV_DESC``); otherwise a step holds part of one tile (BLOCK_N < TILE) or several listed
-    tiles side by side (BLOCK_N > TILE: a gather, so no TMA), step v holding slots (v*BLOCK_N + offs_n) // TILE.
+    ``CROSSING``: the slots whose blocks may cross the diagonal, the end of the keys or key 0 (causal mask,
+    bounds); the others lie wholly before the query rows and inside the keys. BLOCK_N == TILE walks a block a
+    step (TMA copies when ``KV_DESC``); otherwise a step holds part of one block (BLOCK_N < TILE) or several
+    listed blocks side by side (BLOCK_N > TILE: a gather, so no TMA), step v holding slots
+    (v*BLOCK_N + offs_n) // TILE.
 
-    ``tiles``: the query tile's visits (see ``_tile_number``); ``kv``, ``prog``, ``masks``: as ``_step`` reads them."""
+    ``tiles``: the query tile's visits (see ``_block_start``); ``kv``, ``prog``, ``masks``: as ``_step`` reads them."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     seq_k = prog[5]
     if BLOCK_N == TILE:
         for i in range(first, stop):
-            n = _tile_number(i, tiles)
-            m_i, l_i, acc = _contiguous_step(n * TILE, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
+            m_i, l_i, acc = _contiguous_step(_block_start(i, tiles), q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
                                              HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING,
                                              APPLY_MASK, FULL_TILE)
     else:
@@ -203,12 +205,10 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, tiles, kv, prog, masks,
             at = v * BLOCK_N + offs_n
             if CROSSING:
                 slot_ok = at // TILE < stop
-                n = _tile_number(at // TILE, tiles, slot_ok)
-                cols = n * TILE + at % TILE
-                col_ok = slot_ok & (cols < seq_k)
+                cols = _block_start(at // TILE, tiles, slot_ok) + at % TILE
+                col_ok = slot_ok & (cols >= 0) & (cols < seq_k)
             else:
-                n = _tile_number(at // TILE, tiles)
-                cols = n * TILE + at % TILE
+                cols = _block_start(at // TILE, tiles) + at % TILE
                 col_ok = cols >= 0
             m_i, l_i, acc = _step(cols, col_ok, q, m_i, l_i, acc, qk_scale, kv, prog, masks, HAS_KEY_MASK, HAS_DOC,
                                   HAS_WINDOW, DOT_PRECISION, CAUSAL=CROSSING, APPLY_MASK=APPLY_MASK,
@@ -252,9 +252,9 @@ def _sparse_attn_fwd(
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
-    """``Index``: the tables ``(TileCount, TileIndex, ColCount, ColIndex)``, [B*H, M] and [B*H, M, cap];
+    """``Index``: the tables ``(BlockCount, BlockStart, ColCount, ColIndex)``, [B*H, M] and [B*H, M, cap];
     ``Plan``: the per-head tables ``(Patterns, BudgetA, BudgetB)``."""
-    TileCount, TileIndex, ColCount, ColIndex = Index
+    BlockCount, BlockStart, ColCount, ColIndex = Index
     Patterns, BudgetA, BudgetB = Plan
     # A head's programs differ in length: by the causal triangle, and in the sparse walk by the diagonals whose keys
     # exist only past the first rows. Launching each head's last query tile (its longest walk) first leaves short
@@ -356,18 +356,24 @@ def _sparse_attn_fwd(
         if pattern == A_SHAPE:
             n_tiles = sink_tiles + tl.maximum(last_tile - win_first + 1, 0)
         if listed:
-            n_tiles = tl.load(TileCount + pid_bh * stride_tc_bh + m_list)
+            n_tiles = tl.load(BlockCount + pid_bh * stride_tc_bh + m_list)
         n_tiles = tl.where(runs & sees_keys, n_tiles, 0)
-        tile_list = TileIndex + pid_bh * stride_ti_bh + m_list * stride_ti_m
-        # Tiles come in ascending order, and only those from `first_crossing` on can cross the diagonal
+        block_list = BlockStart + pid_bh * stride_ti_bh + m_list * stride_ti_m
+        # Blocks come in ascending order, and only those from `first_crossing` on can cross the diagonal
         # or the end of the keys: at most last_tile - first_crossing + 1 of them, at the end of the list.
         # The ones before need no causal mask (issue: mask only where a tile crosses the diagonal).
         first_crossing = tl.minimum(pos_lo + 1, seq_k) // TILE
         crossing_last = last_tile
         if BLOCK_M != TILE:
             crossing_last = tl.where(listed, tl.minimum(list_hi, seq_k - 1) // TILE, last_tile)
-        n_clear = tl.maximum(n_tiles - tl.maximum(crossing_last - first_crossing + 1, 0), 0)
-        tiles = (pattern, listed, tile_list, sink_first, sink_tiles, win_first)
+        n_crossing = tl.maximum(crossing_last - first_crossing + 1, 0)
+        # Diagonal blocks lie 64 apart, so one at most crosses the diagonal or the end of the keys (the
+        # highest); one at most starts before key 0, and the index lists it after all the others
+        diagonal = pattern == VERTICAL_SLASH
+        last_start = tl.load(block_list + tl.maximum(n_tiles - 1, 0), mask=diagonal & (n_tiles > 0), other=0)
+        n_crossing = tl.where(diagonal, tl.maximum(n_crossing, 1) + (last_start < 0).to(tl.int32), n_crossing)
+        n_clear = tl.maximum(n_tiles - n_crossing, 0)
+        tiles = (pattern, listed, block_list, sink_first, sink_tiles, win_first)
         m_i, l_i, acc = _walk_tiles(0, n_clear, q, m_i, l_i, acc, qk_scale, tiles, kv, prog, masks, offs_n,
                                     HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, TILE, KV_DESC,
                                     CROSSING=False, APPLY_MASK=EXTRA_MASKS, FULL_TILE=HEAD_DIM == BLOCK_D)
@@ -399,8 +405,9 @@ def _sparse_attn_fwd(
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
     """An index with nothing listed: for plans of only dense / A-shape heads."""
     zeros = torch.zeros(batch, heads, m_tiles, dtype=torch.int32, device=device)
-    none = torch.full((batch, heads, m_tiles, 1), -1, dtype=torch.int32, device=device)
-    return SparseIndex(zeros, none, zeros, none)
+    no_block = torch.full((batch, heads, m_tiles, 1), NO_BLOCK, dtype=torch.int32, device=device)
+    no_column = torch.full((batch, heads, m_tiles, 1), -1, dtype=torch.int32, device=device)
+    return SparseIndex(zeros, no_block, zeros, no_column)
 
 
 def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
@@ -459,9 +466,9 @@ def sparse_attention_triton(
     if sq == 0:
         return (out, lse) if return_lse else out
     pat_t, a_t, b_t = (int_table(xs, q.device) for xs in (patterns, budget_a, budget_b))
-    ti = index.tile_index.reshape(B * Hq, index.tile_index.shape[2], -1)
+    ti = index.block_start.reshape(B * Hq, index.block_start.shape[2], -1)
     ci = index.col_index.reshape(B * Hq, index.col_index.shape[2], -1)
-    tc = index.tile_count.reshape(B * Hq, -1)
+    tc = index.block_count.reshape(B * Hq, -1)
     cc = index.col_count.reshape(B * Hq, -1)
     key_mask, doc_ids = rows_per_batch(key_mask, B), rows_per_batch(doc_ids, B)
     km = key_mask if key_mask is not None else q  # any pointer; unused when HAS_KEY_MASK is False

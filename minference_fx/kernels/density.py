@@ -221,7 +221,7 @@ def _vs_logical(selection: KeySelection, sq: int, skv: int, q_offset: int) -> to
 
 def _listed_logical(index: SparseIndex, lo: torch.Tensor, hi: torch.Tensor, skv: int) -> torch.Tensor:
     """float64 ``[B, H]``: causal pairs inside the listed tiles (block-sparse heads' kept keys)."""
-    tiles = index.tile_index.long()
+    tiles = index.block_start.long()
     start = tiles * BLOCK
     pairs = causal_pairs(lo[:, None], hi[:, None], start, start + BLOCK, skv)
     return torch.where(tiles >= 0, pairs, 0).sum((-1, -2)).double()
@@ -245,7 +245,7 @@ def index_density(index: SparseIndex, plan: LayerPlan, selection: KeySelection |
     :class:`Density`, tensors on the index's device; nothing is read back to the host.
     """
     skv = sq if skv is None else skv
-    B, Hq, M = index.tile_count.shape
+    B, Hq, M = index.block_count.shape
     if M != _cdiv(sq, BLOCK):
         raise ValueError(f"index has {M} query tiles, a call of {sq} rows has {_cdiv(sq, BLOCK)}")
     if len(plan.heads) != Hq:
@@ -256,7 +256,7 @@ def index_density(index: SparseIndex, plan: LayerPlan, selection: KeySelection |
                          "selection=selection_of(q, k, plan, scale=...)")
     if selection is not None and tuple(selection.columns.shape[:2]) != (B, Hq):
         raise ValueError(f"selection is for {list(selection.columns.shape[:2])} (B, Hq), the index for {[B, Hq]}")
-    dev = index.tile_count.device
+    dev = index.block_count.device
     lo, hi, last_tile = _query_tiles(sq, skv, q_offset, dev)
     # on the host from shapes alone, so the denominators cost no sync
     host_lo, host_hi, host_last = _query_tiles(sq, skv, q_offset, "cpu")
@@ -274,7 +274,7 @@ def index_density(index: SparseIndex, plan: LayerPlan, selection: KeySelection |
     a_keys = (causal_pairs(lo[None], hi[None], 0, sink_tiles * BLOCK, skv)
               + causal_pairs(lo[None], hi[None], win_first * BLOCK, skv, skv)).sum(-1)
 
-    listed_tiles = (index.tile_count.long() + (index.col_count.long() + BLOCK - 1) // BLOCK).sum(-1).double()
+    listed_tiles = (index.block_count.long() + (index.col_count.long() + BLOCK - 1) // BLOCK).sum(-1).double()
     physical = torch.where(codes == PATTERN_CODES[Pattern.A_SHAPE], a_tiles.double()[None], listed_tiles)
     physical = torch.where(codes == PATTERN_CODES[Pattern.DENSE], float(causal_tiles), physical)
 
@@ -287,7 +287,7 @@ def index_density(index: SparseIndex, plan: LayerPlan, selection: KeySelection |
     if bs:
         # only the block-sparse heads' lists: a vertical-slash head's list is far wider
         heads = int_table(bs, dev).long()
-        bs_index = SparseIndex(*(t.index_select(1, heads) for t in (index.tile_count, index.tile_index,
+        bs_index = SparseIndex(*(t.index_select(1, heads) for t in (index.block_count, index.block_start,
                                                                      index.col_count, index.col_index)))
         logical = logical.index_copy(1, heads, _listed_logical(bs_index, lo, hi, skv))
     if force_dense is not None:

@@ -61,7 +61,7 @@ def captured_mass(vertical: torch.Tensor, index: SparseIndex, rows: int) -> torc
     B, H, skv = vertical.shape
     n = -(-skv // BLOCK)
     tile_sum = F.pad(vertical, (0, n * BLOCK - skv)).view(B, H, n, BLOCK).sum(-1)
-    tiles = index.tile_index[:, :, -1].long()
+    tiles = index.block_start[:, :, -1].long()
     cols = index.col_index[:, :, -1].long()
     in_tiles = (tile_sum.gather(-1, tiles.clamp(min=0)) * (tiles >= 0)).sum(-1)
     in_cols = (vertical.gather(-1, cols.clamp(min=0)) * (cols >= 0)).sum(-1) if cols.shape[-1] else 0.0
@@ -83,17 +83,17 @@ def vertical_scores(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, win
 def densify(index: SparseIndex, force: torch.Tensor, sq: int, skv: int, q_offset: int) -> SparseIndex:
     """The index with every forced (b, h) listing all causal tiles and no columns (reference path)."""
     n = -(-skv // BLOCK)
-    B, H, M, T = index.tile_index.shape
+    B, H, M, T = index.block_start.shape
     cap = max(T, n)
     last = torch.clamp(q_offset + torch.clamp(torch.arange(M) * BLOCK + BLOCK - 1, max=sq - 1), max=skv - 1) // BLOCK
     dense_idx = torch.arange(cap).expand(M, cap)
-    dense_idx = torch.where(dense_idx <= last[:, None], dense_idx, -1).to(torch.int32).to(index.tile_index.device)
-    dense_cnt = (last + 1).to(torch.int32).to(index.tile_count.device)
+    dense_idx = torch.where(dense_idx <= last[:, None], dense_idx, -1).to(torch.int32).to(index.block_start.device)
+    dense_cnt = (last + 1).to(torch.int32).to(index.block_count.device)
     f = force[:, :, None]
-    tile_index = F.pad(index.tile_index, (0, cap - T), value=-1)
+    block_start = F.pad(index.block_start, (0, cap - T), value=-1)
     return SparseIndex(
-        tile_count=torch.where(f, dense_cnt.expand(B, H, M), index.tile_count),
-        tile_index=torch.where(f[..., None], dense_idx.expand(B, H, M, cap), tile_index),
+        block_count=torch.where(f, dense_cnt.expand(B, H, M), index.block_count),
+        block_start=torch.where(f[..., None], dense_idx.expand(B, H, M, cap), block_start),
         col_count=torch.where(f, 0, index.col_count),
         col_index=index.col_index,
     )
@@ -114,15 +114,15 @@ def kept_share(index: SparseIndex, sq: int, skv: int, q_offset: int, key_mask=No
     tiles read nothing and its padding key tiles hold no key it reads, so counting them decided a head of the
     same prompt one way padded and the other unpadded (output off by 0.46-0.67). Computed on the device: no sync."""
     if key_mask is None:
-        kept = index.tile_count.sum(-1, dtype=torch.float32) + index.col_count.sum(-1, dtype=torch.float32) / BLOCK
+        kept = index.block_count.sum(-1, dtype=torch.float32) + index.col_count.sum(-1, dtype=torch.float32) / BLOCK
         return kept / max(causal_tiles(sq, skv, q_offset), 1)
-    dev = index.tile_count.device
+    dev = index.block_count.device
     first = first_kept_keys(key_mask, dev)[:, None]  # [B or 1, 1]
-    m = torch.arange(index.tile_count.shape[-1], device=dev)
+    m = torch.arange(index.block_count.shape[-1], device=dev)
     hi = q_offset + torch.clamp(m * BLOCK + BLOCK - 1, max=sq - 1)  # each query tile's last position
     sees = hi[None] >= first  # [B or 1, M]
     causal = torch.where(sees, torch.clamp(hi, max=skv - 1)[None] // BLOCK - first // BLOCK + 1, 0).sum(-1)
-    kept = (index.tile_count * sees[:, None]).sum(-1, dtype=torch.float32)
+    kept = (index.block_count * sees[:, None]).sum(-1, dtype=torch.float32)
     kept = kept + (index.col_count * sees[:, None]).sum(-1, dtype=torch.float32) / BLOCK
     causal = causal[:, None].to(torch.float32)
     # a row that sees no key has nothing to skip: as good as dense (it attends to nothing either way)

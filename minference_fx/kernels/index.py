@@ -40,13 +40,14 @@ from minference_fx.kernels.reference import (
     VS_LAST_Q,
     VS_MIN_COLUMNS,
     VS_MIN_DIAGONALS,
+    NO_BLOCK,
     SparseIndex,
     first_kept_keys,
 )
 from minference_fx.kernels.tables import int_table
 from minference_fx.plan import LayerPlan, Pattern
 
-__all__ = ["build_index_gpu", "vs_estimate", "index_capacity", "index_tile_dtype", "index_bytes"]
+__all__ = ["build_index_gpu", "vs_estimate", "index_capacity", "index_start_dtype", "index_bytes"]
 
 # Keys per program of the row-statistics pass: long prompts get many programs,
 # short ones one per head.
@@ -55,7 +56,8 @@ _KEY_BLOCK = 64
 _TILE_VEC = 256
 _COL_VEC = 128
 _KEY_VEC = 1024
-_SCAN_CHUNK = 2048
+# Padding of a head's diagonal-block offsets: above any real one, so a sorted search never lands past it
+_NO_OFFSET = 1 << 30
 # Elements of one block-sparse score chunk [B*heads, query tiles, key tiles]:
 # about 128 MB of fp32 scores plus top-k scratch, whatever the length.
 _BS_CHUNK_ELEMS = 1 << 25
@@ -333,102 +335,76 @@ def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=
 # --------------------------------------------------------------------------- vertical-slash -> tiles
 
 
-@triton.jit
-def _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K: tl.constexpr, wanted=True):
-    """Whether any selected diagonal crosses key tile ``n`` within rows [lo, hi].
+@triton.jit(do_not_specialize=["skv", "n_sorted", "cap"])
+def _diag_blocks_kernel(PREFIX, SORTED, BLOCKS, COUNT, skv, n_sorted, cap, BLOCK_K: tl.constexpr):
+    """One head's diagonal blocks (``reference.diagonal_blocks``), ascending, into ``BLOCKS`` and their count.
 
-    Diagonal delta reads keys [lo - delta, hi - delta] clipped to [0, skv-1]; it
-    touches tile n iff lo - min(64n+63, skv-1) <= delta <= hi - 64n. P holds the
-    prefix counts of the selected diagonals, so the test is one difference. Only ``wanted`` lanes read.
-    """
-    a = tl.maximum(lo - tl.minimum(n * BLOCK_K + BLOCK_K - 1, skv - 1), 0)
-    b = tl.minimum(hi - n * BLOCK_K, skv - 1)
-    ok = (a <= b) & wanted
-    pa = tl.load(P + a, mask=ok, other=0)
-    pb = tl.load(P + b + 1, mask=ok, other=0)
-    return ok & (pb > pa)
-
-
-@triton.jit(do_not_specialize=["skv", "q_offset", "n_shift", "shift0"])
-def _diag_prefix_kernel(MARKS, PREFIX, SHIFT_HITS, skv, q_offset, n_shift, shift0,
-                        BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
-    """Per row: PREFIX = inclusive prefix counts of MARKS[0..skv], then the shift table read off it.
-
-    One program scans a whole row, then reads back what it wrote (after a barrier) to test, for each
-    m - n + shift0, whether keys [64(m-n) + off - 63, 64(m-n) + off + 63] (clipped) hold a selected
-    diagonal: the hit of a full query tile m by a full key tile n."""
+    ``PREFIX[t]``: how many selected diagonals lie below t (t = 0 .. skv); ``SORTED``: the selected diagonals
+    ascending, padded with skv, so the first one at or above t is ``SORTED[PREFIX[t]]``. A scalar walk from
+    block to block: a head has at most one block a selected diagonal, and the heads run side by side."""
     row = tl.program_id(0).to(tl.int64)
-    marks = MARKS + row * (skv + 2)
     prefix = PREFIX + row * (skv + 1)
-    offs = tl.arange(0, CHUNK)
-    carry = 0
-    for c0 in range(0, skv + 1, CHUNK):
-        ok = c0 + offs < skv + 1
-        x = tl.load(marks + c0 + offs, mask=ok, other=0)
-        tl.store(prefix + c0 + offs, tl.cumsum(x, 0) + carry, mask=ok)
-        carry += tl.sum(x, 0)
-    tl.debug_barrier()  # the whole row is written before any thread reads it back
-    for s0 in range(0, n_shift, CHUNK):
-        at = s0 + offs
-        d = at - shift0
-        a = tl.maximum(d * BLOCK_K + q_offset - (BLOCK_K - 1), 0)
-        z = tl.minimum(d * BLOCK_K + q_offset + (BLOCK_K - 1), skv - 1)
-        want = (at < n_shift) & (a <= z)
-        pz = tl.load(prefix + tl.minimum(tl.maximum(z + 1, 0), skv), mask=want, other=0)
-        pa = tl.load(prefix + tl.minimum(a, skv), mask=want, other=0)
-        tl.store(SHIFT_HITS + row * n_shift + at, (want & (pz > pa)).to(tl.int8), mask=at < n_shift)
+    picks = SORTED + row * n_sorted
+    x = tl.load(picks)
+    more = x < skv
+    i = 0
+    while more:
+        tl.store(BLOCKS + row * cap + i, x, mask=i < cap)
+        i += 1
+        # a selected diagonal in (x, x + 64] extends the run by a block; else the next one starts a run
+        below = tl.load(prefix + tl.minimum(x + 1, skv))
+        hit = tl.load(prefix + tl.minimum(x + BLOCK_K + 1, skv)) > below
+        after = tl.load(picks + below)
+        x = tl.where(hit, x + BLOCK_K, after)
+        more = hit | (after < skv)
+    tl.store(COUNT + row, tl.minimum(i, cap))
 
 
-@triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "n_tiles", "q_offset", "n_shift", "shift0", "n_cols", "tile_cap", "col_cap"])
-def _vs_to_tiles_kernel(
-    PREFIX, SHIFT_HITS, COLS, COL_END, HEADS, OUT,
-    n_vs, hq, m_tiles, sq, skv, n_tiles, q_offset, n_shift, shift0, n_cols, tile_cap, col_cap,
+@triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "q_offset", "cap", "bp_len", "n_cols",
+                               "tile_cap", "col_cap"])
+def _vs_to_blocks_kernel(
+    BLOCKS, FIRST, STOP, BLOCK_PREFIX, COLS, COL_END, HEADS, OUT,
+    n_vs, hq, m_tiles, sq, skv, q_offset, cap, bp_len, n_cols, tile_cap, col_cap,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """One (query tile, vertical-slash head) of the index: its tiles and leftover columns, written into
-    ``OUT = (TILE_IDX, TILE_CNT, COL_IDX, COL_CNT)`` (the index's tables, in :class:`SparseIndex` order)."""
-    TILE_IDX, TILE_CNT, COL_IDX, COL_CNT = OUT
+    """One (query tile, vertical-slash head) of the index: its block starts and leftover columns, written into
+    ``OUT = (BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT)`` (the index's tables, in :class:`SparseIndex` order).
+
+    The tile reads the head's blocks ``FIRST .. STOP - 1`` (those holding a key it can read), from the largest
+    offset (the lowest keys) down, so the starts come out ascending (but for one before key 0)."""
+    BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT = OUT
     m = tl.program_id(0)
     slot_row = tl.program_id(1)
     b = slot_row // n_vs
     h = tl.load(HEADS + slot_row % n_vs)
     lo = q_offset + m * BLOCK_K
     hi = q_offset + tl.minimum(m * BLOCK_K + BLOCK_K - 1, sq - 1)
-    P = PREFIX + slot_row.to(tl.int64) * (skv + 1)
-    S = SHIFT_HITS + slot_row.to(tl.int64) * n_shift
     out_row = (b.to(tl.int64) * hq + h) * m_tiles + m
+    blocks = BLOCKS + slot_row.to(tl.int64) * cap
+    first = tl.load(FIRST + slot_row.to(tl.int64) * m_tiles + m)
+    stop = tl.load(STOP + slot_row.to(tl.int64) * m_tiles + m)
+    n = stop - first
+    # a block starting before key 0 (the largest offset, so the first start) goes last: see SparseIndex
+    wraps = (n > 0) & (lo - tl.load(blocks + tl.maximum(stop - 1, 0), mask=n > 0, other=0) < 0)
+    for t0 in tl.range(0, n, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        x = tl.load(blocks + stop - 1 - t, mask=t < n, other=0)
+        dest = tl.where(wraps, tl.where(t == 0, n - 1, t - 1), t)
+        tl.store(BLOCK_START + out_row * tile_cap + dest, lo - x, mask=(t < n) & (dest < tile_cap))
+    tl.store(BLOCK_CNT + out_row, tl.minimum(n, tile_cap))
 
-    # tiles: ascending n, compacted by a running count plus an in-vector prefix sum
-    n_last = tl.minimum(hi // BLOCK_K, n_tiles - 1)
-    count = 0
-    for n0 in tl.range(0, n_last + 1, BLOCK_T):
-        n = n0 + tl.arange(0, BLOCK_T)
-        in_range = n <= n_last
-        # Between a full query tile and a full key tile the test depends on m - n alone, so it
-        # is a coalesced read of SHIFT_HITS; only the last query / key tile (maybe short) is
-        # tested against the prefix counts.
-        edge = (n == n_tiles - 1) | (m == m_tiles - 1)
-        sel_edge = _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K, edge & in_range)
-        sel_shift = tl.load(S + (m - n) + shift0, mask=in_range & (edge == 0), other=0) != 0
-        sel = (sel_edge | sel_shift) & in_range
-        sel_i = sel.to(tl.int32)
-        dest = count + tl.cumsum(sel_i, 0) - 1
-        tl.store(TILE_IDX + out_row * tile_cap + dest, n, mask=sel & (dest < tile_cap))
-        count += tl.sum(sel_i, 0)
-    tl.store(TILE_CNT + out_row, tl.minimum(count, tile_cap))
-
-    # leftover columns: the selected ones (ascending) up to hi, COL_END of them, whose tile is not listed
+    # leftover columns: the selected ones (ascending) up to hi, COL_END of them, in no block of the tile.
+    # Column j lies in block x iff x is in [lo - j, lo - j + 63]: a difference of the blocks' prefix counts
+    bp = BLOCK_PREFIX + slot_row.to(tl.int64) * bp_len
     ccount = 0
     col_end = tl.load(COL_END + slot_row.to(tl.int64) * m_tiles + m)
     for c0 in tl.range(0, col_end, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         j = tl.load(COLS + slot_row.to(tl.int64) * n_cols + c, mask=c < col_end, other=skv)
         valid = (j < skv) & (j <= hi)
-        # the same split as for tiles: the small shift table, the prefix counts only at the edges
-        n = j // BLOCK_K
-        edge = (n == n_tiles - 1) | (m == m_tiles - 1)
-        covered = _diag_hits_tile(P, n, lo, hi, skv, BLOCK_K, valid & edge)
-        covered = covered | (tl.load(S + (m - n) + shift0, mask=valid & (edge == 0), other=0) != 0)
+        x_lo = tl.minimum(tl.maximum(lo - j, 0), bp_len - 1)
+        x_hi = tl.minimum(tl.maximum(lo - j + BLOCK_K, 0), bp_len - 1)
+        covered = tl.load(bp + x_hi, mask=valid, other=0) > tl.load(bp + x_lo, mask=valid, other=0)
         keep = valid & (covered == 0)
         keep_i = keep.to(tl.int32)
         dest = ccount + tl.cumsum(keep_i, 0) - 1
@@ -485,22 +461,33 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     # slot delta+1 counts diagonal delta; slot skv+1 swallows the dropped picks
     marks = torch.zeros(B, n_vs, skv + 2, dtype=torch.int32, device=dev)
     marks.scatter_(2, torch.where(keep_d, top_d + 1, skv + 1), 1)
-    # Hit of a full query tile m by a full key tile n, indexed by m - n + shift0 (see _diag_prefix_kernel)
-    shift0 = (q_offset + BLOCK - 1) // BLOCK  # n can exceed m by this much when q_offset > 0
-    n_shift = m_tiles + shift0
-    prefix = torch.empty(B, n_vs, skv + 1, dtype=torch.int32, device=dev)
-    shift_hits = torch.empty(B, n_vs, n_shift, dtype=torch.int8, device=dev)
-    _diag_prefix_kernel[(B * n_vs,)](marks, prefix, shift_hits, skv, q_offset, n_shift, shift0,
-                                     BLOCK_K=BLOCK, CHUNK=_SCAN_CHUNK)
+    prefix = marks[..., :skv + 1].cumsum(-1, dtype=torch.int32)  # [t]: selected diagonals below t
+    picked = torch.where(keep_d, top_d, skv).to(torch.int32)
+    picked = torch.cat([picked.sort(dim=-1).values, picked.new_full((B, n_vs, 1), skv)], -1).contiguous()
+    cap = min(max(n_diags), n_tiles + 1)
+    blocks = torch.full((B, n_vs, cap), _NO_OFFSET, dtype=torch.int32, device=dev)
+    n_blocks = torch.empty(B, n_vs, dtype=torch.int32, device=dev)
+    _diag_blocks_kernel[(B * n_vs,)](prefix, picked, blocks, n_blocks, skv, picked.shape[-1], cap, BLOCK_K=BLOCK)
+    # block x's prefix counts: slot x + 1 counts it, the padding goes to the spare last slot
+    bp_len = skv + BLOCK + 1
+    block_marks = torch.zeros(B, n_vs, bp_len + 1, dtype=torch.int32, device=dev)
+    block_marks.scatter_(2, torch.where(blocks < _NO_OFFSET, blocks + 1, bp_len), 1)
+    block_prefix = block_marks[..., :bp_len].cumsum(-1, dtype=torch.int32).contiguous()
 
+    # per query tile, the blocks holding a key it can read: offsets in [lo - min(hi, skv - 1), lo + 63]
+    m = torch.arange(m_tiles, device=dev)
+    lo = q_offset + m * BLOCK
+    hi = q_offset + torch.clamp(m * BLOCK + BLOCK - 1, max=sq - 1)
+    first = torch.searchsorted(blocks, (lo - torch.clamp(hi, max=skv - 1)).to(torch.int32).expand(B, n_vs, -1).contiguous())
+    stop = torch.searchsorted(blocks, (lo + BLOCK - 1).to(torch.int32).expand(B, n_vs, -1).contiguous(), right=True)
     # how many selected columns each query tile can read: its loop stops there
-    hi = q_offset + torch.clamp(torch.arange(m_tiles, device=dev) * BLOCK + BLOCK - 1, max=sq - 1)
     col_end = torch.searchsorted(cols, hi.to(torch.int32).expand(B, n_vs, -1).contiguous(), right=True).to(torch.int32)
 
-    _vs_to_tiles_kernel[(m_tiles, B * n_vs)](
-        prefix, shift_hits, cols, col_end, heads, (out.tile_index, out.tile_count, out.col_index, out.col_count),
-        n_vs, Hq, m_tiles, sq, skv, n_tiles, q_offset, n_shift, shift0, cols.shape[-1],
-        out.tile_index.shape[-1], out.col_index.shape[-1],
+    _vs_to_blocks_kernel[(m_tiles, B * n_vs)](
+        blocks, first.to(torch.int32), stop.to(torch.int32), block_prefix, cols, col_end, heads,
+        (out.block_start, out.block_count, out.col_index, out.col_count),
+        n_vs, Hq, m_tiles, sq, skv, q_offset, cap, bp_len, cols.shape[-1],
+        out.block_start.shape[-1], out.col_index.shape[-1],
         BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
     )
 
@@ -511,8 +498,8 @@ def _last_tile_mass(vertical, heads: torch.Tensor, out: SparseIndex, mass_out: t
     the estimate scored, whatever its pattern: each indexing below copies."""
     # only the last query tile: indexing the whole index with a head list would copy all of it
     hl = heads.long()
-    last = slice(out.tile_count.shape[-1] - 1, out.tile_count.shape[-1])
-    listed = SparseIndex(out.tile_count[:, hl, last], out.tile_index[:, hl, last],
+    last = slice(out.block_count.shape[-1] - 1, out.block_count.shape[-1])
+    listed = SparseIndex(out.block_count[:, hl, last], out.block_start[:, hl, last],
                          out.col_count[:, hl, last], out.col_index[:, hl, last])
     mass_out[:, hl] = captured_mass(vertical, listed, min(VS_LAST_Q, sq)).float()
 
@@ -579,56 +566,45 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key
                              forced.sum(-1)[:, None])  # [B or 1, nbs, mc]
         # int32 before the sort: half the radix passes of int64
         picked = torch.where(rank[:take] < want[..., None], top, n_tiles).to(torch.int32).sort(dim=-1).values
-        picked = torch.where(picked < n_tiles, picked, -1).to(out.tile_index.dtype)
-        out.tile_index[:, :, m0:m1, :take].index_copy_(1, heads, picked)
-        out.tile_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32).expand(B, -1, -1))
+        picked = torch.where(picked < n_tiles, picked * BLOCK, NO_BLOCK).to(out.block_start.dtype)
+        out.block_start[:, :, m0:m1, :take].index_copy_(1, heads, picked)
+        out.block_count[:, :, m0:m1].index_copy_(1, heads, want.to(torch.int32).expand(B, -1, -1))
 
 
 # --------------------------------------------------------------------------- entry point
 
 
-def _vs_tile_bound(n_diags: int) -> int:
-    """Key tiles one query tile can list for ``n_diags`` selected diagonals (any tile alignment).
-
-    A lone diagonal crosses a 64-row query tile in a 64-wide key range: at most two key tiles.
-    The forced diagonals 0..F-1 (F = min(100, n_diags)) are always selected and form one run,
-    whose keys span 63 + F positions: at most ceil((63 + F) / 64) + 1 tiles, not 2F.
-    """
-    forced = min(VS_FORCED_DIAGONALS, n_diags)
-    return 2 * (n_diags - forced) + _cdiv(BLOCK - 1 + forced, BLOCK) + 1
-
-
 def index_capacity(plan: LayerPlan, skv: int) -> tuple[int, int]:
-    """(tile slots, column slots) per (batch, head, query tile) that :func:`build_index_gpu` allocates.
+    """(block slots, column slots) per (batch, head, query tile) that :func:`build_index_gpu` allocates.
 
     The slots are the worst case over any input of the shapes (no data-dependent size, so the
-    build can be captured in a CUDA graph), never more than the key tiles that exist.
+    build can be captured in a CUDA graph). A block-sparse head lists at most the key tiles that exist;
+    a vertical-slash head at most one block a selected diagonal, and its blocks lie 64 apart at offsets
+    0 .. lo + 63 of a tile starting at ``lo``: at most one more than the key tiles.
     """
     n_tiles = _cdiv(skv, BLOCK)
     tiles, cols = 0, 0
     for hp in plan.heads:
         if hp.pattern is Pattern.VERTICAL_SLASH:
-            s = min(max(hp.budget_b, VS_MIN_DIAGONALS), skv)
-            tiles = max(tiles, min(n_tiles, _vs_tile_bound(s)))
+            tiles = max(tiles, min(n_tiles + 1, max(hp.budget_b, VS_MIN_DIAGONALS), skv))
             cols = max(cols, min(max(hp.budget_a, VS_MIN_COLUMNS), skv))
         elif hp.pattern is Pattern.BLOCK_SPARSE:
             tiles = max(tiles, min(n_tiles, max(hp.budget_a, 3)))  # tile 0 and two diagonal tiles are forced
     return tiles, cols
 
 
-def index_tile_dtype(skv: int) -> torch.dtype:
-    """dtype of ``tile_index``: int16 while every key-tile number (and the -1 padding) fits, else int32.
-
-    At 1M keys there are 16384 key tiles; int16 halves the largest buffer of the index. Readers
-    widen on load (the attention kernel, ``.long()`` before scatters); counts and columns stay int32.
+def index_start_dtype(skv: int) -> torch.dtype:
+    """dtype of ``block_start``: int16 while every start (-63 .. skv - 1) and the ``NO_BLOCK`` padding fit,
+    else int32. Up to 32K keys int16 halves the largest buffer of the index. Readers widen on load (the
+    attention kernel, ``.long()`` before scatters); counts and columns stay int32.
     """
-    return torch.int16 if _cdiv(skv, BLOCK) <= torch.iinfo(torch.int16).max else torch.int32
+    return torch.int16 if skv <= torch.iinfo(torch.int16).max + 1 else torch.int32
 
 
 def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *, head_dim: int = 128) -> dict[str, int]:
     """Bytes :func:`build_index_gpu` allocates for one call, computed from shapes alone (no device).
 
-    Returns a dict: ``tile_index``, ``col_index``, ``counts`` (the returned index, exact),
+    Returns a dict: ``block_start``, ``col_index``, ``counts`` (the returned index, exact),
     ``scratch`` (an estimate of the temporaries alive at the worst moment of the build, freed when
     it returns; library scratch inside ``topk``/``sort`` is not counted) and ``total`` (their sum).
     ``mass_out`` adds the block-sparse heads' rows to the last rows' estimate (``raw`` counts the vertical-slash
@@ -639,7 +615,7 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
     m_tiles = _cdiv(sq, BLOCK)
     tile_cap, col_cap = index_capacity(plan, skv)
     out = {
-        "tile_index": batch * hq * m_tiles * tile_cap * index_tile_dtype(skv).itemsize,
+        "block_start": batch * hq * m_tiles * tile_cap * index_start_dtype(skv).itemsize,
         "col_index": batch * hq * m_tiles * col_cap * 4,
         "counts": 2 * batch * hq * m_tiles * 4,
     }
@@ -653,8 +629,10 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
         raw = 3 * rows * skv * 4  # vertical scores and the slash scores' two halves, alive throughout
         # the worst moment: both int64 rank keys and the first top-k (int64 indices and values)
         rank = rows * skv * 16 + rows * max(n_cols, n_diags) * 16
-        # later: sorted columns, the diagonal marks and their prefix counts (int32), the shift table
-        tiles = rows * (n_cols * 4 + 2 * (skv + 2) * 4 + (m_tiles + 1) * 9 + m_tiles * 8)
+        # later: sorted columns, the diagonal marks and their prefix counts, the sorted picks, the blocks, their
+        # marks and prefix counts (int32), the per-tile block ranges (int64 from the search, then int32)
+        tiles = rows * (n_cols * 4 + 2 * (skv + 2) * 4 + (n_diags + 1) * 4 + n_diags * 4
+                        + 2 * (skv + BLOCK + 2) * 4 + m_tiles * (16 + 8 + 8))
         stats = 2 * rows * _cdiv(skv, _STATS_CHUNK) * VS_LAST_Q * 4
         scratch = raw + stats + max(rank, tiles)
     if bs and m_tiles and skv:
@@ -691,8 +669,8 @@ def build_index_gpu(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None
 
     Returns
     -------
-    SparseIndex, ``M = ceil(Sq / 64)``: counts and columns int32, ``tile_index`` of
-    :func:`index_tile_dtype` (int16 up to 2M keys). VERTICAL_SLASH and BLOCK_SPARSE
+    SparseIndex, ``M = ceil(Sq / 64)``: counts and columns int32, ``block_start`` of
+    :func:`index_start_dtype` (int16 up to 2M keys). VERTICAL_SLASH and BLOCK_SPARSE
     heads list exactly the tiles and columns of ``reference.build_index``;
     DENSE and A_SHAPE heads have zero counts. Capacities come from
     :func:`index_capacity`.
@@ -718,8 +696,8 @@ def _empty_index(q, k, plan: LayerPlan) -> SparseIndex:
     m_tiles = _cdiv(sq, BLOCK)
     tile_cap, col_cap = index_capacity(plan, skv)
     return SparseIndex(
-        tile_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
-        tile_index=torch.full((B, Hq, m_tiles, tile_cap), -1, dtype=index_tile_dtype(skv), device=dev),
+        block_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
+        block_start=torch.full((B, Hq, m_tiles, tile_cap), NO_BLOCK, dtype=index_start_dtype(skv), device=dev),
         col_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
         col_index=torch.full((B, Hq, m_tiles, col_cap), -1, dtype=torch.int32, device=dev),
     )
@@ -741,7 +719,7 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
                              f"got {escalated} for {plan}")
     out = _empty_index(q, k, plan)
     out_up = _empty_index(q, k, escalated) if escalated is not None else None
-    if out.tile_count.shape[-1] == 0 or skv == 0:
+    if out.block_count.shape[-1] == 0 or skv == 0:
         return out, out_up
     first_key = first_kept_keys(key_mask, q.device)  # once for both patterns
     # One estimate of the last rows serves the vertical-slash picks and the guard's mass of every head it checks:

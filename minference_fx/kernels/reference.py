@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
@@ -38,26 +39,57 @@ VS_MIN_COLUMNS = 30
 VS_MIN_DIAGONALS = 50
 
 
+NO_BLOCK = -32768
+"""Padding of ``SparseIndex.block_start`` (a vertical-slash block may start up to 63 keys before key 0, so -1
+is a real start); it fits the int16 the GPU index uses up to 32K keys."""
+
+
 @dataclasses.dataclass
 class SparseIndex:
     """Which keys each (batch, query head, query tile) reads, before the base mask.
 
-    Integer tensors on the device of q: int32, except that the GPU index stores ``tile_index`` as
-    int16 when the key tiles fit (up to 2M keys) to halve the largest buffer. ``M = ceil(Sq / BLOCK)``.
+    Integer tensors on the device of q: int32, except that the GPU index stores ``block_start`` as
+    int16 when every start fits (up to 32K keys) to halve the largest buffer. ``M = ceil(Sq / BLOCK)``.
+
+    Keys come in blocks of ``BLOCK`` consecutive keys. A dense, A-shape or block-sparse head's blocks are
+    aligned key tiles (start ``64 n``). A vertical-slash head's follow its diagonals: the head has offsets
+    ``x`` (:func:`diagonal_blocks`), and query tile m, whose first position is ``lo``, reads keys
+    ``lo - x .. lo - x + 63`` for each; keys before 0 do not exist and are never read.
 
     Attributes
     ----------
-    tile_count : ``[B, Hq, M]`` number of valid entries in ``tile_index``.
-    tile_index : ``[B, Hq, M, T]`` key-tile numbers, ascending, padded with -1.
+    block_count : ``[B, Hq, M]`` number of valid entries in ``block_start``.
+    block_start : ``[B, Hq, M, T]`` first key of each block, padded with ``NO_BLOCK``; the blocks of one
+        (b, h, m) never overlap. They come in ascending order, but for a block that starts before key 0 (only a
+        vertical-slash head has one, at most one a tile): it comes last, after the block that crosses the
+        diagonal, so that the attention kernel finds every block that needs a mask at the end.
     col_count : ``[B, Hq, M]`` number of valid entries in ``col_index``.
     col_index : ``[B, Hq, M, C]`` key positions, ascending, padded with -1; a
-        column never lies inside a listed tile of the same (b, h, m).
+        column never lies inside a listed block of the same (b, h, m).
     """
 
-    tile_count: torch.Tensor
-    tile_index: torch.Tensor
+    block_count: torch.Tensor
+    block_start: torch.Tensor
     col_count: torch.Tensor
     col_index: torch.Tensor
+
+
+def diagonal_blocks(diagonals) -> list[int]:
+    """The block offsets ``x`` (ascending) that read every selected diagonal of a vertical-slash head whole.
+
+    Block x of a query tile whose rows sit at ``lo .. lo + 63`` holds keys ``lo - x .. lo - x + 63``, so
+    it holds diagonal x whole, and blocks x and x + 64 together hold every diagonal between them whole.
+    Greedy over the diagonals in ascending order: one inside the last run of blocks is held already;
+    one within 64 past its last block extends the run by a block (a block of its own would overlap the
+    run's last); any other starts a run at itself. Blocks end up at least 64 apart: they never overlap.
+    Against aligned key tiles, a lone diagonal costs one block, not two (MInference reads diagonals as
+    unaligned key ranges for the same reason)."""
+    blocks: list[int] = []
+    for d in sorted(int(d) for d in diagonals):
+        if blocks and d <= blocks[-1]:
+            continue
+        blocks.append(blocks[-1] + BLOCK if blocks and d <= blocks[-1] + BLOCK else d)
+    return blocks
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -176,8 +208,8 @@ def _a_shape_tiles(lo, hi, n_tiles, skv, sink, window, first_key):
     return sinks[:, None, :] | in_window[None]
 
 
-def _vertical_slash(q_h, k_g, pos, lo, hi, n_tiles, v_budget, s_budget, scale, key_mask, doc_ids, window):
-    """Tile mask ``[B, M, N]`` and leftover-column mask ``[B, M, Skv]`` of one head."""
+def _vertical_slash(q_h, k_g, pos, lo, hi, v_budget, s_budget, scale, key_mask, doc_ids, window):
+    """One head's blocks as (count ``[B, M]``, starts ``[B, M, X]``) and its leftover-column mask ``[B, M, Skv]``."""
     B, sq, _ = q_h.shape
     skv = k_g.shape[1]
     dev = q_h.device
@@ -203,21 +235,32 @@ def _vertical_slash(q_h, k_g, pos, lo, hi, n_tiles, v_budget, s_budget, scale, k
     col_sel = _stable_topk_mask(vertical, n_cols)  # [B, Skv]
     deltas = _stable_topk(slash, n_diags)  # [B, S']
 
-    # Diagonal delta crosses tile m at keys [lo-delta, hi-delta]; mark the key
-    # tiles it touches with a +1/-1 difference array so that any span works
-    # (arbitrary q_positions can make a tile's span wider than 64).
-    k_lo = (lo[None, :, None] - deltas[:, None, :]).clamp(min=0)  # [B, M, S']
-    k_hi = (hi[None, :, None] - deltas[:, None, :]).clamp(max=skv - 1)
-    hit = k_lo <= k_hi
-    ones = hit.to(torch.int32)
-    diff = torch.zeros(B, lo.numel(), n_tiles + 1, device=dev, dtype=torch.int32)
-    diff.scatter_add_(2, torch.where(hit, k_lo // BLOCK, n_tiles), ones)
-    diff.scatter_add_(2, torch.where(hit, k_hi // BLOCK + 1, n_tiles), -ones)
-    tiles = diff.cumsum(-1)[..., :n_tiles] > 0
-
-    covered = tiles.repeat_interleave(BLOCK, dim=-1)[..., :skv]
-    cols = col_sel[:, None, :] & ~covered & (j[None, :] <= hi[:, None])[None]
-    return tiles, cols
+    # Each query tile reads the head's diagonal blocks that hold a key in 0 .. min(hi, skv - 1); a block's keys
+    # are the same whatever the tile's span (arbitrary q_positions may widen it past 64 rows)
+    starts, counts = [], []
+    covered = torch.zeros(B, lo.numel(), skv + 1, device=dev, dtype=torch.int32)
+    for bi in range(B):
+        x = torch.tensor(diagonal_blocks(deltas[bi].tolist()), device=dev, dtype=torch.long)
+        start = lo[:, None] - x.flip(0)[None, :]  # [M, X], ascending along X
+        ok = (start + BLOCK - 1 >= 0) & (start <= torch.clamp(hi, max=skv - 1)[:, None])
+        ones = ok.to(torch.int32)
+        covered[bi].scatter_add_(1, torch.where(ok, start.clamp(min=0), skv), ones)
+        covered[bi].scatter_add_(1, torch.where(ok, (start + BLOCK).clamp(max=skv), skv), -ones)
+        count = ok.sum(-1)
+        start = torch.where(ok, start, skv).sort(-1).values
+        # a block that starts before key 0 (the first) goes last
+        wraps = (count > 0) & (start[:, 0] < 0)
+        slot = torch.arange(start.shape[-1], device=dev)[None, :]
+        take = torch.where(wraps[:, None] & (slot < count[:, None]), (slot + 1) % count.clamp(min=1)[:, None], slot)
+        counts.append(count)
+        starts.append(start.gather(1, take))
+    width = max(s.shape[-1] for s in starts)
+    start = torch.stack([F.pad(s, (0, width - s.shape[-1]), value=skv) for s in starts])
+    count = torch.stack(counts)
+    start = torch.where(torch.arange(width, device=dev) < count[..., None], start, NO_BLOCK)
+    in_block = covered.cumsum(-1)[..., :skv] > 0
+    cols = col_sel[:, None, :] & ~in_block & (j[None, :] <= hi[:, None])[None]
+    return count, start, cols
 
 
 def _block_sparse(q_h, k_g, lo, hi, n_tiles, k_budget, first_key):
@@ -269,8 +312,8 @@ def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
         # unaligned first key touch ceil(a/64) + 1
         return min(n_tiles, _cdiv(a, BLOCK) + _cdiv(b, BLOCK) + 3), 0
     if p is Pattern.VERTICAL_SLASH:
-        # each diagonal is a 64-wide unaligned range: at most two tiles
-        return min(n_tiles, 2 * min(max(b, VS_MIN_DIAGONALS), skv)), min(max(a, VS_MIN_COLUMNS), skv)
+        # diagonal blocks (at most one a diagonal) lie 64 apart at offsets 0 .. lo + 63: at most n_tiles + 1
+        return min(n_tiles + 1, min(max(b, VS_MIN_DIAGONALS), skv)), min(max(a, VS_MIN_COLUMNS), skv)
     # block sparse: tile 0 plus up to two diagonal tiles are forced beyond k
     return min(n_tiles, max(a, 3)), 0
 
@@ -299,7 +342,7 @@ def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_
 
     Returns
     -------
-    SparseIndex with ``M = ceil(Sq / BLOCK)``. No listed tile starts after
+    SparseIndex with ``M = ceil(Sq / BLOCK)``. No listed block starts after
     ``pos_hi(m)`` and no column exceeds it: such keys can never be read, so even
     DENSE and A-shape sink tiles are clipped there.
     """
@@ -314,29 +357,46 @@ def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_
     reachable = torch.arange(n_tiles, device=dev)[None] * BLOCK <= hi[:, None]  # [M, N]
     first_key = first_kept_keys(key_mask, dev)
 
-    tile_masks, col_masks = [], []
+    counts, starts, col_masks = [], [], []
     for h, head in enumerate(plan.heads):
         q_h, k_g = q[:, h], k[:, h // group]
         cols = torch.zeros(B, m_tiles, skv, dtype=torch.bool, device=dev)
-        if head.pattern is Pattern.DENSE:
-            tiles = reachable[None].expand(B, -1, -1)
-        elif head.pattern is Pattern.A_SHAPE:
-            tiles = (_a_shape_tiles(lo, hi, n_tiles, skv, head.budget_a, head.budget_b, first_key) & reachable).expand(B, -1, -1)
-        elif head.pattern is Pattern.VERTICAL_SLASH:
-            tiles, cols = _vertical_slash(
-                q_h, k_g, pos, lo, hi, n_tiles, head.budget_a, head.budget_b, scale, key_mask, doc_ids, window
+        if head.pattern is Pattern.VERTICAL_SLASH:
+            count, start, cols = _vertical_slash(
+                q_h, k_g, pos, lo, hi, head.budget_a, head.budget_b, scale, key_mask, doc_ids, window
             )
-        elif head.pattern is Pattern.BLOCK_SPARSE:
-            tiles = _block_sparse(q_h, k_g, lo, hi, n_tiles, head.budget_a, first_key)
-        else:  # pragma: no cover - Pattern is closed
-            raise ValueError(f"unknown pattern {head.pattern}")
-        tile_masks.append(tiles)
+        else:
+            if head.pattern is Pattern.DENSE:
+                tiles = reachable[None].expand(B, -1, -1)
+            elif head.pattern is Pattern.A_SHAPE:
+                tiles = (_a_shape_tiles(lo, hi, n_tiles, skv, head.budget_a, head.budget_b, first_key)
+                         & reachable).expand(B, -1, -1)
+            elif head.pattern is Pattern.BLOCK_SPARSE:
+                tiles = _block_sparse(q_h, k_g, lo, hi, n_tiles, head.budget_a, first_key)
+            else:  # pragma: no cover - Pattern is closed
+                raise ValueError(f"unknown pattern {head.pattern}")
+            count, tile = _pack(tiles, 0)
+            start = torch.where(tile >= 0, tile * BLOCK, NO_BLOCK)
+        counts.append(count.to(torch.int32))
+        starts.append(start)
         col_masks.append(cols)
 
     caps = [_capacity(head, n_tiles, skv) for head in plan.heads]
-    tile_count, tile_index = _pack(torch.stack(tile_masks, 1), max(c[0] for c in caps))
+    width = max([c[0] for c in caps] + [s.shape[-1] for s in starts])
+    block_start = torch.stack([F.pad(s, (0, width - s.shape[-1]), value=NO_BLOCK) for s in starts], 1)
     col_count, col_index = _pack(torch.stack(col_masks, 1), max(c[1] for c in caps))
-    return SparseIndex(tile_count, tile_index, col_count, col_index)
+    return SparseIndex(torch.stack(counts, 1), block_start.to(torch.int32), col_count, col_index)
+
+
+def block_keys(index: SparseIndex, skv: int, m_slice: slice = slice(None)) -> torch.Tensor:
+    """bool ``[B, Hq, M', Skv]``: the keys the blocks of query tiles ``m_slice`` hold."""
+    start = index.block_start[:, :, m_slice].long()
+    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, m_slice, None]
+    ones = listed.to(torch.int32)
+    diff = torch.zeros(*start.shape[:3], skv + 1, dtype=torch.int32, device=start.device)
+    diff.scatter_add_(-1, torch.where(listed, start.clamp(0, skv), skv), ones)
+    diff.scatter_add_(-1, torch.where(listed, (start + BLOCK).clamp(0, skv), skv), -ones)
+    return diff.cumsum(-1)[..., :skv] > 0
 
 
 def index_to_mask(index: SparseIndex, rows, skv: int) -> torch.Tensor:
@@ -354,26 +414,25 @@ def index_to_mask(index: SparseIndex, rows, skv: int) -> torch.Tensor:
     """
     r0, r1 = (rows.start or 0), rows.stop
     if r1 is None:
-        r1 = index.tile_index.shape[2] * BLOCK
+        r1 = index.block_start.shape[2] * BLOCK
     if (rows.step or 1) != 1:
         raise ValueError("rows must be contiguous (step 1)")
-    n_tiles = _cdiv(skv, BLOCK)
-    B, Hq = index.tile_index.shape[:2]
+    B, Hq = index.block_start.shape[:2]
     if r1 <= r0:
-        return torch.zeros(B, Hq, 0, skv, dtype=torch.bool, device=index.tile_index.device)
+        return torch.zeros(B, Hq, 0, skv, dtype=torch.bool, device=index.block_start.device)
     m0, m1 = r0 // BLOCK, _cdiv(r1, BLOCK)
-
-    def scatter(idx, length):
-        # -1 padding goes to a spare slot that is dropped afterwards
-        idx = idx[:, :, m0:m1].long()
-        if idx.numel() and int(idx.max()) >= length:
-            raise ValueError(f"index entry {int(idx.max())} out of range [0, {length})")
-        slot = torch.where(idx >= 0, idx, length)
-        out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool, device=idx.device)
-        return out.scatter_(-1, slot, True)[..., :length]
-
-    tiles = scatter(index.tile_index, n_tiles).repeat_interleave(BLOCK, dim=-1)[..., :skv]
-    per_tile = tiles | scatter(index.col_index, skv)  # [B, Hq, m1-m0, Skv]
+    start = index.block_start[:, :, m0:m1].long()
+    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, m0:m1, None]
+    if listed.any() and (int(start[listed].min()) <= -BLOCK or int(start[listed].max()) >= skv):
+        raise ValueError(f"index block starts [{int(start[listed].min())}, {int(start[listed].max())}] hold no key "
+                         f"of [0, {skv})")
+    cols = index.col_index[:, :, m0:m1].long()
+    if cols.numel() and int(cols.max()) >= skv:
+        raise ValueError(f"index column {int(cols.max())} out of range [0, {skv})")
+    # -1 padding goes to a spare slot that is dropped afterwards
+    in_cols = torch.zeros(*cols.shape[:3], skv + 1, dtype=torch.bool, device=cols.device)
+    in_cols.scatter_(-1, torch.where(cols >= 0, cols, skv), True)
+    per_tile = block_keys(index, skv, slice(m0, m1)) | in_cols[..., :skv]  # [B, Hq, m1-m0, Skv]
     row_tile = torch.arange(r0, r1, device=per_tile.device) // BLOCK - m0
     return per_tile[:, :, row_tile]
 
@@ -415,8 +474,8 @@ def sparse_attention_reference(
         index = build_index(
             q, k, plan, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_positions=q_positions, q_offset=q_offset, window=window
         )
-    if tuple(index.tile_index.shape[:3]) != (B, Hq, _cdiv(sq, BLOCK)):
-        raise ValueError(f"index is for {list(index.tile_index.shape[:3])} (B, Hq, M), the call needs {[B, Hq, _cdiv(sq, BLOCK)]}")
+    if tuple(index.block_start.shape[:3]) != (B, Hq, _cdiv(sq, BLOCK)):
+        raise ValueError(f"index is for {list(index.block_start.shape[:3])} (B, Hq, M), the call needs {[B, Hq, _cdiv(sq, BLOCK)]}")
     pos = query_positions(sq, q_offset, q_positions, q.device)
     kf, vf = k.float(), v.float()
     out = torch.empty(B, Hq, sq, v.shape[-1], dtype=torch.float32, device=q.device)

@@ -94,10 +94,10 @@ def _op_ms(q, k, v, scale: float, plan: LayerPlan, calls: int) -> tuple[float, i
 
 def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
     """(computed (i, j) pairs, logical pairs) over all (b, h) — tiles at 64×64, columns at 64 rows each."""
-    tiles = index.tile_count.sum().item()
+    tiles = index.block_count.sum().item()
     cols = index.col_count.sum().item()
     m_tiles = math.ceil(sq / BLOCK)
-    diag_tiles = index.tile_count.shape[0] * index.tile_count.shape[1] * m_tiles  # every VS head lists its diagonal
+    diag_tiles = index.block_count.shape[0] * index.block_count.shape[1] * m_tiles  # every VS head lists its diagonal
     physical = tiles * BLOCK * BLOCK + cols * BLOCK
     logical = physical - diag_tiles * BLOCK * (BLOCK - 1) // 2
     return physical, logical
@@ -106,16 +106,16 @@ def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
 def _flex_from_index(index, sq, skv, block):
     """A BlockMask with the same key tiles (diagonal tile partial, the rest full). Leftover columns are not given
     to Flex: it does less work than we do, so its ratio is flattered, not ours."""
-    m = torch.arange(index.tile_index.shape[2], device=index.tile_index.device)[None, None, :, None]
-    listed = torch.arange(index.tile_index.shape[-1], device=m.device) < index.tile_count[..., None]
-    tile_index = index.tile_index.to(torch.int32)  # the GPU index stores tile numbers as int16
-    is_diag = listed & (tile_index == m)
-    full_idx = torch.where(listed & ~is_diag, tile_index, torch.iinfo(torch.int32).max)
+    m = torch.arange(index.block_start.shape[2], device=index.block_start.device)[None, None, :, None]
+    listed = torch.arange(index.block_start.shape[-1], device=m.device) < index.block_count[..., None]
+    block_start = index.block_start.to(torch.int32)  # the GPU index stores tile numbers as int16
+    is_diag = listed & (block_start == m)
+    full_idx = torch.where(listed & ~is_diag, block_start, torch.iinfo(torch.int32).max)
     full_idx = full_idx.sort(-1).values
     full_num = (listed & ~is_diag).sum(-1).to(torch.int32)
     full_idx = torch.where(full_idx == torch.iinfo(torch.int32).max, 0, full_idx).to(torch.int32)
     part_num = is_diag.any(-1).to(torch.int32)
-    part_idx = m[..., 0:1].expand(*index.tile_count.shape, 1).to(torch.int32).contiguous()
+    part_idx = m[..., 0:1].expand(*index.block_count.shape, 1).to(torch.int32).contiguous()
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
