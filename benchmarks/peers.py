@@ -41,7 +41,7 @@ from minference_fx.defaults import DEFAULTS
 from minference_fx.kernels.attend import sparse_attention_triton
 from minference_fx.kernels.density import KeySelection, selection_of
 from minference_fx.kernels.index import build_index_gpu
-from minference_fx.kernels.reference import BLOCK, SparseIndex
+from minference_fx.kernels.reference import BLOCK, SparseIndex, covering_tiles
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.tools import bench
 
@@ -63,28 +63,28 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def block_mask_of(index: SparseIndex, skv: int) -> torch.Tensor:
-    """bool ``[B, Hq, M, N]``: the key blocks of 64 each query tile reads, the index's tiles and the blocks that
-    hold its leftover columns."""
+    """bool ``[B, Hq, M, N]``: the aligned key blocks of 64 each query tile reads: those holding the index's blocks
+    (``covering_tiles``) and its leftover columns."""
     n_blocks = _cdiv(skv, BLOCK)
     B, H, M = index.block_count.shape
     mask = torch.zeros(B, H, M, n_blocks + 1, dtype=torch.bool, device=index.block_count.device)
-    for count, entries, width in ((index.block_count, index.block_start, 1), (index.col_count, index.col_index, BLOCK)):
-        listed = torch.arange(entries.shape[-1], device=entries.device) < count[..., None].long()
-        # unlisted entries go to a spare block that is dropped afterwards
-        mask.scatter_(-1, torch.where(listed, entries.long() // width, n_blocks), True)
-    return mask[..., :n_blocks]
+    listed = torch.arange(index.col_index.shape[-1], device=mask.device) < index.col_count[..., None].long()
+    # unlisted entries go to a spare block that is dropped afterwards
+    mask.scatter_(-1, torch.where(listed, index.col_index.long() // BLOCK, n_blocks), True)
+    return mask[..., :n_blocks] | covering_tiles(index, skv)
 
 
 @dataclasses.dataclass
 class FlashInferLayout:
     """The arguments of ``VariableBlockSparseAttentionWrapper.plan`` for one batch row, one "kv head" per query
     head: ``block_mask_map`` bool ``[Hq, M, N]``, ``block_row_sz`` int32 ``[Hq, M]``, ``block_col_sz`` int32
-    ``[Hq, N]``; ``column_blocks``, the blocks listed only for leftover columns (work beyond our index's)."""
+    ``[Hq, N]``; ``extra_blocks``, the blocks beyond our index's own (those of leftover columns, and a diagonal
+    block's second aligned tile): work FlashInfer does that our walk does not."""
 
     block_mask_map: torch.Tensor
     block_row_sz: torch.Tensor
     block_col_sz: torch.Tensor
-    column_blocks: int
+    extra_blocks: int
 
 
 def _block_sizes(length: int, heads: int, device) -> torch.Tensor:
@@ -210,7 +210,7 @@ def run_flashinfer(case, *, reps: float):
         args = (q_hnd[part].contiguous(), k_rep[part].contiguous(), v_rep[part].contiguous())
         run_ms += bench._ms(lambda wrapper=wrapper, args=args: wrapper.run(*args), reps)
         outs.append(wrapper.run(*args))
-    return plan_ms, run_ms, torch.cat(outs)[None], layout.column_blocks
+    return plan_ms, run_ms, torch.cat(outs)[None], layout.extra_blocks
 
 
 def minference_kernel():
@@ -270,7 +270,7 @@ class PeerRow:
     flashinfer_plan_ms: float | None = None
     flashinfer_ms: float | None = None
     flashinfer_error: float | None = None
-    flashinfer_column_blocks: int | None = None
+    flashinfer_extra_blocks: int | None = None
     """64 x 64 blocks FlashInfer reads only because a leftover column lies in them (our index gathers columns)"""
     our_tile_steps: int | None = None
     """64 x 64 steps our kernel walks (listed tiles, column groups of 64), for comparison"""
@@ -330,7 +330,7 @@ def bench_peers(lengths, families=None, budgets=None, peers=PEERS) -> list[PeerR
                     continue
                 try:
                     if peer == "flashinfer":
-                        row.flashinfer_plan_ms, row.flashinfer_ms, out, row.flashinfer_column_blocks = run_flashinfer(
+                        row.flashinfer_plan_ms, row.flashinfer_ms, out, row.flashinfer_extra_blocks = run_flashinfer(
                             case, reps=reps)
                         row.flashinfer_error = relative_error(out, ref)
                     else:
@@ -360,8 +360,8 @@ def format_peer_rows(rows) -> str:
             f"{'FI plan':>8} {'FI':>8} {'err':>7} {'o/FI':>5} {'+til%':>5} {'MInf':>8} {'err':>7} {'o/MI':>5}")
     lines = [head]
     for r in rows:
-        columns = r.flashinfer_column_blocks
-        extra = None if columns is None else 100 * columns / max(r.our_tile_steps or 0, 1)
+        blocks = r.flashinfer_extra_blocks
+        extra = None if blocks is None else 100 * blocks / max(r.our_tile_steps or 0, 1)
         lines.append(
             f"{r.family:>10} {r.seq:>7} {r.index_ms:>7.2f} {r.kernel_ms:>7.2f} {r.total_ms:>7.2f} {r.ours_error:>7.4f} "
             f"{r.dense_ms:>8.2f} {ratio(r.total_ms, r.dense_ms):>5.2f} "
@@ -373,7 +373,8 @@ def format_peer_rows(rows) -> str:
     lines.append("times in ms; err = ||out - dense|| / ||dense|| on the same inputs (dense: cuDNN, else flash); "
                  "o/d = our index+kernel / dense, o/FI and o/MI = our kernel / the peer's run (below 1: ours faster); "
                  "FI plan = FlashInfer's planning, not in o/FI; MInf includes its block conversion of the same picks; "
-                 "+til% = blocks FlashInfer reads only for our leftover columns, over our tile steps")
+                 "+til% = aligned blocks FlashInfer reads beyond our walk (leftover columns, diagonal blocks' second tiles), "
+                 "over our tile steps")
     return "\n".join(lines)
 
 

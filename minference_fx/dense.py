@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .call_masks import CallMasks
 from .kernels import attend, guard
-from .kernels.reference import BLOCK, SparseIndex
+from .kernels.reference import BLOCK, NO_BLOCK, SparseIndex
 from .kernels.tables import int_table
 from .plan import LISTED_PATTERNS, PATTERN_CODES, HeadPlan, LayerPlan, Pattern
 
@@ -332,18 +332,19 @@ def forced_on_gpu(share: Optional[torch.Tensor], plan: LayerPlan,
 
 
 def take_index(base: SparseIndex, other: SparseIndex, take: torch.Tensor) -> SparseIndex:
-    """``base`` with the (batch, head) rows of ``other`` where ``take`` ([B, Hq] bool); the slot dims padded with
-    -1 to the wider of the two (sizes from the shapes: no host sync, nothing sized by the data)."""
-    def pad(t: torch.Tensor, width: int) -> torch.Tensor:
-        return F.pad(t, (0, width - t.shape[-1]), value=-1)
+    """``base`` with the (batch, head) rows of ``other`` where ``take`` ([B, Hq] bool); the slot dims padded to the
+    wider of the two (sizes from the shapes: no host sync, nothing sized by the data)."""
+    def pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+        return F.pad(t, (0, width - t.shape[-1]), value=value)
 
     rows = take[:, :, None]
-    tiles = max(base.block_start.shape[-1], other.block_start.shape[-1])
+    blocks = max(base.block_start.shape[-1], other.block_start.shape[-1])
     cols = max(base.col_index.shape[-1], other.col_index.shape[-1])
     return SparseIndex(
         block_count=torch.where(rows, other.block_count, base.block_count),
-        block_start=torch.where(rows[..., None], pad(other.block_start, tiles), pad(base.block_start, tiles)),
+        block_start=torch.where(rows[..., None], pad(other.block_start, blocks, NO_BLOCK),
+                                pad(base.block_start, blocks, NO_BLOCK)),
         col_count=torch.where(rows, other.col_count, base.col_count),
-        col_index=torch.where(rows[..., None], pad(other.col_index, cols), pad(base.col_index, cols)),
+        col_index=torch.where(rows[..., None], pad(other.col_index, cols, -1), pad(base.col_index, cols, -1)),
     )
 

@@ -128,17 +128,11 @@ def sample_rows(sq: int, *, last_rows: int = LAST_ROWS, strata: int = STRATA,
 
 def _row_key_mask(index: reference.SparseIndex, rows: torch.Tensor, skv: int) -> torch.Tensor:
     """bool [B, Hq, R, Skv]: the keys the index lists for each of ``rows`` (any order, no base mask)."""
-    n_tiles = -(-skv // reference.BLOCK)
-
-    def scatter(idx, length):
-        idx = idx.long()
-        slot = torch.where(idx >= 0, idx, length)
-        out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool, device=idx.device)
-        return out.scatter_(-1, slot, True)[..., :length]
-
     tiles = rows.to(index.block_start.device) // reference.BLOCK
-    per_tile = scatter(index.block_start[:, :, tiles], n_tiles).repeat_interleave(reference.BLOCK, dim=-1)[..., :skv]
-    return per_tile | scatter(index.col_index[:, :, tiles], skv)
+    cols = index.col_index[:, :, tiles].long()
+    in_cols = torch.zeros(*cols.shape[:3], skv + 1, dtype=torch.bool, device=cols.device)
+    in_cols.scatter_(-1, torch.where(cols >= 0, cols, skv), True)
+    return reference.block_keys(index, skv, tiles) | in_cols[..., :skv]
 
 
 def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last_rows: int = LAST_ROWS,

@@ -23,10 +23,10 @@ def plan_of(*heads) -> LayerPlan:
 
 
 def index_from_masks(tiles: torch.Tensor, cols: torch.Tensor) -> ref.SparseIndex:
-    """A SparseIndex listing the tiles ``[B, H, M, N]`` and columns ``[B, H, M, Skv]`` marked True."""
-    block_count, block_start = ref._pack(tiles, 1)
+    """A SparseIndex listing the aligned tiles ``[B, H, M, N]`` and columns ``[B, H, M, Skv]`` marked True."""
+    block_count, tile = ref._pack(tiles, 1)
     col_count, col_index = ref._pack(cols, 1)
-    return ref.SparseIndex(block_count, block_start, col_count, col_index)
+    return ref.SparseIndex(block_count, torch.where(tile >= 0, tile * BLOCK, ref.NO_BLOCK), col_count, col_index)
 
 
 def selection(columns, diagonals) -> den.KeySelection:
@@ -106,6 +106,17 @@ def test_a_column_on_a_diagonal_is_counted_once():
     assert d.logical_keys.item() == keys.sum().item()
 
 
+def test_a_far_diagonal_walks_one_block_per_query_tile_in_the_index():
+    # the index reads diagonal 100 as one unaligned block per query tile, where aligned tiles took two
+    sq = 256
+    q, k = torch.randn(1, 1, sq, 16), torch.randn(1, 1, sq, 16)
+    diags = [0, 100]
+    index = ref.build_index(q, k, plan_of((VS, 0, 50)), scale=0.25)
+    blocks = ref.diagonal_blocks(range(50))
+    assert blocks == [0, 64] and index.block_count[0, 0].tolist() == [1, 2, 2, 2]
+    assert len(ref.diagonal_blocks(diags)) == 2 and ref.diagonal_blocks(diags)[1] == 100
+
+
 def test_scattered_slashes_cost_more_tiles_per_kept_key_than_adjacent_ones():
     # the same number of diagonals and columns: adjacent diagonals share tiles, scattered ones each cross
     # two key tiles of every query tile
@@ -164,35 +175,26 @@ def test_brute_force_on_both_builders(family, dtype):
     listed = ref.index_to_mask(reference_index, range(0, sq), sq)[0] & causal
     cols, diags = picks.columns[0, 0], picks.diagonals[0, 0]
     vs_keys = brute_keys(cols[cols >= 0].tolist(), diags[diags >= 0].tolist(), sq)
-    # the picks are what the reference turned into its index: their diagonals make its tiles, and the
-    # columns outside those tiles are its leftover columns
-    tiles, leftover = (x[0, 0] for x in _as_masks(reference_index, sq))
-    diag_tiles = tiles_of(brute_keys([], diags[diags >= 0].tolist(), sq))
-    assert torch.equal(tiles, diag_tiles)
+    # the picks are what the reference turned into its index: every key on their diagonals lies in its blocks,
+    # at most one block a diagonal, and its leftover columns are the picked columns outside the blocks
+    diag_keys = brute_keys([], diags[diags >= 0].tolist(), sq)
+    block_keys = ref.block_keys(reference_index, sq)[0, 0][torch.arange(sq) // BLOCK]  # [Sq, Skv]
+    assert (block_keys | ~diag_keys).all()
+    assert (reference_index.block_count[0, 0] <= len(ref.diagonal_blocks(diags[diags >= 0].tolist()))).all()
     assert (listed[0] | ~vs_keys).all()
+    leftover = reference_index.col_count[0, 0].tolist()
     for name, index in (("reference", reference_index), ("gpu", build_index_gpu(q, k, plan, scale=scale))):
         got = den.index_density(index, plan, picks, sq=sq)
         assert got.logical_keys[0, 0].item() == vs_keys.sum().item(), name
         for h in (1, 2, 3):  # A-shape, block-sparse, dense: the causal keys of the listed tiles
             assert got.logical_keys[0, h].item() == listed[h].sum().item(), (name, h)
-        walked = tiles.sum() + sum(-(-int(leftover[m].sum()) // BLOCK) for m in range(leftover.shape[0]))
+        walked = reference_index.block_count[0, 0].sum().item() + sum(-(-c // BLOCK) for c in leftover)
         assert got.physical_tiles[0, 0].item() == walked, name
-        a_tiles = _as_masks(reference_index, sq)[0][0, 1].sum().item()  # the reference lists A-shape tiles
+        a_tiles = reference_index.block_count[0, 1].sum().item()  # the reference lists A-shape tiles
         assert got.physical_tiles[0, 1].item() == a_tiles, name
         assert got.physical_tiles[0, 2].item() == reference_index.block_count[0, 2].sum().item(), name
         assert got.physical[0, 3].item() == 1.0 and got.logical[0, 3].item() == 1.0, name
         assert (got.physical >= got.logical).all(), name
-
-
-def _as_masks(index, skv):
-    n_tiles = -(-skv // BLOCK)
-
-    def scatter(idx, length):
-        idx = idx.long()
-        out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool)
-        return out.scatter_(-1, torch.where(idx >= 0, idx, length), True)[..., :length]
-
-    return scatter(index.block_start, n_tiles), scatter(index.col_index, skv)
 
 
 def test_picks_from_the_gpu_estimate_match_the_torch_one():

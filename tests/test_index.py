@@ -39,34 +39,40 @@ def rand_qk(b, hq, hkv, sq, skv, d, dtype=torch.float32, seed=0, device="cpu"):
 
 
 def as_masks(index, skv):
-    """(tiles bool [B, Hq, M, N], columns bool [B, Hq, M, Skv]) listed by an index."""
-    n_tiles = -(-skv // BLOCK)
-
+    """(keys of the listed blocks bool [B, Hq, M, Skv], columns bool [B, Hq, M, Skv]) of an index."""
     def scatter(idx, length):
         idx = idx.long()
         out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool, device=idx.device)
         return out.scatter_(-1, torch.where(idx >= 0, idx, length), True)[..., :length]
 
-    return scatter(index.block_start, n_tiles), scatter(index.col_index, skv)
+    return ref.block_keys(index, skv), scatter(index.col_index, skv)
 
 
 def check_format(index, plan, sq, skv):
-    """dtypes, `count` ascending entries then -1, capacities as promised, no column inside a listed tile."""
+    """dtypes, `count` entries then padding, blocks ascending and apart (a block before key 0 last), capacities
+    as promised, no column inside a listed block."""
     B, Hq, M = index.block_count.shape
     assert M == -(-sq // BLOCK)
     tile_cap, col_cap = index_capacity(plan, skv)
     assert index.block_start.shape == (B, Hq, M, tile_cap) and index.col_index.shape == (B, Hq, M, col_cap)
     assert index.block_start.dtype == index_start_dtype(skv) and index.col_index.dtype == torch.int32
-    for lists, counts in ((index.block_start, index.block_count), (index.col_index, index.col_count)):
+    for lists, counts, pad in ((index.block_start, index.block_count, ref.NO_BLOCK), (index.col_index, index.col_count, -1)):
         assert counts.dtype == torch.int32
         valid = torch.arange(lists.shape[-1], device=lists.device) < counts[..., None].long()
-        assert torch.equal(lists >= 0, valid), "entries must fill the first `count` slots, then -1"
-        assert bool((lists[~valid] == -1).all())
-        steps = lists[..., 1:].int() - lists[..., :-1].int()
-        assert bool((steps[valid[..., 1:]] > 0).all()), "entries must be strictly ascending"
-    tiles, cols = as_masks(index, skv)
-    covered = tiles.repeat_interleave(BLOCK, dim=-1)[..., :skv]
-    assert not bool((covered & cols).any()), "a column inside a listed tile"
+        assert torch.equal(lists != pad, valid), "entries must fill the first `count` slots, then padding"
+        assert bool((lists[~valid] == pad).all()) and bool((lists[valid] > -BLOCK).all())
+    steps = index.col_index[..., 1:].int() - index.col_index[..., :-1].int()
+    assert bool((steps[(index.col_index[..., 1:] >= 0)] > 0).all()), "columns must be strictly ascending"
+    starts = index.block_start.int()
+    # the last entry may be a block before key 0; every other step ascends by a block at least
+    later = torch.arange(1, starts.shape[-1], device=starts.device) < index.block_count[..., None].long() - 1
+    wrapped_last = (torch.arange(1, starts.shape[-1], device=starts.device) == index.block_count[..., None].long() - 1) \
+        & (starts[..., 1:] < 0)
+    assert bool(((starts[..., 1:] - starts[..., :-1])[later | ((torch.arange(1, starts.shape[-1], device=starts.device)
+                                                               < index.block_count[..., None].long()) & ~wrapped_last)]
+                 >= BLOCK).all()), "blocks must ascend and never overlap"
+    keys, cols = as_masks(index, skv)
+    assert not bool((keys & cols).any()), "a column inside a listed block"
 
 
 def base_rows(pos, skv, B, key_mask, doc_ids, window):
@@ -287,10 +293,9 @@ def test_only_dense_heads_and_empty_inputs():
 
 
 def test_tile_capacity_reached_exactly():
-    # The capacity is the worst case: the forced run 0..99 meets 4 key tiles when the query tile's
-    # keys start one short of a tile (q_offset = 98), and each other diagonal, far from the rest
-    # and off the tile grid, meets 2. With 3 such diagonals the last query tile lists exactly
-    # 4 + 2 * 3 = index_capacity slots: one fewer would drop a tile and differ from the reference.
+    # The capacity is the worst case: the forced run 0..99 takes 3 diagonal blocks (offsets 0, 64, 128), and
+    # each other diagonal, far from the rest, one of its own. With 3 such diagonals the last query tile lists
+    # exactly 3 + 3 = index_capacity slots: one fewer would drop a block and differ from the reference.
     sq, offset = 1920, 98
     skv = sq + offset
     deltas = [400, 910, 1420]
@@ -300,13 +305,13 @@ def test_tile_capacity_reached_exactly():
         ok = (rows >= 0) & (rows < sq)
         k[:, :, ok] += 3 * q[:, :, rows[ok]]
     plan = plan_of((VS, 30, 100 + len(deltas)))
-    assert index_capacity(plan, skv)[0] == 4 + 2 * len(deltas) < -(-skv // BLOCK)
+    assert index_capacity(plan, skv)[0] == 3 + len(deltas) < -(-skv // BLOCK)
     got = assert_matches_reference(q, k, plan, q_offset=offset)
     assert int(got.block_count.max()) == index_capacity(plan, skv)[0]
 
 
 def test_attention_on_the_gpu_index_equals_the_reference_index():
-    # the attention kernel widens the int16 tile numbers on load: same output as on the int32 reference index
+    # the attention kernel widens the int16 block starts on load: same output as on the int32 reference index
     from minference_fx.kernels.attend import sparse_attention_triton
 
     q, k = rand_qk(1, 4, 2, 256, 256, 16, seed=59)
@@ -335,11 +340,12 @@ def test_index_bytes_counts_what_is_allocated():
 LLAMA3_8B_VS = LayerPlan((HeadPlan(VS, 1000, 6096),) * 32)
 
 
-@pytest.mark.parametrize("seq,limit_gb", [(131072, 1.5), (524288, 7.0), (1 << 20, 16.0)])
+@pytest.mark.parametrize("seq,limit_gb", [(131072, 1.5), (524288, 8.5), (1 << 20, 16.0)])
 def test_llama3_8b_index_memory(seq, limit_gb):
-    # MInference's default VS(1000, 6096) on every head of a Llama-3-8B layer. At 1M tokens the
-    # tile lists are 32 heads x 16384 query tiles x 11996 worst-case slots; int16 halves them
-    # (26 GB as int32). With q/k/v and the output (20 GB) that leaves a 141 GB GPU most of its memory.
+    # MInference's default VS(1000, 6096) on every head of a Llama-3-8B layer. At 1M tokens the block
+    # lists are 32 heads x 16384 query tiles x 5999 worst-case slots of int32 starts (12.6 GB; aligned
+    # tiles needed twice the slots at half the width). With q/k/v and the output (20 GB) that leaves a
+    # 141 GB GPU most of its memory.
     nbytes = index_bytes(LLAMA3_8B_VS, 1, seq)
     assert nbytes["total"] < limit_gb * 1e9, {name: round(v / 1e9, 2) for name, v in nbytes.items()}
     assert nbytes["scratch"] < 1.5e9  # scores, rank keys and prefix counts of 32 heads x 1M keys: about 1.1 GB

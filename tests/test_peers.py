@@ -116,7 +116,7 @@ def minference_reads(v_idx, s_idx, sq) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("sq,seed", [(1000, 0), (768, 1)])
-def test_flashinfer_layout_is_the_tiles_plus_the_column_blocks(sq, seed):
+def test_flashinfer_layout_is_the_tiles_plus_the_extra_blocks(sq, seed):
     index, _ = _case(sq, seed)
     layout = peers.flashinfer_layout(index, sq)
     listed = ref.index_to_mask(index, range(0, sq), sq)[0]  # [H, Sq, Skv]: whole tiles and single columns
@@ -127,7 +127,9 @@ def test_flashinfer_layout_is_the_tiles_plus_the_column_blocks(sq, seed):
     no_cols = ref.SparseIndex(index.block_count, index.block_start, torch.zeros_like(index.col_count),
                               torch.full_like(index.col_index, -1))
     tiles_only = ref.index_to_mask(no_cols, range(0, sq), sq)[0]
-    assert layout.column_blocks == int(layout.block_mask_map.sum() - _tiles_of(tiles_only).sum()) > 0
+    assert torch.equal(_tiles_of(tiles_only), ref.covering_tiles(index, sq)[0])
+    # what FlashInfer walks beyond our blocks: the tiles of the leftover columns and diagonal blocks' second tiles
+    assert layout.extra_blocks == int(layout.block_mask_map.sum() - index.block_count[0].sum()) > 0
 
     # the keys FlashInfer reads: those blocks cut by the causal mask, a superset of ours
     reads = flashinfer_keys(layout)
@@ -262,9 +264,9 @@ def test_adapters_feed_the_peers_our_keys(monkeypatch):
 
     group = hq // hkv
     k_rep, v_rep = k[0].repeat_interleave(group, 0), v[0].repeat_interleave(group, 0)
-    _, _, out, column_blocks = peers.run_flashinfer(case, reps=1)
+    _, _, out, extra_blocks = peers.run_flashinfer(case, reps=1)
     blocks = peers.block_mask_of(index, sq)[0]
-    assert out.shape == q.shape and column_blocks == int(blocks.sum() - index.block_count.sum())
+    assert out.shape == q.shape and extra_blocks == int(blocks.sum() - index.block_count.sum())
     expected = _masked_attention(q[0], k_rep, v_rep, _blocks_to_keys(blocks, sq) & _causal(sq), scale)
     torch.testing.assert_close(out[0], expected)
 

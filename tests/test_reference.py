@@ -74,9 +74,21 @@ def softmax_rows64(scores, allowed):
     return out
 
 
+def diagonal_blocks(diags):
+    """Block offsets from the definition: each diagonal must be whole in the blocks (itself a block, or strictly
+    between two blocks 64 apart); one that is not extends the last run when within 64 of its last block, else
+    starts a run at itself."""
+    blocks = []
+    for d in sorted(diags):
+        whole = d in blocks or any(x < d < x + BLOCK and x + BLOCK in blocks for x in blocks)
+        if not whole:
+            blocks.append(blocks[-1] + BLOCK if blocks and d - blocks[-1] <= BLOCK else d)
+    return blocks
+
+
 def expected_index(q, k, plan, scale, pos, base, key_mask=None):
-    """{(b, h, m): (sorted key tiles, sorted leftover columns)} from the definitions. A row's attention sinks
-    (A-shape) and forced columns (vertical-slash) start at the first key its padding mask keeps."""
+    """{(b, h, m): (block starts in the index's order, sorted leftover columns)} from the definitions. A row's
+    attention sinks (A-shape) and forced columns (vertical-slash) start at the first key its padding mask keeps."""
     B, Hq, sq, _ = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -125,12 +137,15 @@ def expected_index(q, k, plan, scale, pos, base, key_mask=None):
                     }
                     leftover = []
                 elif head.pattern is Pattern.VERTICAL_SLASH:
-                    tiles = set()
-                    for d in diags:
-                        a, z = max(lo[m] - d, 0), min(hi[m] - d, skv - 1)
-                        if a <= z:
-                            tiles.update(range(a // BLOCK, z // BLOCK + 1))
-                    leftover = sorted(j for j in cols if j // BLOCK not in tiles and j <= hi[m])
+                    # a block holds keys lo - x .. lo - x + 63; a tile lists those holding a key in 0 .. min(hi, skv-1)
+                    starts = sorted(lo[m] - x for x in diagonal_blocks(diags)
+                                    if lo[m] - x + BLOCK - 1 >= 0 and lo[m] - x <= min(hi[m], skv - 1))
+                    keys = {j for a in starts for j in range(a, a + BLOCK)}
+                    leftover = sorted(j for j in cols if j not in keys and j <= hi[m])
+                    if starts and starts[0] < 0:  # a block before key 0 is listed last
+                        starts = starts[1:] + starts[:1]
+                    result[b, h, m] = (starts, leftover)
+                    continue
                 else:
                     allowed = [n for n in range(N) if n * BLOCK <= hi[m] and min(n * BLOCK + BLOCK, skv) - 1 >= first]
                     forced = [n for n in allowed if n == first // BLOCK or lo[m] // BLOCK <= n <= hi[m] // BLOCK]
@@ -140,8 +155,7 @@ def expected_index(q, k, plan, scale, pos, base, key_mask=None):
                     top = pick_top(scores, want - len(forced), "block")
                     tiles, leftover = set(forced) | {rest[t] for t in top}, []
                 # keys past pos_hi(m) can never be read, so the index never lists their tiles
-                tiles = sorted(n for n in tiles if n * BLOCK <= hi[m])
-                result[b, h, m] = (tiles, leftover)
+                result[b, h, m] = (sorted(n * BLOCK for n in tiles if n * BLOCK <= hi[m]), leftover)
     return result
 
 
@@ -149,19 +163,21 @@ def check_structure(index, expected, B, Hq, M, hi):
     for name in ("block_count", "block_start", "col_count", "col_index"):
         assert getattr(index, name).dtype == torch.int32, name
     assert index.block_start.shape[:3] == (B, Hq, M) and index.col_index.shape[:3] == (B, Hq, M)
-    for lists, counts in ((index.block_start, index.block_count), (index.col_index, index.col_count)):
+    for lists, counts, pad in ((index.block_start, index.block_count, ref.NO_BLOCK),
+                               (index.col_index, index.col_count, -1)):
         valid = torch.arange(lists.shape[-1]) < counts[..., None].long()
-        assert torch.equal(lists >= 0, valid), "entries must be the first `count` slots, then -1"
-        assert bool((lists[~valid] == -1).all())
-        steps = lists[..., 1:] - lists[..., :-1]
-        assert bool((steps[valid[..., 1:]] > 0).all()), "entries must be strictly ascending"
-    for (b, h, m), (tiles, cols) in expected.items():
-        got_tiles = index.block_start[b, h, m, : index.block_count[b, h, m]].tolist()
+        assert torch.equal(lists != pad, valid), "entries must be the first `count` slots, then padding"
+        assert bool((lists[~valid] == pad).all())
+    for (b, h, m), (starts, cols) in expected.items():
+        got_starts = index.block_start[b, h, m, : index.block_count[b, h, m]].tolist()
         got_cols = index.col_index[b, h, m, : index.col_count[b, h, m]].tolist()
-        assert got_tiles == tiles, (b, h, m)
+        assert got_starts == starts, (b, h, m)
         assert got_cols == cols, (b, h, m)
-        assert not {c // BLOCK for c in got_cols} & set(got_tiles), "a column inside a listed tile"
-        assert all(t * BLOCK <= hi[m] for t in got_tiles) and all(c <= hi[m] for c in got_cols), "listed past pos_hi"
+        in_order = got_starts[:-1] if got_starts and got_starts[-1] < 0 else got_starts
+        assert all(y - x >= BLOCK for x, y in zip(in_order, in_order[1:])), "blocks ascending, never overlapping"
+        keys = {j for a in got_starts for j in range(a, a + BLOCK)}
+        assert not set(got_cols) & keys, "a column inside a listed block"
+        assert all(a <= hi[m] for a in got_starts) and all(c <= hi[m] for c in got_cols), "listed past pos_hi"
 
 
 # --------------------------------------------------------------------------- index fidelity
@@ -221,14 +237,31 @@ def test_index_matches_definition(pattern, case):
     # the same, row by row, as the key set that attention reads
     got = ref.index_to_mask(index, range(0, sq), skv) & base[:, None]
     want = torch.zeros(B, Hq, sq, skv, dtype=torch.bool)
-    for (b, h, m), (tiles, cols) in expected.items():
+    for (b, h, m), (starts, cols) in expected.items():
         keys = torch.zeros(skv, dtype=torch.bool)
-        for t in tiles:
-            keys[t * BLOCK : (t + 1) * BLOCK] = True
+        for a in starts:
+            keys[max(a, 0) : a + BLOCK] = True
         keys[cols] = True
         want[b, h, m * BLOCK : (m + 1) * BLOCK] = keys & base[b, m * BLOCK : (m + 1) * BLOCK]
     assert torch.equal(got, want)
     assert not bool((got & ~(torch.arange(skv)[None, :] <= pos[:, None])).any()), "a key after the query"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_diagonal_blocks_hold_each_diagonal_whole_in_fewer_blocks_than_aligned_tiles(seed):
+    """For a query tile of 64 contiguous rows at any position, the blocks hold every row's key on every
+    selected diagonal, never overlap, and number at most what aligned key tiles would."""
+    g = torch.Generator().manual_seed(seed)
+    span = [200, 2000, 20000][seed % 3]
+    diags = sorted(set(torch.randint(0, span, (int(torch.randint(1, 300, (1,), generator=g)),), generator=g).tolist()))
+    blocks = ref.diagonal_blocks(diags)
+    assert blocks == diagonal_blocks(diags) and blocks == sorted(blocks)
+    assert all(y - x >= BLOCK for x, y in zip(blocks, blocks[1:])), "blocks overlap"
+    lo = span + 64 * int(torch.randint(0, 8, (1,), generator=g)) + int(torch.randint(0, 64, (1,), generator=g))
+    keys = {lo - x + c for x in blocks for c in range(BLOCK)}
+    assert all(r - d in keys for d in diags for r in range(lo, lo + BLOCK)), "a selected diagonal is not whole"
+    aligned = {n for d in diags for n in range((lo - d) // BLOCK, (lo + BLOCK - 1 - d) // BLOCK + 1)}
+    assert len(blocks) <= len(aligned)
 
 
 def test_base_allowed_matches_definition():

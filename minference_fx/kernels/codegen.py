@@ -76,7 +76,8 @@ def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: in
     q = torch.zeros(b, hq, s, head_dim, dtype=torch.bfloat16)
     k, v = (torch.zeros(b, hkv, s, head_dim, dtype=torch.bfloat16) for _ in range(2))
     m = s // 64
-    index = SparseIndex(torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int16),
+    # int32 starts: the index of a prompt past 32K keys, where the walk's speed matters
+    index = SparseIndex(torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int32),
                         torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int32))
     plan = LayerPlan((DEFAULTS.head,) * hq)
     kernel = attend._sparse_attn_fwd

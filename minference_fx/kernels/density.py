@@ -220,11 +220,11 @@ def _vs_logical(selection: KeySelection, sq: int, skv: int, q_offset: int) -> to
 
 
 def _listed_logical(index: SparseIndex, lo: torch.Tensor, hi: torch.Tensor, skv: int) -> torch.Tensor:
-    """float64 ``[B, H]``: causal pairs inside the listed tiles (block-sparse heads' kept keys)."""
-    tiles = index.block_start.long()
-    start = tiles * BLOCK
-    pairs = causal_pairs(lo[:, None], hi[:, None], start, start + BLOCK, skv)
-    return torch.where(tiles >= 0, pairs, 0).sum((-1, -2)).double()
+    """float64 ``[B, H]``: causal pairs inside the listed blocks (block-sparse heads' kept keys)."""
+    start = index.block_start.long()
+    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[..., None]
+    pairs = causal_pairs(lo[:, None], hi[:, None], start.clamp(min=0), start + BLOCK, skv)
+    return torch.where(listed, pairs, 0).sum((-1, -2)).double()
 
 
 def index_density(index: SparseIndex, plan: LayerPlan, selection: KeySelection | None = None, *, sq: int,

@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .reference import BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, first_kept_keys, query_positions
+from .reference import BLOCK, NO_BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, first_kept_keys, query_positions
 
 # A head whose index keeps this share of its causal key tiles (leftover columns counted as tiles of
 # BLOCK) runs dense: at most 1/0.9 = 1.11x the tiles, at 1.24x the speed per tile (the dense walk against the
@@ -59,11 +59,13 @@ def captured_mass(vertical: torch.Tensor, index: SparseIndex, rows: int) -> torc
     vertical : ``[B, H, Skv]`` column sums of those rows' probabilities; index : the heads' index (same H).
     """
     B, H, skv = vertical.shape
-    n = -(-skv // BLOCK)
-    tile_sum = F.pad(vertical, (0, n * BLOCK - skv)).view(B, H, n, BLOCK).sum(-1)
-    tiles = index.block_start[:, :, -1].long()
+    # a block's mass is a difference of prefix sums, in float64 so that one 64-key block of a 1M row keeps its digits
+    prefix = F.pad(vertical.double().cumsum(-1), (1, 0))
+    start = index.block_start[:, :, -1].long()
+    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, -1, None]
+    block_mass = prefix.gather(-1, (start + BLOCK).clamp(0, skv)) - prefix.gather(-1, start.clamp(0, skv))
+    in_tiles = (block_mass * listed).sum(-1).to(vertical.dtype)
     cols = index.col_index[:, :, -1].long()
-    in_tiles = (tile_sum.gather(-1, tiles.clamp(min=0)) * (tiles >= 0)).sum(-1)
     in_cols = (vertical.gather(-1, cols.clamp(min=0)) * (cols >= 0)).sum(-1) if cols.shape[-1] else 0.0
     return (in_tiles + in_cols) / max(rows, 1)
 
@@ -87,10 +89,10 @@ def densify(index: SparseIndex, force: torch.Tensor, sq: int, skv: int, q_offset
     cap = max(T, n)
     last = torch.clamp(q_offset + torch.clamp(torch.arange(M) * BLOCK + BLOCK - 1, max=sq - 1), max=skv - 1) // BLOCK
     dense_idx = torch.arange(cap).expand(M, cap)
-    dense_idx = torch.where(dense_idx <= last[:, None], dense_idx, -1).to(torch.int32).to(index.block_start.device)
+    dense_idx = torch.where(dense_idx <= last[:, None], dense_idx * BLOCK, NO_BLOCK).to(torch.int32).to(index.block_start.device)
     dense_cnt = (last + 1).to(torch.int32).to(index.block_count.device)
     f = force[:, :, None]
-    block_start = F.pad(index.block_start, (0, cap - T), value=-1)
+    block_start = F.pad(index.block_start.to(torch.int32), (0, cap - T), value=NO_BLOCK)
     return SparseIndex(
         block_count=torch.where(f, dense_cnt.expand(B, H, M), index.block_count),
         block_start=torch.where(f[..., None], dense_idx.expand(B, H, M, cap), block_start),

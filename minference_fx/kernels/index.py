@@ -464,7 +464,7 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     prefix = marks[..., :skv + 1].cumsum(-1, dtype=torch.int32)  # [t]: selected diagonals below t
     picked = torch.where(keep_d, top_d, skv).to(torch.int32)
     picked = torch.cat([picked.sort(dim=-1).values, picked.new_full((B, n_vs, 1), skv)], -1).contiguous()
-    cap = min(max(n_diags), n_tiles + 1)
+    cap = min(max(_vs_block_bound(n) for n in n_diags), n_tiles + 1)
     blocks = torch.full((B, n_vs, cap), _NO_OFFSET, dtype=torch.int32, device=dev)
     n_blocks = torch.empty(B, n_vs, dtype=torch.int32, device=dev)
     _diag_blocks_kernel[(B * n_vs,)](prefix, picked, blocks, n_blocks, skv, picked.shape[-1], cap, BLOCK_K=BLOCK)
@@ -574,19 +574,26 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key
 # --------------------------------------------------------------------------- entry point
 
 
+def _vs_block_bound(n_diags: int) -> int:
+    """Diagonal blocks one head can have for ``n_diags`` selected diagonals: each adds at most one, and the
+    forced ones 0..F-1 (F = min(100, n_diags), always selected) make a single run of 1 + ceil((F - 1) / 64)."""
+    forced = min(VS_FORCED_DIAGONALS, n_diags)
+    return 1 + _cdiv(forced - 1, BLOCK) + n_diags - forced
+
+
 def index_capacity(plan: LayerPlan, skv: int) -> tuple[int, int]:
     """(block slots, column slots) per (batch, head, query tile) that :func:`build_index_gpu` allocates.
 
     The slots are the worst case over any input of the shapes (no data-dependent size, so the
     build can be captured in a CUDA graph). A block-sparse head lists at most the key tiles that exist;
-    a vertical-slash head at most one block a selected diagonal, and its blocks lie 64 apart at offsets
-    0 .. lo + 63 of a tile starting at ``lo``: at most one more than the key tiles.
+    a vertical-slash head at most one block a selected diagonal (:func:`_vs_block_bound`), and its blocks lie 64
+    apart at offsets 0 .. lo + 63 of a tile starting at ``lo``: at most one more than the key tiles.
     """
     n_tiles = _cdiv(skv, BLOCK)
     tiles, cols = 0, 0
     for hp in plan.heads:
         if hp.pattern is Pattern.VERTICAL_SLASH:
-            tiles = max(tiles, min(n_tiles + 1, max(hp.budget_b, VS_MIN_DIAGONALS), skv))
+            tiles = max(tiles, min(n_tiles + 1, _vs_block_bound(min(max(hp.budget_b, VS_MIN_DIAGONALS), skv))))
             cols = max(cols, min(max(hp.budget_a, VS_MIN_COLUMNS), skv))
         elif hp.pattern is Pattern.BLOCK_SPARSE:
             tiles = max(tiles, min(n_tiles, max(hp.budget_a, 3)))  # tile 0 and two diagonal tiles are forced

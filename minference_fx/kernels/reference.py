@@ -312,8 +312,11 @@ def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
         # unaligned first key touch ceil(a/64) + 1
         return min(n_tiles, _cdiv(a, BLOCK) + _cdiv(b, BLOCK) + 3), 0
     if p is Pattern.VERTICAL_SLASH:
-        # diagonal blocks (at most one a diagonal) lie 64 apart at offsets 0 .. lo + 63: at most n_tiles + 1
-        return min(n_tiles + 1, min(max(b, VS_MIN_DIAGONALS), skv)), min(max(a, VS_MIN_COLUMNS), skv)
+        # diagonal blocks (at most one a diagonal, the forced run 0..F-1 in 1 + ceil((F-1)/64)) lie 64 apart at
+        # offsets 0 .. lo + 63: at most n_tiles + 1
+        n = min(max(b, VS_MIN_DIAGONALS), skv)
+        forced = min(VS_FORCED_DIAGONALS, n)
+        return min(n_tiles + 1, 1 + _cdiv(forced - 1, BLOCK) + n - forced), min(max(a, VS_MIN_COLUMNS), skv)
     # block sparse: tile 0 plus up to two diagonal tiles are forced beyond k
     return min(n_tiles, max(a, 3)), 0
 
@@ -388,15 +391,28 @@ def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_
     return SparseIndex(torch.stack(counts, 1), block_start.to(torch.int32), col_count, col_index)
 
 
-def block_keys(index: SparseIndex, skv: int, m_slice: slice = slice(None)) -> torch.Tensor:
-    """bool ``[B, Hq, M', Skv]``: the keys the blocks of query tiles ``m_slice`` hold."""
-    start = index.block_start[:, :, m_slice].long()
-    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, m_slice, None]
+def block_keys(index: SparseIndex, skv: int, tiles=slice(None)) -> torch.Tensor:
+    """bool ``[B, Hq, M', Skv]``: the keys the blocks of query tiles ``tiles`` (a slice or an index tensor) hold."""
+    start = index.block_start[:, :, tiles].long()
+    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, tiles][..., None]
     ones = listed.to(torch.int32)
     diff = torch.zeros(*start.shape[:3], skv + 1, dtype=torch.int32, device=start.device)
     diff.scatter_add_(-1, torch.where(listed, start.clamp(0, skv), skv), ones)
     diff.scatter_add_(-1, torch.where(listed, (start + BLOCK).clamp(0, skv), skv), -ones)
     return diff.cumsum(-1)[..., :skv] > 0
+
+
+def covering_tiles(index: SparseIndex, skv: int) -> torch.Tensor:
+    """bool ``[B, Hq, M, N]``: the aligned key tiles of 64 that hold a key of some listed block (a diagonal block
+    touches two, or one when aligned): the index in the layout of an aligned block-sparse kernel."""
+    n_tiles = _cdiv(skv, BLOCK)
+    start = index.block_start.long()
+    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[..., None]
+    tiles = torch.zeros(*start.shape[:3], n_tiles + 1, dtype=torch.bool, device=start.device)
+    # unlisted entries go to a spare tile that is dropped afterwards
+    for edge in (start.clamp(min=0), (start + BLOCK - 1).clamp(max=skv - 1)):
+        tiles.scatter_(-1, torch.where(listed, edge // BLOCK, n_tiles), True)
+    return tiles[..., :n_tiles]
 
 
 def index_to_mask(index: SparseIndex, rows, skv: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from ..defaults import DEFAULTS
 from ..kernels.attend import sparse_attention_triton
 from ..kernels.density import Density, index_density, selection_of
 from ..kernels.index import build_index_gpu
-from ..kernels.reference import BLOCK, SparseIndex
+from ..kernels.reference import BLOCK, SparseIndex, covering_tiles
 from ..plan import HeadPlan, LayerPlan, Pattern
 
 LLAMA3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
@@ -104,15 +104,16 @@ def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
 
 
 def _flex_from_index(index, sq, skv, block):
-    """A BlockMask with the same key tiles (diagonal tile partial, the rest full). Leftover columns are not given
-    to Flex: it does less work than we do, so its ratio is flattered, not ours."""
-    m = torch.arange(index.block_start.shape[2], device=index.block_start.device)[None, None, :, None]
-    listed = torch.arange(index.block_start.shape[-1], device=m.device) < index.block_count[..., None]
-    block_start = index.block_start.to(torch.int32)  # the GPU index stores tile numbers as int16
-    is_diag = listed & (block_start == m)
-    full_idx = torch.where(listed & ~is_diag, block_start, torch.iinfo(torch.int32).max)
-    full_idx = full_idx.sort(-1).values
-    full_num = (listed & ~is_diag).sum(-1).to(torch.int32)
+    """A BlockMask of the aligned key tiles that hold our blocks' keys (``reference.covering_tiles``: the diagonal
+    tile partial, the rest full). Flex's layout has no unaligned block, so where a diagonal block spans two tiles
+    Flex walks both; leftover columns are not given to it."""
+    tiles = covering_tiles(index, skv)  # [B, H, M, N]
+    m = torch.arange(tiles.shape[2], device=tiles.device)[None, None, :, None]
+    n = torch.arange(tiles.shape[3], device=tiles.device)
+    is_diag = tiles & (n == m)
+    full = tiles & ~is_diag
+    full_idx = torch.where(full, n, torch.iinfo(torch.int32).max).sort(-1).values
+    full_num = full.sum(-1).to(torch.int32)
     full_idx = torch.where(full_idx == torch.iinfo(torch.int32).max, 0, full_idx).to(torch.int32)
     part_num = is_diag.any(-1).to(torch.int32)
     part_idx = m[..., 0:1].expand(*index.block_count.shape, 1).to(torch.int32).contiguous()
