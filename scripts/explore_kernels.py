@@ -116,7 +116,7 @@ def index_ab(seq: int, old_path: str | None) -> None:
         print(f"index {seq} {name}: eager {_ms(fn, 5):.2f} ms, CUDA-graph replay {_graph_ms(fn):.2f} ms", flush=True)
     if "old" in results:
         a, b = results["current"], results["old"]
-        same = (a.tile_count == b.tile_count).float().mean().item()
+        same = (a.block_count == b.block_count).float().mean().item()
         print(f"index {seq}: tile counts equal in {100 * same:.3f} % of (head, query tile); "
               f"column counts equal in {100 * (a.col_count == b.col_count).float().mean().item():.3f} %", flush=True)
     if seq >= 131072:

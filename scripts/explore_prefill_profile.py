@@ -75,7 +75,7 @@ def time_stages(q, k, v, plan, scale, masks, guard_threshold, tuned, *_rest, **_
     walk_ms = _ms(lambda: sparse_attention_triton(q, k, v, index, *split.kernel_args, scale=scale,
                                                   **tuned.launch(), **masks.kwargs()), 3)
     listed = [h for h, on in enumerate(split.listed_mask) if on]
-    tiles = index.tile_count[:, listed].float().mean().item()
+    tiles = index.block_count[:, listed].float().mean().item()
     cols = index.col_count[:, listed].float().mean().item()
     print(f"stages: index {index_ms:.2f} ms, sparse walk alone {walk_ms:.2f} ms; listed heads' mean per query tile: "
           f"{tiles:.1f} tiles + {cols:.0f} columns (a causal row reads {q.shape[-2] / 128:.0f} tiles on average)")

@@ -71,7 +71,7 @@ def main() -> None:
         slash[..., :VS_FORCED_DIAGONALS] = float("inf")
         diags = slash.topk(min(DIAGONALS, slash.shape[-1]), dim=-1).indices.sort(dim=-1).values[0]  # batch 0
         costs = [unaligned_cost(d, q.shape[-2]) for d in diags]
-        tiles = index.tile_count[0].float().mean().item()
+        tiles = index.block_count[0].float().mean().item()
         blocks = sum(c[0] for c in costs) / len(costs)
         keys = sum(c[1] for c in costs) / len(costs)
         cols = index.col_count[0].float().mean().item()

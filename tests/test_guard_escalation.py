@@ -57,7 +57,7 @@ def test_take_index_takes_the_chosen_rows_and_pads_the_narrower_tables():
     assert got.block_start.dtype == torch.int16
     for b in range(2):
         for h in range(3):
-            want_tiles = [7] * 6 if take[b, h] else [1, 1, -1, -1, -1, -1]
+            want_tiles = [7] * 6 if take[b, h] else [1, 1] + [reference.NO_BLOCK] * 4
             want_cols = [7, 7, 7, -1, -1] if take[b, h] else [1] * 5
             assert got.block_start[b, h, 0].tolist() == want_tiles
             assert got.col_index[b, h, 0].tolist() == want_cols
