@@ -171,7 +171,7 @@ def _block_start(i, tiles, slot_ok=True):
     pattern, listed, block_list, sink_first, sink_tiles, win_first = tiles
     n = tl.where(i < sink_tiles, sink_first + i, win_first + i - sink_tiles)
     n = tl.where(pattern == DENSE, i, n)
-    return tl.where(listed, tl.load(block_list + i, mask=listed & slot_ok, other=0).to(tl.int32), n * TILE_KEYS)
+    return tl.where(listed, tl.load(block_list + i, mask=tl.where(listed, slot_ok, False), other=0).to(tl.int32), n * TILE_KEYS)
 
 
 @triton.jit
@@ -302,9 +302,10 @@ def _sparse_attn_fwd(
     if HAS_KEY_MASK:
         first_key = tl.load(FirstKey + b)
     sees_keys = pos_hi >= first_key
-    # load q: it stays in SRAM throughout (a skipped program reads and writes nothing)
+    # load q: it stays in SRAM throughout (a skipped program reads and writes nothing). A scalar condition joins a
+    # vector mask through tl.where: Triton 3.9's interpreter turns `vector & scalar` into an int32 mask and refuses it
     q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + rows[:, None] * stride_q[2] + d[None, :] * stride_q[3],
-                mask=(row_ok & runs)[:, None] & d_ok[None, :], other=0.0)
+                mask=tl.where(runs, row_ok, False)[:, None] & d_ok[None, :], other=0.0)
     k_base = K + b * stride_k[0] + hk * stride_k[1]
     # the query rows' documents hold for the whole program; rows past the queries read no id
     doc_row = DocIds + b * stride_doc
@@ -395,11 +396,11 @@ def _sparse_attn_fwd(
     # epilogue: rows that saw no key are 0, not 0/0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + b * stride_o[0] + h * stride_o[1] + rows[:, None] * stride_o[2] + d[None, :] * stride_o[3],
-             out.to(Out.dtype.element_ty), mask=(row_ok & runs)[:, None] & d_ok[None, :])
+             out.to(Out.dtype.element_ty), mask=tl.where(runs, row_ok, False)[:, None] & d_ok[None, :])
     if RETURN_LSE:
         # m and l live in base 2 with the scale folded in: ln sum exp(scale * s) = ln2 * (m + log2 l)
         lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN2, float("-inf"))
-        tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok & runs)
+        tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=tl.where(runs, row_ok, False))
 
 
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:

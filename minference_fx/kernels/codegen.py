@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime import driver
 
 from minference_fx.defaults import DEFAULTS
@@ -61,8 +61,11 @@ class _TargetOnlyDriver:
         return True
 
 
-def _ptxas() -> Path:
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+def _ptxas(arch: int) -> Path:
+    """The ptxas Triton itself picks for ``arch``: the PTX it writes targets that ptxas's ISA version.
+    Triton 3.9 assembles sm_90 with its bundled CUDA 13 ``ptxas-blackwell`` (PTX 9.x), which the plain
+    CUDA 12.9 ``ptxas`` rejects (exit 255); 3.6-3.8 use the plain one below sm_100."""
+    return Path(get_ptxas(arch).path)
 
 
 def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
@@ -100,7 +103,7 @@ def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: in
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled[0].asm["ptx"])
         arch = f"sm_{target[1]}a" if target[1] == 90 else f"sm_{target[1]}"
-        report = subprocess.run([str(_ptxas()), f"-arch={arch}", "-v", str(ptx), "-o", os.devnull],
+        report = subprocess.run([str(_ptxas(target[1])), f"-arch={arch}", "-v", str(ptx), "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
