@@ -107,14 +107,20 @@ def test_a_column_on_a_diagonal_is_counted_once():
 
 
 def test_a_far_diagonal_walks_one_block_per_query_tile_in_the_index():
-    # the index reads diagonal 100 as one unaligned block per query tile, where aligned tiles took two
-    sq = 256
-    q, k = torch.randn(1, 1, sq, 16), torch.randn(1, 1, sq, 16)
-    diags = [0, 100]
-    index = ref.build_index(q, k, plan_of((VS, 0, 50)), scale=0.25)
-    blocks = ref.diagonal_blocks(range(50))
-    assert blocks == [0, 64] and index.block_count[0, 0].tolist() == [1, 2, 2, 2]
-    assert len(ref.diagonal_blocks(diags)) == 2 and ref.diagonal_blocks(diags)[1] == 100
+    # diagonal 200, planted in the data, beyond the forced run 0..99 (blocks 0, 64, 128): the index reads it as one
+    # block per query tile (start lo - 200) where aligned tiles took two, so the last tile walks 4 blocks, not 5
+    sq, delta = 512, 200
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 1, sq, 16, generator=g), torch.randn(1, 1, sq, 16, generator=g)
+    k[:, :, : sq - delta] += 3 * q[:, :, delta:]
+    plan = plan_of((VS, 0, 101))
+    picks = den.selection_of(q, k, plan, scale=0.25)
+    assert delta in picks.diagonals[0, 0].tolist()
+    index = ref.build_index(q, k, plan, scale=0.25)
+    lo = sq - BLOCK
+    assert index.block_start[0, 0, -1, : index.block_count[0, 0, -1]].tolist() == [lo - 200, lo - 128, lo - 64, lo]
+    # the aligned key tiles the same picks cross in the last query tile
+    assert tiles_of(brute_keys([], picks.diagonals[0, 0].tolist(), sq))[-1].sum().item() == 5
 
 
 def test_scattered_slashes_cost_more_tiles_per_kept_key_than_adjacent_ones():
