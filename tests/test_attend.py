@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from minference_fx.autotune import workload
 from minference_fx.kernels import reference
 from minference_fx.kernels.attend import sparse_attention_triton
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
@@ -290,6 +291,21 @@ def test_left_padded_rows_skip_their_padding_and_keep_the_reference(launch):
 def test_query_offset_and_window():
     q, k, v = _inputs(1, 4, 2, 100, 300, 16, torch.float32)
     _check(q, k, v, _plan(4), atol=1e-5, q_offset=200, window=90)
+
+
+@pytest.mark.parametrize("launch", [dict(), dict(block_n=128), dict(block_m=32)], ids=["bn64", "bn128", "bm32"])
+@pytest.mark.parametrize("sq,skv,offset", [(300, 500, 400), (200, 640, 448), (333, 400, 100)])
+def test_diagonal_blocks_at_key_0_and_past_the_last_key(launch, sq, skv, offset):
+    # scattered diagonals give blocks that start before key 0 (listed last, masked) and, with query positions past
+    # the keys (640 = 10 tiles: a block straddles the end where no aligned tile does), blocks that cross the end
+    q, k, v = (t.contiguous() for t in workload.scattered_qkv(max(sq, skv), num_q_heads=2, num_kv_heads=1, head_dim=16,
+                                                             dtype=torch.float32, device="cpu"))
+    q, k, v = q[:, :, :sq], k[:, :, :skv], v[:, :, :skv]
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 40, 200), HeadPlan(Pattern.VERTICAL_SLASH, 30, 120)))
+    index = reference.build_index(q, k, plan, scale=0.25, q_offset=offset)
+    listed = torch.arange(index.block_start.shape[-1]) < index.block_count[..., None]
+    assert bool(((index.block_start < 0) & listed).any()), "the case must have a block before key 0"
+    _check(q, k, v, plan, atol=1e-5, launch=launch, q_offset=offset)
 
 
 def test_covering_budgets_equal_dense_sdpa():
