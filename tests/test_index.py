@@ -64,13 +64,12 @@ def check_format(index, plan, sq, skv):
     steps = index.col_index[..., 1:].int() - index.col_index[..., :-1].int()
     assert bool((steps[(index.col_index[..., 1:] >= 0)] > 0).all()), "columns must be strictly ascending"
     starts = index.block_start.int()
-    # the last entry may be a block before key 0; every other step ascends by a block at least
-    later = torch.arange(1, starts.shape[-1], device=starts.device) < index.block_count[..., None].long() - 1
-    wrapped_last = (torch.arange(1, starts.shape[-1], device=starts.device) == index.block_count[..., None].long() - 1) \
-        & (starts[..., 1:] < 0)
-    assert bool(((starts[..., 1:] - starts[..., :-1])[later | ((torch.arange(1, starts.shape[-1], device=starts.device)
-                                                               < index.block_count[..., None].long()) & ~wrapped_last)]
-                 >= BLOCK).all()), "blocks must ascend and never overlap"
+    # every step between listed blocks ascends by a block at least, but into a last entry before key 0
+    slot = torch.arange(1, starts.shape[-1], device=starts.device)
+    count = index.block_count[..., None].long()
+    wrapped_last = (slot == count - 1) & (starts[..., 1:] < 0)
+    steps = (starts[..., 1:] - starts[..., :-1])[(slot < count) & ~wrapped_last]
+    assert bool((steps >= BLOCK).all()), "blocks must ascend and never overlap"
     keys, cols = as_masks(index, skv)
     assert not bool((keys & cols).any()), "a column inside a listed block"
 
