@@ -128,11 +128,7 @@ def sample_rows(sq: int, *, last_rows: int = LAST_ROWS, strata: int = STRATA,
 
 def _row_key_mask(index: reference.SparseIndex, rows: torch.Tensor, skv: int) -> torch.Tensor:
     """bool [B, Hq, R, Skv]: the keys the index lists for each of ``rows`` (any order, no base mask)."""
-    tiles = rows.to(index.block_start.device) // reference.BLOCK
-    cols = index.col_index[:, :, tiles].long()
-    in_cols = torch.zeros(*cols.shape[:3], skv + 1, dtype=torch.bool, device=cols.device)
-    in_cols.scatter_(-1, torch.where(cols >= 0, cols, skv), True)
-    return reference.block_keys(index, skv, tiles) | in_cols[..., :skv]
+    return reference.listed_keys(index, skv, rows.to(index.block_start.device) // reference.BLOCK)
 
 
 def score_layer(call: observe.AttentionCall, candidates: list[HeadPlan], *, last_rows: int = LAST_ROWS,

@@ -109,16 +109,20 @@ def index_ab(seq: int, old_path: str | None) -> None:
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
         builders["old"] = old.build_index_gpu
-    results = {}
+    results, masses = {}, {}
     for name, build in builders.items():
         fn = lambda: build(q, k, plan, scale=scale)  # noqa: E731
-        results[name] = fn()
+        masses[name] = torch.zeros(1, shape["num_q_heads"], device=q.device)
+        results[name] = build(q, k, plan, scale=scale, mass_out=masses[name])
         print(f"index {seq} {name}: eager {_ms(fn, 5):.2f} ms, CUDA-graph replay {_graph_ms(fn):.2f} ms", flush=True)
     if "old" in results:
         a, b = results["current"], results["old"]
         same = (a.block_count == b.block_count).float().mean().item()
         print(f"index {seq}: tile counts equal in {100 * same:.3f} % of (head, query tile); "
-              f"column counts equal in {100 * (a.col_count == b.col_count).float().mean().item():.3f} %", flush=True)
+              f"column counts equal in {100 * (a.col_count == b.col_count).float().mean().item():.3f} %; "
+              f"block starts identical: {torch.equal(a.block_start.int(), b.block_start.int())}, columns identical: "
+              f"{torch.equal(a.col_index, b.col_index)}; guard mass max difference "
+              f"{(masses['current'] - masses['old']).abs().max().item():.2e}", flush=True)
     if seq >= 131072:
         from torch.profiler import ProfilerActivity, profile
 

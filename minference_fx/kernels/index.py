@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 # absolute imports, so that a saved older copy loads outside the package (scripts/explore_kernels.py --old-index)
-from minference_fx.kernels.guard import captured_mass
 from minference_fx.kernels.reference import (
     check_index_inputs,
+    diagonal_block_bound,
     BLOCK,
     VS_FORCED_COLUMNS,
     VS_FORCED_DIAGONALS,
@@ -335,43 +335,65 @@ def vs_estimate(q, k, *, scale, key_mask=None, doc_ids=None, q_offset=0, window=
 # --------------------------------------------------------------------------- vertical-slash -> tiles
 
 
-@triton.jit(do_not_specialize=["skv", "n_sorted", "cap"])
-def _diag_blocks_kernel(PREFIX, SORTED, BLOCKS, COUNT, skv, n_sorted, cap, BLOCK_K: tl.constexpr):
-    """One head's diagonal blocks (``reference.diagonal_blocks``), ascending, into ``BLOCKS`` and their count.
+@triton.jit
+def _count_below(values, n, bound):
+    """How many of the ``n`` ascending values at ``values`` lie below ``bound``: a scalar binary search."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(values + mid) < bound
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
 
-    ``PREFIX[t]``: how many selected diagonals lie below t (t = 0 .. skv); ``SORTED``: the selected diagonals
-    ascending, padded with skv, so the first one at or above t is ``SORTED[PREFIX[t]]``. A scalar walk from
-    block to block: a head has at most one block a selected diagonal, and the heads run side by side."""
+
+@triton.jit(do_not_specialize=["skv", "n_sorted", "cap", "cover_len"])
+def _diag_blocks_kernel(SORTED, BLOCKS, COUNT, COVER, skv, n_sorted, cap, cover_len, BLOCK_K: tl.constexpr):
+    """One head's diagonal blocks (``reference.diagonal_blocks``), ascending, into ``BLOCKS`` and their count;
+    and into ``COVER`` (zeroed, ``cover_len = skv + 2 * BLOCK_K`` a head) a 1 at ``o + BLOCK_K - 1`` for every
+    offset o whose 64-wide window ``o .. o + 63`` holds a block: a column j of a tile starting at ``lo`` lies in
+    one of the tile's blocks iff ``COVER[lo - j + 63]`` is set.
+
+    ``SORTED``: the selected diagonals ascending, the dropped picks after them as ``skv``. A scalar walk from
+    block to block: a head has at most one block a selected diagonal, and the heads run side by side. Each step
+    consumes the diagonals the block holds, at most ``BLOCK_K`` of them (they are distinct, and lie in the 64
+    offsets past the last block, or are the block's own)."""
     row = tl.program_id(0).to(tl.int64)
-    prefix = PREFIX + row * (skv + 1)
     picks = SORTED + row * n_sorted
+    cover = COVER + row * cover_len
+    lanes = tl.arange(0, BLOCK_K)
     x = tl.load(picks)
     more = x < skv
+    p = 0
     i = 0
     while more:
         tl.store(BLOCKS + row * cap + i, x, mask=i < cap)
+        tl.store(cover + x + lanes, tl.full([BLOCK_K], 1, tl.int8))
         i += 1
-        # a selected diagonal in (x, x + 64] extends the run by a block; else the next one starts a run
-        below = tl.load(prefix + tl.minimum(x + 1, skv))
-        hit = tl.load(prefix + tl.minimum(x + BLOCK_K + 1, skv)) > below
-        after = tl.load(picks + below)
+        ahead = tl.load(picks + p + lanes, mask=p + lanes < n_sorted, other=skv + 2 * BLOCK_K)
+        p += tl.sum((ahead <= x).to(tl.int32), 0)
+        after = tl.load(picks + p, mask=p < n_sorted, other=skv)
+        # the next selected diagonal within 64 past the block extends the run by a block; else it starts a run
+        hit = (after < skv) & (after <= x + BLOCK_K)
         x = tl.where(hit, x + BLOCK_K, after)
-        more = hit | (after < skv)
+        more = after < skv
     tl.store(COUNT + row, tl.minimum(i, cap))
 
 
-@triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "q_offset", "cap", "bp_len", "n_cols",
+@triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "q_offset", "cap", "cover_len", "n_cols",
                                "tile_cap", "col_cap"])
 def _vs_to_blocks_kernel(
-    BLOCKS, FIRST, STOP, BLOCK_PREFIX, COLS, COL_END, HEADS, OUT,
-    n_vs, hq, m_tiles, sq, skv, q_offset, cap, bp_len, n_cols, tile_cap, col_cap,
+    BLOCKS, N_BLOCKS, COVER, COLS, HEADS, OUT,
+    n_vs, hq, m_tiles, sq, skv, q_offset, cap, cover_len, n_cols, tile_cap, col_cap,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One (query tile, vertical-slash head) of the index: its block starts and leftover columns, written into
     ``OUT = (BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT)`` (the index's tables, in :class:`SparseIndex` order).
 
-    The tile reads the head's blocks ``FIRST .. STOP - 1`` (those holding a key it can read), from the largest
-    offset (the lowest keys) down, so the starts come out ascending (but for one before key 0)."""
+    The tile reads the head's blocks with offsets in ``lo - min(hi, skv - 1) .. lo + 63`` (those holding a key it
+    can read), from the largest offset (the lowest keys) down, so the starts come out ascending (but for one
+    before key 0)."""
     BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT = OUT
     m = tl.program_id(0)
     slot_row = tl.program_id(1)
@@ -381,8 +403,9 @@ def _vs_to_blocks_kernel(
     hi = q_offset + tl.minimum(m * BLOCK_K + BLOCK_K - 1, sq - 1)
     out_row = (b.to(tl.int64) * hq + h) * m_tiles + m
     blocks = BLOCKS + slot_row.to(tl.int64) * cap
-    first = tl.load(FIRST + slot_row.to(tl.int64) * m_tiles + m)
-    stop = tl.load(STOP + slot_row.to(tl.int64) * m_tiles + m)
+    n_blocks = tl.load(N_BLOCKS + slot_row)
+    first = _count_below(blocks, n_blocks, lo - tl.minimum(hi, skv - 1))
+    stop = _count_below(blocks, n_blocks, lo + BLOCK_K)
     n = stop - first
     # a block starting before key 0 (the largest offset, so the first start) goes last: see SparseIndex
     wraps = (n > 0) & (lo - tl.load(blocks + tl.maximum(stop - 1, 0), mask=n > 0, other=0) < 0)
@@ -393,18 +416,16 @@ def _vs_to_blocks_kernel(
         tl.store(BLOCK_START + out_row * tile_cap + dest, lo - x, mask=(t < n) & (dest < tile_cap))
     tl.store(BLOCK_CNT + out_row, tl.minimum(n, tile_cap))
 
-    # leftover columns: the selected ones (ascending) up to hi, COL_END of them, in no block of the tile.
-    # Column j lies in block x iff x is in [lo - j, lo - j + 63]: a difference of the blocks' prefix counts
-    bp = BLOCK_PREFIX + slot_row.to(tl.int64) * bp_len
+    # leftover columns: the selected ones (ascending) up to hi, in no block of the tile
+    cols = COLS + slot_row.to(tl.int64) * n_cols
+    cover = COVER + slot_row.to(tl.int64) * cover_len
     ccount = 0
-    col_end = tl.load(COL_END + slot_row.to(tl.int64) * m_tiles + m)
+    col_end = _count_below(cols, n_cols, hi + 1)
     for c0 in tl.range(0, col_end, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
-        j = tl.load(COLS + slot_row.to(tl.int64) * n_cols + c, mask=c < col_end, other=skv)
+        j = tl.load(cols + c, mask=c < col_end, other=skv)
         valid = (j < skv) & (j <= hi)
-        x_lo = tl.minimum(tl.maximum(lo - j, 0), bp_len - 1)
-        x_hi = tl.minimum(tl.maximum(lo - j + BLOCK_K, 0), bp_len - 1)
-        covered = tl.load(bp + x_hi, mask=valid, other=0) > tl.load(bp + x_lo, mask=valid, other=0)
+        covered = tl.load(cover + tl.minimum(lo - j + BLOCK_K - 1, cover_len - 1), mask=valid, other=0)
         keep = valid & (covered == 0)
         keep_i = keep.to(tl.int32)
         dest = ccount + tl.cumsum(keep_i, 0) - 1
@@ -441,6 +462,16 @@ def _vs_picks(vertical, slash_parts, max_cols: int, max_diags: int, *, key_mask,
     return top_c, top_d
 
 
+def _first_picks_ascending(top: torch.Tensor, budgets: list[int], skv: int) -> torch.Tensor:
+    """int32 ``[B, n_vs, max(budgets)]``: each head's first ``budgets[i]`` picks of ``top`` (best first),
+    ascending, then ``skv`` for the picks past its budget. One top-k at the largest budget serves them all."""
+    top = top[..., :max(budgets)]
+    if min(budgets) < max(budgets):
+        keep = torch.arange(max(budgets), device=top.device) < int_table(budgets, top.device)[:, None]
+        top = torch.where(keep, top, skv)
+    return top.to(torch.int32).sort(dim=-1).values.contiguous()
+
+
 def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset):
     """Write the tiles and columns of the vertical-slash heads ``heads`` at the budgets of ``vs_plans`` into
     ``out``, from their estimate's picks (:func:`_vs_picks`, at no smaller budgets)."""
@@ -451,57 +482,74 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
     top_c, top_d = picks
     n_cols, n_diags = _vs_budgets(vs_plans, skv)
-    rank_c = torch.arange(max(n_cols), device=dev)
-    rank_d = torch.arange(max(n_diags), device=dev)
-    # one top-k at the largest budget; a head keeps only the first picks of its own budget
-    keep_c = rank_c < int_table(n_cols, dev)[:, None]
-    cols = torch.where(keep_c, top_c[..., :max(n_cols)], skv).sort(dim=-1).values.to(torch.int32).contiguous()
-    top_d = top_d[..., :max(n_diags)]
-    keep_d = rank_d < int_table(n_diags, dev)[:, None]
-    # slot delta+1 counts diagonal delta; slot skv+1 swallows the dropped picks
-    marks = torch.zeros(B, n_vs, skv + 2, dtype=torch.int32, device=dev)
-    marks.scatter_(2, torch.where(keep_d, top_d + 1, skv + 1), 1)
-    prefix = marks[..., :skv + 1].cumsum(-1, dtype=torch.int32)  # [t]: selected diagonals below t
-    picked = torch.where(keep_d, top_d, skv).to(torch.int32)
-    picked = torch.cat([picked.sort(dim=-1).values, picked.new_full((B, n_vs, 1), skv)], -1).contiguous()
-    cap = min(max(_vs_block_bound(n) for n in n_diags), n_tiles + 1)
-    blocks = torch.full((B, n_vs, cap), _NO_OFFSET, dtype=torch.int32, device=dev)
+    cols = _first_picks_ascending(top_c, n_cols, skv)
+    picked = _first_picks_ascending(top_d, n_diags, skv)
+    cap = min(max(diagonal_block_bound(n) for n in n_diags), n_tiles + 1)
+    blocks = torch.empty(B, n_vs, cap, dtype=torch.int32, device=dev)
     n_blocks = torch.empty(B, n_vs, dtype=torch.int32, device=dev)
-    _diag_blocks_kernel[(B * n_vs,)](prefix, picked, blocks, n_blocks, skv, picked.shape[-1], cap, BLOCK_K=BLOCK)
-    # block x's prefix counts: slot x + 1 counts it, the padding goes to the spare last slot
-    bp_len = skv + BLOCK + 1
-    block_marks = torch.zeros(B, n_vs, bp_len + 1, dtype=torch.int32, device=dev)
-    block_marks.scatter_(2, torch.where(blocks < _NO_OFFSET, blocks + 1, bp_len), 1)
-    block_prefix = block_marks[..., :bp_len].cumsum(-1, dtype=torch.int32).contiguous()
-
-    # per query tile, the blocks holding a key it can read: offsets in [lo - min(hi, skv - 1), lo + 63]
-    m = torch.arange(m_tiles, device=dev)
-    lo = q_offset + m * BLOCK
-    hi = q_offset + torch.clamp(m * BLOCK + BLOCK - 1, max=sq - 1)
-    first = torch.searchsorted(blocks, (lo - torch.clamp(hi, max=skv - 1)).to(torch.int32).expand(B, n_vs, -1).contiguous())
-    stop = torch.searchsorted(blocks, (lo + BLOCK - 1).to(torch.int32).expand(B, n_vs, -1).contiguous(), right=True)
-    # how many selected columns each query tile can read: its loop stops there
-    col_end = torch.searchsorted(cols, hi.to(torch.int32).expand(B, n_vs, -1).contiguous(), right=True).to(torch.int32)
-
+    cover_len = skv + 2 * BLOCK
+    cover = torch.zeros(B, n_vs, cover_len, dtype=torch.int8, device=dev)
+    _diag_blocks_kernel[(B * n_vs,)](picked, blocks, n_blocks, cover, skv, picked.shape[-1], cap, cover_len,
+                                     BLOCK_K=BLOCK)
     _vs_to_blocks_kernel[(m_tiles, B * n_vs)](
-        blocks, first.to(torch.int32), stop.to(torch.int32), block_prefix, cols, col_end, heads,
+        blocks, n_blocks, cover, cols, heads,
         (out.block_start, out.block_count, out.col_index, out.col_count),
-        n_vs, Hq, m_tiles, sq, skv, q_offset, cap, bp_len, cols.shape[-1],
+        n_vs, Hq, m_tiles, sq, skv, q_offset, cap, cover_len, cols.shape[-1],
         out.block_start.shape[-1], out.col_index.shape[-1],
         BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
     )
 
 
+@triton.jit(do_not_specialize=["n_est", "hq", "m_tiles", "skv", "tile_cap", "col_cap", "stride_vb", "stride_vh",
+                               "stride_mb", "inv_rows"])
+def _last_tile_mass_kernel(VERT, HEADS, INDEX, MASS, n_est, hq, m_tiles, skv, tile_cap, col_cap,
+                           stride_vb, stride_vh, stride_mb, inv_rows,
+                           BLOCK_K: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One (batch, estimated head): the share of its last rows' mass (``VERT``: their column sums) inside the
+    last query tile's blocks and columns of ``INDEX = (BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT)``, into
+    ``MASS[b, h]``. Blocks and columns never overlap, so each key is summed once; fp32 sums of at most a row's
+    keys lose nothing the guard's threshold could see."""
+    BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT = INDEX
+    slot_row = tl.program_id(0)
+    b = slot_row // n_est
+    h = tl.load(HEADS + slot_row % n_est)
+    row = (b.to(tl.int64) * hq + h) * m_tiles + m_tiles - 1
+    vert = VERT + b.to(tl.int64) * stride_vb + (slot_row % n_est).to(tl.int64) * stride_vh
+    keys = tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, BLOCKS_AT_ONCE)
+    total = tl.zeros([BLOCKS_AT_ONCE, BLOCK_K], tl.float32)
+    n_blocks = tl.load(BLOCK_CNT + row)
+    for t0 in tl.range(0, n_blocks, BLOCKS_AT_ONCE):
+        listed = t0 + slots < n_blocks
+        start = tl.load(BLOCK_START + row * tile_cap + t0 + slots, mask=listed, other=0).to(tl.int32)
+        j = start[:, None] + keys[None, :]
+        total += tl.load(vert + j, mask=listed[:, None] & (j >= 0) & (j < skv), other=0.0)
+    n_cols = tl.load(COL_CNT + row)
+    lanes = tl.arange(0, BLOCK_C)
+    in_cols = tl.zeros([BLOCK_C], tl.float32)
+    for c0 in tl.range(0, n_cols, BLOCK_C):
+        j = tl.load(COL_IDX + row * col_cap + c0 + lanes, mask=c0 + lanes < n_cols, other=-1)
+        in_cols += tl.load(vert + j, mask=j >= 0, other=0.0)
+    mass = (tl.sum(tl.sum(total, 1), 0) + tl.sum(in_cols, 0)) * inv_rows
+    tl.store(MASS + b.to(tl.int64) * stride_mb + h, mass)
+
+
 def _last_tile_mass(vertical, heads: torch.Tensor, out: SparseIndex, mass_out: torch.Tensor, sq: int) -> None:
-    """The runtime guard's estimate into ``mass_out[:, heads]``: the last rows' mass (``vertical``, their column
-    sums, ``[B, len(heads), Skv]``) inside the last query tile's key set of ``out``. One call covers every head
-    the estimate scored, whatever its pattern: each indexing below copies."""
-    # only the last query tile: indexing the whole index with a head list would copy all of it
-    hl = heads.long()
-    last = slice(out.block_count.shape[-1] - 1, out.block_count.shape[-1])
-    listed = SparseIndex(out.block_count[:, hl, last], out.block_start[:, hl, last],
-                         out.col_count[:, hl, last], out.col_index[:, hl, last])
-    mass_out[:, hl] = captured_mass(vertical, listed, min(VS_LAST_Q, sq)).float()
+    """The runtime guard's estimate into ``mass_out[:, heads]`` (:func:`guard.captured_mass` on the device, one
+    launch): the last rows' mass (``vertical``, their column sums, ``[B, len(heads), Skv]``, any batch and head
+    strides) inside the last query tile's key set of ``out``, for every head the estimate scored, whatever its
+    pattern."""
+    B, n_est, skv = vertical.shape
+    if vertical.stride(-1) != 1:
+        vertical = vertical.contiguous()
+    if mass_out.stride(-1) != 1:
+        raise ValueError("mass_out must have unit stride over heads")
+    _last_tile_mass_kernel[(B * n_est,)](
+        vertical, heads, (out.block_start, out.block_count, out.col_index, out.col_count), mass_out,
+        n_est, out.block_count.shape[1], out.block_count.shape[-1], skv, out.block_start.shape[-1],
+        out.col_index.shape[-1], vertical.stride(0), vertical.stride(1), mass_out.stride(0),
+        1.0 / max(min(VS_LAST_Q, sq), 1), BLOCK_K=BLOCK, BLOCKS_AT_ONCE=16, BLOCK_C=_COL_VEC,
+    )
 
 
 # --------------------------------------------------------------------------- block sparse
@@ -574,26 +622,19 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key
 # --------------------------------------------------------------------------- entry point
 
 
-def _vs_block_bound(n_diags: int) -> int:
-    """Diagonal blocks one head can have for ``n_diags`` selected diagonals: each adds at most one, and the
-    forced ones 0..F-1 (F = min(100, n_diags), always selected) make a single run of 1 + ceil((F - 1) / 64)."""
-    forced = min(VS_FORCED_DIAGONALS, n_diags)
-    return 1 + _cdiv(forced - 1, BLOCK) + n_diags - forced
-
-
 def index_capacity(plan: LayerPlan, skv: int) -> tuple[int, int]:
     """(block slots, column slots) per (batch, head, query tile) that :func:`build_index_gpu` allocates.
 
     The slots are the worst case over any input of the shapes (no data-dependent size, so the
     build can be captured in a CUDA graph). A block-sparse head lists at most the key tiles that exist;
-    a vertical-slash head at most one block a selected diagonal (:func:`_vs_block_bound`), and its blocks lie 64
+    a vertical-slash head at most :func:`~minference_fx.kernels.reference.diagonal_block_bound` blocks, and its blocks lie 64
     apart at offsets 0 .. lo + 63 of a tile starting at ``lo``: at most one more than the key tiles.
     """
     n_tiles = _cdiv(skv, BLOCK)
     tiles, cols = 0, 0
     for hp in plan.heads:
         if hp.pattern is Pattern.VERTICAL_SLASH:
-            tiles = max(tiles, min(n_tiles + 1, _vs_block_bound(min(max(hp.budget_b, VS_MIN_DIAGONALS), skv))))
+            tiles = max(tiles, min(n_tiles + 1, diagonal_block_bound(min(max(hp.budget_b, VS_MIN_DIAGONALS), skv))))
             cols = max(cols, min(max(hp.budget_a, VS_MIN_COLUMNS), skv))
         elif hp.pattern is Pattern.BLOCK_SPARSE:
             tiles = max(tiles, min(n_tiles, max(hp.budget_a, 3)))  # tile 0 and two diagonal tiles are forced
@@ -615,7 +656,7 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
     ``scratch`` (an estimate of the temporaries alive at the worst moment of the build, freed when
     it returns; library scratch inside ``topk``/``sort`` is not counted) and ``total`` (their sum).
     ``mass_out`` adds the block-sparse heads' rows to the last rows' estimate (``raw`` counts the vertical-slash
-    heads' only) and copies of the last query tile's lists of the heads the guard checks.
+    heads' only).
     """
     skv = sq if skv is None else skv
     hq = len(plan.heads)
@@ -636,10 +677,9 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
         raw = 3 * rows * skv * 4  # vertical scores and the slash scores' two halves, alive throughout
         # the worst moment: both int64 rank keys and the first top-k (int64 indices and values)
         rank = rows * skv * 16 + rows * max(n_cols, n_diags) * 16
-        # later: sorted columns, the diagonal marks and their prefix counts, the sorted picks, the blocks, their
-        # marks and prefix counts (int32), the per-tile block ranges (int64 from the search, then int32)
-        tiles = rows * (n_cols * 4 + 2 * (skv + 2) * 4 + (n_diags + 1) * 4 + n_diags * 4
-                        + 2 * (skv + BLOCK + 2) * 4 + m_tiles * (16 + 8 + 8))
+        # later: the sorted columns and picks (int32, each beside its sort's copy), the blocks and the int8 map
+        # of the offsets they cover
+        tiles = rows * (2 * (n_cols + n_diags) * 4 + diagonal_block_bound(n_diags) * 4 + skv + 2 * BLOCK)
         stats = 2 * rows * _cdiv(skv, _STATS_CHUNK) * VS_LAST_Q * 4
         scratch = raw + stats + max(rank, tiles)
     if bs and m_tiles and skv:

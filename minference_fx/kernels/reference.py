@@ -302,6 +302,14 @@ def _pack(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor
     return count.to(torch.int32), idx.to(torch.int32)
 
 
+def diagonal_block_bound(n_diags: int) -> int:
+    """The most diagonal blocks (:func:`diagonal_blocks`) a head can have for ``n_diags`` selected diagonals:
+    each adds at most one, and the forced ones 0 .. F - 1 (F = min(100, n_diags), always selected) make a single
+    run of 1 + ceil((F - 1) / 64)."""
+    forced = min(VS_FORCED_DIAGONALS, n_diags)
+    return 1 + _cdiv(forced - 1, BLOCK) + n_diags - forced
+
+
 def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
     """(tiles, columns) a head needs at most when query positions are contiguous."""
     p, a, b = head.pattern, head.budget_a, head.budget_b
@@ -314,9 +322,8 @@ def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
     if p is Pattern.VERTICAL_SLASH:
         # diagonal blocks (at most one a diagonal, the forced run 0..F-1 in 1 + ceil((F-1)/64)) lie 64 apart at
         # offsets 0 .. lo + 63: at most n_tiles + 1
-        n = min(max(b, VS_MIN_DIAGONALS), skv)
-        forced = min(VS_FORCED_DIAGONALS, n)
-        return min(n_tiles + 1, 1 + _cdiv(forced - 1, BLOCK) + n - forced), min(max(a, VS_MIN_COLUMNS), skv)
+        return (min(n_tiles + 1, diagonal_block_bound(min(max(b, VS_MIN_DIAGONALS), skv))),
+                min(max(a, VS_MIN_COLUMNS), skv))
     # block sparse: tile 0 plus up to two diagonal tiles are forced beyond k
     return min(n_tiles, max(a, 3)), 0
 
@@ -402,6 +409,16 @@ def block_keys(index: SparseIndex, skv: int, tiles=slice(None)) -> torch.Tensor:
     return diff.cumsum(-1)[..., :skv] > 0
 
 
+def listed_keys(index: SparseIndex, skv: int, tiles=slice(None)) -> torch.Tensor:
+    """bool ``[B, Hq, M', Skv]``: the keys query tiles ``tiles`` (a slice or an index tensor) list, in blocks or as
+    leftover columns (no base mask)."""
+    cols = index.col_index[:, :, tiles].long()
+    # -1 padding goes to a spare slot that is dropped afterwards
+    in_cols = torch.zeros(*cols.shape[:3], skv + 1, dtype=torch.bool, device=cols.device)
+    in_cols.scatter_(-1, torch.where(cols >= 0, cols, skv), True)
+    return block_keys(index, skv, tiles) | in_cols[..., :skv]
+
+
 def covering_tiles(index: SparseIndex, skv: int) -> torch.Tensor:
     """bool ``[B, Hq, M, N]``: the aligned key tiles of 64 that hold a key of some listed block (a diagonal block
     touches two, or one when aligned): the index in the layout of an aligned block-sparse kernel."""
@@ -445,10 +462,7 @@ def index_to_mask(index: SparseIndex, rows, skv: int) -> torch.Tensor:
     cols = index.col_index[:, :, m0:m1].long()
     if cols.numel() and int(cols.max()) >= skv:
         raise ValueError(f"index column {int(cols.max())} out of range [0, {skv})")
-    # -1 padding goes to a spare slot that is dropped afterwards
-    in_cols = torch.zeros(*cols.shape[:3], skv + 1, dtype=torch.bool, device=cols.device)
-    in_cols.scatter_(-1, torch.where(cols >= 0, cols, skv), True)
-    per_tile = block_keys(index, skv, slice(m0, m1)) | in_cols[..., :skv]  # [B, Hq, m1-m0, Skv]
+    per_tile = listed_keys(index, skv, slice(m0, m1))  # [B, Hq, m1-m0, Skv]
     row_tile = torch.arange(r0, r1, device=per_tile.device) // BLOCK - m0
     return per_tile[:, :, row_tile]
 
