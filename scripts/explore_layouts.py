@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Arithmetic, no kernel: the work two key layouts would do for the same vertical-slash picks (issue 36, part 2).
+"""Arithmetic, no kernel: the work key layouts would do for the same vertical-slash picks (issue 36, parts 2 and 3).
 
 For each head the picks come from the project's own estimate (``kernels.density.selection_of``, the reference
 path) on one of ``bench kernels``' input families, every head vertical-slash at the given budgets. Per 64-row query
@@ -8,14 +8,19 @@ tile it counts the 64 x 64 blocks of work of:
 * **aligned tiles** (the walk today): a diagonal d = 64a + b crosses key tiles m - a and, when b > 0, m - a - 1;
   the tiles a query tile lists are the union over its diagonals;
 * **unaligned ranges** (MInference's block offsets): diagonal d reads keys [64m - d, 64m + 63 - d]; diagonals
-  closer than 64 merge into one run, and a run of L keys costs ceil(L / 64) blocks that may start anywhere.
+  closer than 64 merge into one run, and a run of L keys costs ceil(L / 64) blocks that may start anywhere;
+* **diagonal blocks** (the walk since c533d13: ``reference.diagonal_blocks``), with 64-row query tiles, and the same
+  rule for 128-row query tiles reading 128-key blocks (each four 64 x 64 blocks of work, each column group two).
+  A 128-row program runs each 64 x 64 block faster (the dense walk's 128-row programs ran 1.24x the 64-row ones'
+  rate per tile: ``git show 6fb579a:results/explore_dense_h200_2026-11-30_v4.txt``), so ``--speedup`` turns the
+  two counts into a predicted time ratio, per head taking the faster of the two.
 
 Both add the same column groups: every picked column the query tile can read, 64 to a group (the walk reads
 only the columns its tiles miss, so this overcounts both alike). Physical density is blocks over causal tiles;
 logical is picked keys over causal keys (diagonal and column picks counted apart, so a key both picks hold counts
 twice: an upper bound). The layout that gets physical nearest logical wastes least. CPU only, no timing.
 
-    python scripts/explore_layouts.py --lengths 32k --families structured,scattered [--budgets 1000 6096]
+    python scripts/explore_layouts.py --lengths 32k --families structured,scattered [--budgets 1000 6096] [--speedup 1.24]
 """
 from __future__ import annotations
 
@@ -58,7 +63,32 @@ def unaligned_blocks(diagonals: torch.Tensor, m_tiles: int) -> torch.Tensor:
     return ((keys + BLOCK - 1) // BLOCK).sum(1)
 
 
-def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_heads: int) -> dict:
+def diagonal_block_offsets(diagonals: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64: the offsets of ``reference.diagonal_blocks`` for query tiles of ``rows`` rows reading ``rows``-key
+    blocks (rows = 64 is the shipped rule)."""
+    blocks: list[int] = []
+    for d in diagonals.tolist():
+        if blocks and d <= blocks[-1]:
+            continue
+        blocks.append(blocks[-1] + rows if blocks and d <= blocks[-1] + rows else d)
+    return torch.tensor(blocks, dtype=torch.int64)
+
+
+def diagonal_block_work(diagonals: torch.Tensor, columns: torch.Tensor, length: int, rows: int) -> int:
+    """64 x 64 blocks of work of one head whose query tiles hold ``rows`` rows: the diagonal blocks a tile reads
+    (keys ``lo - x .. lo - x + rows - 1`` meet ``0 .. hi``: x <= lo + rows - 1), then its readable columns in groups
+    of 64, each block or group ``rows / 64`` times as tall as a 64-row one."""
+    offsets = diagonal_block_offsets(diagonals, rows)
+    lo = torch.arange(math.ceil(length / rows)) * rows
+    hi = torch.clamp(lo + rows - 1, max=length - 1)
+    blocks = torch.searchsorted(offsets, lo + rows - 1, right=True)
+    groups = (torch.searchsorted(columns, hi, right=True) + BLOCK - 1) // BLOCK
+    scale = rows // BLOCK
+    return int((blocks * scale * scale + groups * scale).sum())
+
+
+def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_heads: int,
+            speedup: float = 1.24) -> dict:
     q, k, _ = FAMILIES[family](length, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=128,
                                dtype=torch.float32, device="cpu")
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, *budgets),) * heads)
@@ -67,7 +97,7 @@ def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_h
     rows = torch.arange(length)
     causal_tiles = m_tiles * (m_tiles + 1) // 2
     causal_keys = length * (length + 1) // 2
-    totals = {"aligned": 0, "unaligned": 0, "columns": 0, "logical": 0}
+    totals = {"aligned": 0, "unaligned": 0, "columns": 0, "logical": 0, "rows64": 0, "rows128": 0, "best": 0.0}
     for h in range(heads):
         diagonals = picks.diagonals[0, h][picks.diagonals[0, h] >= 0].sort().values
         columns = picks.columns[0, h][picks.columns[0, h] >= 0].sort().values
@@ -76,6 +106,10 @@ def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_h
         totals["aligned"] += int(aligned_blocks(diagonals, m_tiles).sum())
         totals["unaligned"] += int(unaligned_blocks(diagonals, m_tiles).sum())
         totals["columns"] += int(column_groups.sum())
+        work64, work128 = (diagonal_block_work(diagonals, columns, length, r) for r in (BLOCK, 2 * BLOCK))
+        totals["rows64"] += work64
+        totals["rows128"] += work128
+        totals["best"] += min(work64, work128 / speedup)  # in 64-row time units
         kept = torch.searchsorted(diagonals, rows, right=True) + torch.searchsorted(columns, rows, right=True)
         totals["logical"] += int(torch.minimum(kept, rows + 1).sum())
     logical = totals["logical"] / (heads * causal_keys)
@@ -84,6 +118,10 @@ def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_h
         physical = (totals[layout] + totals["columns"]) / (heads * causal_tiles)
         out[layout] = {"physical": physical, "physical_over_logical": physical / logical,
                        "diagonal_blocks_share": totals[layout] / (totals[layout] + totals["columns"])}
+    out["diagonal_blocks"] = {f"rows_{r}": totals[f"rows{r}"] / (heads * causal_tiles) for r in (64, 128)}
+    out["diagonal_blocks"]["time_128_over_64"] = totals["rows128"] / speedup / totals["rows64"]
+    out["diagonal_blocks"]["time_best_per_head_over_64"] = totals["best"] / totals["rows64"]
+    out["speedup_assumed"] = speedup
     return out
 
 
@@ -94,17 +132,22 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs=2, default=(1000, 6096), metavar=("VERTICAL", "SLASH"))
     ap.add_argument("--heads", type=int, default=32, help="query heads (Llama-3-8B: 32)")
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--speedup", type=float, default=1.24,
+                    help="a 128-row program's rate per 64 x 64 block over a 64-row one's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    print(f"{'family':<11}{'length':>8}{'logical':>9}{'aligned':>9}{'/logical':>9}{'unaligned':>11}{'/logical':>9}")
+    print(f"{'family':<11}{'length':>8}{'logical':>9}{'aligned':>9}{'/logical':>9}{'unaligned':>11}{'/logical':>9}"
+          f"{'blocks64':>10}{'blocks128':>11}{'t128/t64':>10}{'best/t64':>10}")
     for family in args.families.split(","):
         for length in parse_lengths(args.lengths):
-            r = measure(family, length, tuple(args.budgets), args.heads, args.kv_heads)
+            r = measure(family, length, tuple(args.budgets), args.heads, args.kv_heads, args.speedup)
             rows.append(r)
             print(f"{family:<11}{length:>8}{r['logical']:>9.3f}{r['aligned']['physical']:>9.3f}"
                   f"{r['aligned']['physical_over_logical']:>9.2f}{r['unaligned']['physical']:>11.3f}"
-                  f"{r['unaligned']['physical_over_logical']:>9.2f}", flush=True)
+                  f"{r['unaligned']['physical_over_logical']:>9.2f}{r['diagonal_blocks']['rows_64']:>10.3f}"
+                  f"{r['diagonal_blocks']['rows_128']:>11.3f}{r['diagonal_blocks']['time_128_over_64']:>10.3f}"
+                  f"{r['diagonal_blocks']['time_best_per_head_over_64']:>10.3f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python scripts/explore_layouts.py " + " ".join(
