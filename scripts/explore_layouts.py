@@ -13,7 +13,10 @@ tile it counts the 64 x 64 blocks of work of:
   rule for 128-row query tiles reading 128-key blocks (each four 64 x 64 blocks of work, each column group two).
   A 128-row program runs each 64 x 64 block faster (the dense walk's 128-row programs ran 1.24x the 64-row ones'
   rate per tile: ``git show 6fb579a:results/explore_dense_h200_2026-11-30_v4.txt``), so ``--speedup`` turns the
-  two counts into a predicted time ratio, per head taking the faster of the two.
+  two counts into a predicted time ratio, per head taking the faster of the two;
+* **one program a kv head** (64-row tiles): the query heads of a kv head walk the union of their diagonal blocks and
+  columns together, each block once for all of them (K/V read once a group), so each head computes every block of
+  the union. The count is the union's work over the heads' own.
 
 Both add the same column groups: every picked column the query tile can read, 64 to a group (the walk reads
 only the columns its tiles miss, so this overcounts both alike). Physical density is blocks over causal tiles;
@@ -74,11 +77,11 @@ def diagonal_block_offsets(diagonals: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.tensor(blocks, dtype=torch.int64)
 
 
-def diagonal_block_work(diagonals: torch.Tensor, columns: torch.Tensor, length: int, rows: int) -> int:
-    """64 x 64 blocks of work of one head whose query tiles hold ``rows`` rows: the diagonal blocks a tile reads
-    (keys ``lo - x .. lo - x + rows - 1`` meet ``0 .. hi``: x <= lo + rows - 1), then its readable columns in groups
-    of 64, each block or group ``rows / 64`` times as tall as a 64-row one."""
-    offsets = diagonal_block_offsets(diagonals, rows)
+def walk_work(offsets: torch.Tensor, columns: torch.Tensor, length: int, rows: int = BLOCK) -> int:
+    """64 x 64 blocks of work of a walk whose query tiles hold ``rows`` rows, over ``rows``-key block ``offsets`` and
+    ``columns`` (both ascending): the blocks a tile reads (keys ``lo - x .. lo - x + rows - 1`` meet ``0 .. hi``:
+    x <= lo + rows - 1), then its readable columns in groups of 64, each block or group ``rows / 64`` times as tall
+    as a 64-row one."""
     lo = torch.arange(math.ceil(length / rows)) * rows
     hi = torch.clamp(lo + rows - 1, max=length - 1)
     blocks = torch.searchsorted(offsets, lo + rows - 1, right=True)
@@ -97,7 +100,10 @@ def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_h
     rows = torch.arange(length)
     causal_tiles = m_tiles * (m_tiles + 1) // 2
     causal_keys = length * (length + 1) // 2
-    totals = {"aligned": 0, "unaligned": 0, "columns": 0, "logical": 0, "rows64": 0, "rows128": 0, "best": 0.0}
+    totals = {"aligned": 0, "unaligned": 0, "columns": 0, "logical": 0, "rows64": 0, "rows128": 0, "best": 0.0, "group": 0}
+    group = heads // kv_heads
+    group_offsets: list[torch.Tensor] = []
+    group_columns: list[torch.Tensor] = []
     for h in range(heads):
         diagonals = picks.diagonals[0, h][picks.diagonals[0, h] >= 0].sort().values
         columns = picks.columns[0, h][picks.columns[0, h] >= 0].sort().values
@@ -106,10 +112,16 @@ def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_h
         totals["aligned"] += int(aligned_blocks(diagonals, m_tiles).sum())
         totals["unaligned"] += int(unaligned_blocks(diagonals, m_tiles).sum())
         totals["columns"] += int(column_groups.sum())
-        work64, work128 = (diagonal_block_work(diagonals, columns, length, r) for r in (BLOCK, 2 * BLOCK))
+        work64, work128 = (walk_work(diagonal_block_offsets(diagonals, r), columns, length, r) for r in (BLOCK, 2 * BLOCK))
         totals["rows64"] += work64
         totals["rows128"] += work128
         totals["best"] += min(work64, work128 / speedup)  # in 64-row time units
+        group_offsets.append(diagonal_block_offsets(diagonals, BLOCK))
+        group_columns.append(columns)
+        if len(group_offsets) == group:
+            union = walk_work(torch.unique(torch.cat(group_offsets)), torch.unique(torch.cat(group_columns)), length)
+            totals["group"] += group * union
+            group_offsets, group_columns = [], []
         kept = torch.searchsorted(diagonals, rows, right=True) + torch.searchsorted(columns, rows, right=True)
         totals["logical"] += int(torch.minimum(kept, rows + 1).sum())
     logical = totals["logical"] / (heads * causal_keys)
@@ -121,6 +133,7 @@ def measure(family: str, length: int, budgets: tuple[int, int], heads: int, kv_h
     out["diagonal_blocks"] = {f"rows_{r}": totals[f"rows{r}"] / (heads * causal_tiles) for r in (64, 128)}
     out["diagonal_blocks"]["time_128_over_64"] = totals["rows128"] / speedup / totals["rows64"]
     out["diagonal_blocks"]["time_best_per_head_over_64"] = totals["best"] / totals["rows64"]
+    out["diagonal_blocks"]["kv_group_union_over_own"] = totals["group"] / totals["rows64"]
     out["speedup_assumed"] = speedup
     return out
 
@@ -138,7 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     print(f"{'family':<11}{'length':>8}{'logical':>9}{'aligned':>9}{'/logical':>9}{'unaligned':>11}{'/logical':>9}"
-          f"{'blocks64':>10}{'blocks128':>11}{'t128/t64':>10}{'best/t64':>10}")
+          f"{'blocks64':>10}{'blocks128':>11}{'t128/t64':>10}{'best/t64':>10}{'kv-union':>10}")
     for family in args.families.split(","):
         for length in parse_lengths(args.lengths):
             r = measure(family, length, tuple(args.budgets), args.heads, args.kv_heads, args.speedup)
@@ -147,7 +160,8 @@ def main() -> None:
                   f"{r['aligned']['physical_over_logical']:>9.2f}{r['unaligned']['physical']:>11.3f}"
                   f"{r['unaligned']['physical_over_logical']:>9.2f}{r['diagonal_blocks']['rows_64']:>10.3f}"
                   f"{r['diagonal_blocks']['rows_128']:>11.3f}{r['diagonal_blocks']['time_128_over_64']:>10.3f}"
-                  f"{r['diagonal_blocks']['time_best_per_head_over_64']:>10.3f}", flush=True)
+                  f"{r['diagonal_blocks']['time_best_per_head_over_64']:>10.3f}"
+                  f"{r['diagonal_blocks']['kv_group_union_over_own']:>10.3f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python scripts/explore_layouts.py " + " ".join(
