@@ -11,8 +11,9 @@ tile it counts the 64 x 64 blocks of work of:
   closer than 64 merge into one run, and a run of L keys costs ceil(L / 64) blocks that may start anywhere;
 * **diagonal blocks** (the walk since c533d13: ``reference.diagonal_blocks``), with 64-row query tiles, and the same
   rule for 128-row query tiles reading 128-key blocks (each four 64 x 64 blocks of work, each column group two).
-  A 128-row program runs each 64 x 64 block faster (the dense walk's 128-row programs ran 1.24x the 64-row ones'
-  rate per tile: ``git show 6fb579a:results/explore_dense_h200_2026-11-30_v4.txt``), so ``--speedup`` turns the
+  A 128-row program runs each 64 x 64 block faster (on the same near-dense heads the dense walk, 128-row programs
+  reading no list, ran 1.24x the sparse walk's rate per tile: ``git show
+  6fb579a:results/explore_dense_h200_2026-11-30_v4.txt``; an upper bound for rows alone), so ``--speedup`` turns the
   two counts into a predicted time ratio, per head taking the faster of the two;
 * **one program a kv head** (64-row tiles): the query heads of a kv head walk the union of their diagonal blocks and
   columns together, each block once for all of them (K/V read once a group), so each head computes every block of
