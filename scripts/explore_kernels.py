@@ -1,12 +1,16 @@
 """GPU exploration (not a test): launch variants of the sparse kernel, and the index against a saved older one.
 
 usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k] [--dense-at 32k] [--index-at 8k,32k,128k]
+                                        [--parts-at 128k]
 
 * launch variants (block_m, block_n, warps, stages, TMA copies) on the bench's VS(1000, 6096)
   index over structured inputs, and on dense work (every head DENSE) against cuDNN, in one run; each
   variant's output is checked against the first;
 * the index, eager and CUDA-graph replay, and with ``--old-index`` the same inputs through an older
-  ``minference_fx/kernels/index.py`` (e.g. ``git show REV:kernels/index.py``) for an A/B in the same run.
+  ``minference_fx/kernels/index.py`` (e.g. ``git show REV:kernels/index.py``) for an A/B in the same run;
+* ``--parts-at``: the shipped sparse walk on both input families with the index whole, with its leftover columns
+  dropped and with its blocks dropped, and the units of work each part lists (a block, or a gather of up to 64
+  columns): what a gathered column costs against a block.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from minference_fx.autotune.workload import structured_qkv
+from minference_fx.autotune.workload import FAMILIES, structured_qkv
+from minference_fx.kernels.reference import SparseIndex
 from minference_fx.tools.bench import LLAMA3_8B, _index_work, _ms
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels.attend import sparse_attention_triton
@@ -133,16 +138,45 @@ def index_ab(seq: int, old_path: str | None) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 
 
+def walk_parts(seq: int) -> None:
+    shape = LLAMA3_8B
+    plan = _vs_plan()
+    args = plan.op_arguments()
+    scale = shape["head_dim"] ** -0.5
+    for family, make in FAMILIES.items():
+        q, k, v = make(seq, **shape)
+        index = build_index_gpu(q, k, plan, scale=scale)
+        parts = {
+            "whole": index,
+            "blocks only": SparseIndex(index.block_count, index.block_start, torch.zeros_like(index.col_count),
+                                       index.col_index),
+            "columns only": SparseIndex(torch.zeros_like(index.block_count), index.block_start, index.col_count,
+                                        index.col_index),
+        }
+        blocks = index.block_count.sum().item()
+        gathers = ((index.col_count + 63) // 64).sum().item()
+        print(f"parts {family} @ {seq}: {blocks} blocks, {gathers} column gathers "
+              f"({100 * gathers / (blocks + gathers):.1f} % of the units)", flush=True)
+        for name, part in parts.items():
+            ms = _ms(lambda: sparse_attention_triton(q, k, v, part, *args, scale=scale), 5)  # noqa: B023
+            print(f"parts {family} @ {seq}: {name:<13} {ms:8.2f} ms", flush=True)
+        del q, k, v, index, parts
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old-index")
     ap.add_argument("--variants-at", default="128k")
     ap.add_argument("--dense-at", default="32k")
     ap.add_argument("--index-at", default="8k,32k,128k")
+    ap.add_argument("--parts-at", default="")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for seq in parse_lengths(a.index_at):
         index_ab(seq, a.old_index)
+    for seq in parse_lengths(a.parts_at) if a.parts_at else ():
+        walk_parts(seq)
     if a.variants_at:
         launch_variants(parse_lengths(a.variants_at)[0], parse_lengths(a.dense_at)[0])
 
