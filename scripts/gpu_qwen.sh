@@ -27,7 +27,8 @@
 # every budget times N, e.g. _x2), candidate32k_grow (budgets growing past 32K as sqrt(keys / 32K)), candidate32k_ro (that config sparse from 16K,
 # with and without CUDA graphs), candidate32k_eval32 (its fidelity at 32K), peers
 # (benchmarks/peers.py: MInference and FlashInfer, carried to /root/peers, against our kernel), index_ab (the index
-# against an older index.py carried to /root/peers, eager and graph-replayed, outputs compared), costs (the cost
+# against an older index.py carried to /root/peers, eager and graph-replayed, outputs compared), walk_parts (the
+# sparse walk with its columns or its blocks dropped: what each part costs), costs (the cost
 # model's rates of the three tuned shapes), tests_cost (the GPU tests of routing and the cost model), kernels_op
 # (bench kernels with the op's guarded, routed column, both families, 32K-512K).
 # The model must have been converted first (scripts/device_model.py convert).
@@ -91,6 +92,8 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     index_ab)  # the index now against an older one (its index.py carried to /root/peers as old_index_*.py), same run
           timeout 300 python3 scripts/explore_kernels.py --old-index /root/peers/old_index_*.py --variants-at '' \
             --index-at 32k,128k ;;
+    walk_parts)  # the sparse walk whole, without its columns and without its blocks, both families at 128K
+          timeout 300 python3 scripts/explore_kernels.py --index-at '' --variants-at '' --parts-at 128k ;;
     kernels_op)  # bench kernels with the op column (guard, routing, cost model), both families, up to 512K
           timeout 500 minference-fx bench kernels --lengths 32k,128k,512k --families structured,scattered \
             --baselines cudnn --out "$STATE/bench_kernels_op.json" ;;
