@@ -3,9 +3,9 @@
 A head whose index keeps a share ``s`` of its causal key tiles costs ``s / walk_rate`` of the fused SDPA's time
 for its dense causal attention (:class:`WalkCost`, measured per shape by
 ``minference-fx autotune``): past ``s = walk_rate`` the tile walk is the slower one, though it reads fewer keys.
-On the H200 that rate is 0.72-0.83 (BENCHMARKS.md sections 1 and 6), so a head between it and the near-dense
+On the H200 that rate is 0.72-0.82 (BENCHMARKS.md sections 1 and 6), so a head between it and the near-dense
 rule's 90 % was slower walked than dense: the scattered input family's heads at 32K keep 73-99 % of their tiles,
-and their walk took 15.65 ms against cuDNN's 14.80 ms for every tile. Such a head is marked here, and the routing
+and their walk took 15.97 ms against cuDNN's 14.61 ms for every tile. Such a head is marked here, and the routing
 (:mod:`minference_fx.routing`) sends it to SDPA from the next call on. Routing one head still leaves the
 index to pay: when the call as a whole (the index, the routed heads at 1, the walked ones at ``s /
 walk_rate``) would cost at least the dense layer, every head is marked, and the site then skips its index at

@@ -36,6 +36,7 @@ import torch
 
 from minference_fx.autotune.workload import scattered_qkv, structured_qkv
 from minference_fx.kernels.density import selection_of
+from minference_fx.kernels.reference import diagonal_blocks
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.cli import parse_lengths
 
@@ -69,13 +70,8 @@ def unaligned_blocks(diagonals: torch.Tensor, m_tiles: int) -> torch.Tensor:
 
 def diagonal_block_offsets(diagonals: torch.Tensor, rows: int) -> torch.Tensor:
     """int64: the offsets of ``reference.diagonal_blocks`` for query tiles of ``rows`` rows reading ``rows``-key
-    blocks (rows = 64 is the shipped rule)."""
-    blocks: list[int] = []
-    for d in diagonals.tolist():
-        if blocks and d <= blocks[-1]:
-            continue
-        blocks.append(blocks[-1] + rows if blocks and d <= blocks[-1] + rows else d)
-    return torch.tensor(blocks, dtype=torch.int64)
+    blocks (rows = 64 is the index's rule)."""
+    return torch.tensor(diagonal_blocks(diagonals.tolist(), rows), dtype=torch.int64)
 
 
 def walk_work(offsets: torch.Tensor, columns: torch.Tensor, length: int, rows: int = BLOCK) -> int:

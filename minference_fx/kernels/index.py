@@ -56,8 +56,6 @@ _KEY_BLOCK = 64
 _TILE_VEC = 256
 _COL_VEC = 128
 _KEY_VEC = 1024
-# Padding of a head's diagonal-block offsets: above any real one, so a sorted search never lands past it
-_NO_OFFSET = 1 << 30
 # Elements of one block-sparse score chunk [B*heads, query tiles, key tiles]:
 # about 128 MB of fp32 scores plus top-k scratch, whatever the length.
 _BS_CHUNK_ELEMS = 1 << 25
@@ -627,8 +625,8 @@ def index_capacity(plan: LayerPlan, skv: int) -> tuple[int, int]:
 
     The slots are the worst case over any input of the shapes (no data-dependent size, so the
     build can be captured in a CUDA graph). A block-sparse head lists at most the key tiles that exist;
-    a vertical-slash head at most :func:`~minference_fx.kernels.reference.diagonal_block_bound` blocks, and its blocks lie 64
-    apart at offsets 0 .. lo + 63 of a tile starting at ``lo``: at most one more than the key tiles.
+    a vertical-slash head at most ``reference.diagonal_block_bound`` blocks, and its blocks lie 64 apart at
+    offsets 0 .. lo + 63 of a tile starting at ``lo``: at most one more than the key tiles.
     """
     n_tiles = _cdiv(skv, BLOCK)
     tiles, cols = 0, 0

@@ -74,7 +74,7 @@ class SparseIndex:
     col_index: torch.Tensor
 
 
-def diagonal_blocks(diagonals) -> list[int]:
+def diagonal_blocks(diagonals, width: int = BLOCK) -> list[int]:
     """The block offsets ``x`` (ascending) that read every selected diagonal of a vertical-slash head whole.
 
     Block x of a query tile whose rows sit at ``lo .. lo + 63`` holds keys ``lo - x .. lo - x + 63``, so
@@ -83,12 +83,15 @@ def diagonal_blocks(diagonals) -> list[int]:
     one within 64 past its last block extends the run by a block (a block of its own would overlap the
     run's last); any other starts a run at itself. Blocks end up at least 64 apart: they never overlap.
     Against aligned key tiles, a lone diagonal costs one block, not two (MInference reads diagonals as
-    unaligned key ranges for the same reason)."""
+    unaligned key ranges for the same reason).
+
+    ``width``: the rows of a query tile and the keys of a block (the index's are 64; others only for arithmetic
+    on other layouts, ``scripts/explore_layouts.py``)."""
     blocks: list[int] = []
     for d in sorted(int(d) for d in diagonals):
         if blocks and d <= blocks[-1]:
             continue
-        blocks.append(blocks[-1] + BLOCK if blocks and d <= blocks[-1] + BLOCK else d)
+        blocks.append(blocks[-1] + width if blocks and d <= blocks[-1] + width else d)
     return blocks
 
 
@@ -320,8 +323,7 @@ def _capacity(head, n_tiles: int, skv: int) -> tuple[int, int]:
         # unaligned first key touch ceil(a/64) + 1
         return min(n_tiles, _cdiv(a, BLOCK) + _cdiv(b, BLOCK) + 3), 0
     if p is Pattern.VERTICAL_SLASH:
-        # diagonal blocks (at most one a diagonal, the forced run 0..F-1 in 1 + ceil((F-1)/64)) lie 64 apart at
-        # offsets 0 .. lo + 63: at most n_tiles + 1
+        # diagonal blocks lie 64 apart at offsets 0 .. lo + 63: at most n_tiles + 1
         return (min(n_tiles + 1, diagonal_block_bound(min(max(b, VS_MIN_DIAGONALS), skv))),
                 min(max(a, VS_MIN_COLUMNS), skv))
     # block sparse: tile 0 plus up to two diagonal tiles are forced beyond k
