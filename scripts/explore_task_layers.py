@@ -8,12 +8,13 @@ where neither half alone gives it back, the group is reported whole (the loss ne
 probe is one compile (``inner="eager"``) and the task's prompts: about 2 * log2(layers) probes per layer found.
 
     python scripts/explore_task_layers.py CONFIG --model qwen2.5-coder-1.5b --length 128k \\
-        [--tasks variable_tracking] [--haystacks austen,code] [--depths 0.1,0.5,0.9] [--out X.json]
+        [--tasks variable_tracking] [--haystacks austen,code] [--depths 0.1,0.5,0.9] [--seeds 0] [--out X.json]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 
@@ -32,6 +33,7 @@ class Prompt:
     haystack: str
     task: str
     depth: float
+    seed: int
     ids: torch.Tensor
     answers: list
     new_tokens: int
@@ -56,18 +58,19 @@ def with_dense_layers(config: SemanticConfig, layers) -> SemanticConfig:
                                                for i, heads in enumerate(config.layers)])
 
 
-def task_prompts(model, tokenizer, haystacks: dict, tasks, length: int, depths, chat: bool) -> list[Prompt]:
-    """Every (haystack, task, depth) prompt at ``length``, with the dense model's score."""
+def task_prompts(model, tokenizer, haystacks: dict, tasks, length: int, depths, chat: bool,
+                 seeds=(0,)) -> list[Prompt]:
+    """Every (haystack, task, depth, seed) prompt at ``length``, with the dense model's score."""
     device = next(model.parameters()).device
     stops = evaluate.stop_token_ids(model, tokenizer)
     prompts = []
     for name, text in haystacks.items():
         for task in tasks:
-            for depth in depths:
-                sample = ruler.generate(task, tokenizer, text, length, 0, depth=depth, chat=chat)
+            for depth, seed in itertools.product(depths, seeds):
+                sample = ruler.generate(task, tokenizer, text, length, seed, depth=depth, chat=chat)
                 ids = torch.tensor([sample.ids], device=device)
                 _, score = evaluate.scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops)
-                prompts.append(Prompt(name, task, depth, ids, sample.answers, sample.new_tokens, score))
+                prompts.append(Prompt(name, task, depth, seed, ids, sample.answers, sample.new_tokens, score))
     return prompts
 
 
@@ -100,6 +103,7 @@ def main() -> None:
     ap.add_argument("--tasks", default="variable_tracking")
     ap.add_argument("--haystacks", default="austen,code")
     ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--seeds", default="0", help="prompt seeds, e.g. 0,1,2 (the aggregation task has one prompt a seed)")
     ap.add_argument("--tolerance", type=float, default=0.0, help="a probe restores when it scores >= dense - this")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -109,7 +113,7 @@ def main() -> None:
     haystacks = {h: texts[h]() for h in args.haystacks.split(",")}
     chat = bool(getattr(tokenizer, "chat_template", None))
     prompts = task_prompts(model, tokenizer, haystacks, args.tasks.split(","), args.length,
-                           [float(d) for d in args.depths.split(",")], chat)
+                           [float(d) for d in args.depths.split(",")], chat, [int(x) for x in args.seeds.split(",")])
     dense = sum(p.dense_score for p in prompts) / len(prompts)
     probes = []
 
@@ -130,7 +134,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"model": name, "config": args.config, "length": args.length, "tasks": args.tasks,
                        "dense": dense, "dense_scores": [p.dense_score for p in prompts],
-                       "prompts": [[p.haystack, p.task, p.depth] for p in prompts],
+                       "prompts": [[p.haystack, p.task, p.depth, p.seed] for p in prompts],
                        "probes": [dataclasses.asdict(p) for p in probes], "found": found}, f, indent=1)
 
 

@@ -30,7 +30,9 @@
 # against an older index.py carried to /root/peers, eager and graph-replayed, outputs compared), walk_parts (the
 # sparse walk with its columns or its blocks dropped: what each part costs), costs (the cost
 # model's rates of the three tuned shapes), tests_cost (the GPU tests of routing and the cost model), kernels_op
-# (bench kernels with the op's guarded, routed column, both families, 32K-512K).
+# (bench kernels with the op's guarded, routed column, both families, 32K-512K), eval128_shipped32k (fidelity at 128K of
+# the config shipped past 8K), fwe_layers32 (its layers that lose frequent words at 32K), candidate32k_fwe (it sparse
+# from 32K with those layers dense: TTFT with and without CUDA graphs, fidelity at 32K).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -144,6 +146,30 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
             --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --reps 3 \
             --out "$STATE/bench_prefill_qwen_shipped32k.json" ;;
+    eval128_shipped32k)  # fidelity at 128K of the config shipped past 8K (forced sparse, as eval128)
+          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --out "$STATE/$1_qwen.json" ;;
+    fwe_layers32)  # which layers of the config shipped past 8K lose frequent-words extraction at 32K (forced sparse),
+                   # on three prompts (seeds) instead of eval's one
+          timeout 580 python3 scripts/explore_task_layers.py configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+            --model $MODEL --length 32k --tasks freq_words --haystacks austen --depths 0.5 --seeds 0,1,2 \
+            --out "$STATE/task_layers_fwe_32k.json" ;;
+    candidate32k_fwe)  # that config sparse from 32K with the layers fwe_layers32 found run dense: TTFT at 32K with and
+                       # without CUDA graphs, fidelity at 32K (forced sparse, three seeds)
+          python3 - configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json "$STATE/task_layers_fwe_32k.json" "$STATE/$1.json" <<'PY' || return 1
+import json, sys
+config, found = (json.load(open(f)) for f in sys.argv[1:3])
+layers = sorted({layer for group in found["found"] for layer in group}) if found["found"] != [list(range(len(config["layers"])))] else []
+for layer in layers:
+    config["layers"][layer] = [{"pattern": "dense", "budgets": [0, 0]} for _ in config["layers"][layer]]
+config["defaults"]["min_sparse_len"] = 32768
+json.dump(config, open(sys.argv[3], "w"), indent=1)
+print(f"{sys.argv[3]}: sparse from 32K, layers {layers} dense")
+PY
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 32k,64k --variants eager,minference,minference-ro \
+            --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 400 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --seeds 3 --ppl-tokens 1024 --config "$STATE/$1.json" --out "$STATE/eval32_qwen_$1.json" ;;
     prefill_shipped)  # TTFT 32K-128K, eager vs minference, the shipped config (after a change to the op's routing)
           timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_shipped.json" ;;
