@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--parts-at", default="")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    for seq in parse_lengths(a.index_at):
+    for seq in parse_lengths(a.index_at) if a.index_at else ():
         index_ab(seq, a.old_index)
     for seq in parse_lengths(a.parts_at) if a.parts_at else ():
         walk_parts(seq)
