@@ -18,9 +18,8 @@ from minference_fx.kernels import guard
 from minference_fx.kernels import reference as ref
 from minference_fx.kernels.index import build_index_gpu, build_index_pair_gpu, vs_estimate
 from minference_fx.plan import escalated_plan
-from test_index import BS, DENSE, VS, as_masks, assert_no_near_tie, check_format, plan_of, rand_qk
+from index_helpers import BLOCK, BS, DENSE, VS, as_masks, assert_no_near_tie, check_format, plan_of, rand_qk
 
-BLOCK = 64
 HEAD_DIM = 64
 PLANT_SCORE = 10.0  # e^10 = 22026: a planted diagonal's slash score dwarfs the 64 rows' share of any other
 ALL = 4096  # a budget above every Skv here: every column / every diagonal is selected
