@@ -259,12 +259,31 @@ def test_the_plot_draws_scores_and_ppl_ratio(tmp_path):
 def test_quality_table_shows_mean_scores_and_ratios():
     results = evaluate.EvalResults("m", "c", [1024], "cpu")
     results.ppl.append(evaluate.PerplexityRow(1024, 10.0, 10.1, 0.01, 1.0, 2.0))
-    for seed, (dense, sparse) in enumerate([(1.0, 0.5), (0.5, 0.5)]):
+    # answers as the scores say: seed 0 loses "2", seed 1 swaps "1" for "2"
+    for seed, (dense, sparse, dense_answer, sparse_answer) in enumerate([(1.0, 0.5, "1 2", "1"), (0.5, 0.5, "1", "2")]):
         results.ruler.append(evaluate.RulerCell(1024, "niah_multivalue", "austen", 0.5, seed, ["1", "2"], dense,
-                                                sparse, "", ""))
-    results.ruler.append(evaluate.RulerCell(1024, "niah_multivalue", "code", 0.5, 0, ["1"], 1.0, 1.0, "", ""))
+                                                sparse, dense_answer, sparse_answer))
+    results.ruler.append(evaluate.RulerCell(1024, "niah_multivalue", "code", 0.5, 0, ["1"], 1.0, 1.0, "1", "1"))
     row = [line for line in results.table().splitlines() if line.strip().startswith("1024") and "|" in line][0]
-    assert row.split() == ["1024", "75.0|50.0", "100.0|100.0", "-25.0", "1.0100"]
+    # 2 strings lost, 1 gained of 5: p = 2 * P(Binom(3, 1/2) <= 1) = 1.0
+    assert row.split() == ["1024", "75.0|50.0", "100.0|100.0", "-25.0", "2/1/5", "1.00", "1.0100"]
+    summary = {(s.haystack, s.task): s for s in results.ruler_scores()}
+    assert (summary["austen", "niah_multivalue"].lost, summary["austen", "niah_multivalue"].gained) == (2, 1)
+
+
+def test_sign_test_of_lost_against_gained_strings():
+    assert evaluate.sign_test(0, 0) == 1.0
+    assert evaluate.sign_test(2, 0) == 0.5  # 2 * (1/4): two lost strings alone prove nothing
+    assert evaluate.sign_test(5, 0) == pytest.approx(2 / 32)
+    assert evaluate.sign_test(0, 6) == evaluate.sign_test(6, 0) == pytest.approx(2 / 64)
+    assert evaluate.sign_test(10, 1) == pytest.approx(2 * 12 / 2048)
+
+
+def test_string_changes_skip_cells_without_a_sparse_run_and_ignore_case():
+    cells = [evaluate.RulerCell(1024, "variable_tracking", "code", 0.5, 0, ["VAR AB", "VAR CD"], 1.0, 0.5,
+                                "var ab, var cd", "VAR AB"),
+             evaluate.RulerCell(1024, "variable_tracking", "code", 0.9, 0, ["VAR EF"], 1.0, None, "VAR EF", "")]
+    assert evaluate.string_changes(cells) == (2, 1, 0)
 
 
 def test_eval_cli_passes_the_ruler_options(monkeypatch):

@@ -322,7 +322,8 @@ class RulerCell:
 
 @dataclasses.dataclass
 class RulerScore:
-    """One (length, haystack, task): the mean scores over its depths and seeds."""
+    """One (length, haystack, task): the mean scores over its depths and seeds, and the expected strings the
+    sparse answers lost or gained against the dense ones on the same prompts."""
 
     length: int
     haystack: str
@@ -330,6 +331,33 @@ class RulerScore:
     dense: float
     sparse: float
     cells: int
+    strings: int = 0
+    """expected strings over the cells that ran sparse"""
+    lost: int = 0
+    """strings the dense answer holds and the sparse one does not"""
+    gained: int = 0
+    """strings the sparse answer holds and the dense one does not"""
+
+
+def sign_test(lost: int, gained: int) -> float:
+    """Two-sided exact sign test of lost against gained strings: the chance of a split at least this uneven if
+    sparse and dense were equally likely to hold each string they disagree on (1.0 when they never disagree)."""
+    n = lost + gained
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def string_changes(cells) -> tuple[int, int, int]:
+    """(strings, lost, gained) over the cells that ran sparse: see :class:`RulerScore`."""
+    strings = lost = gained = 0
+    for c in cells:
+        if c.sparse_score is None:
+            continue
+        dense, sparse = ruler.found(c.dense_answer, c.answers), ruler.found(c.sparse_answer, c.answers)
+        strings += len(c.answers)
+        lost += sum(d and not s for d, s in zip(dense, sparse))
+        gained += sum(s and not d for d, s in zip(dense, sparse))
+    return strings, lost, gained
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -594,7 +622,7 @@ class EvalResults:
         for c in self.ruler:
             groups.setdefault((c.length, c.haystack, c.task), []).append(c)
         return [RulerScore(n, hay, name, sum(c.dense_score for c in cells) / len(cells),
-                           sum(c.sparse_score or 0.0 for c in cells) / len(cells), len(cells))
+                           sum(c.sparse_score or 0.0 for c in cells) / len(cells), len(cells), *string_changes(cells))
                 for (n, hay, name), cells in groups.items()]
 
     def to_json(self) -> dict:
@@ -684,7 +712,8 @@ def _quality_table(results: EvalResults) -> str:
     ppl = {r.length: r for r in results.ppl}
     code = {r.length: r for r in results.ppl_code}
     lengths = sorted({n for n, _, _ in scores} | set(ppl) | set(code))
-    header = ["length"] + [_column_label(*col) for col in columns] + (["worst diff"] if columns else [])
+    header = ["length"] + [_column_label(*col) for col in columns]
+    header += (["worst diff", "strings lost/gained", "sign test p"] if columns else [])
     header += (["ppl ratio"] if ppl else []) + (["code ppl ratio"] if code else [])
     rows = []
     for n in lengths:
@@ -692,12 +721,17 @@ def _quality_table(results: EvalResults) -> str:
         row = [n] + [f"{100 * s.dense:.1f}|{100 * s.sparse:.1f}" if s else "-" for s in here]
         if columns:
             diffs = [100 * (s.sparse - s.dense) for s in here if s]
+            lost, gained, strings = (sum(getattr(s, f) for s in here if s) for f in ("lost", "gained", "strings"))
             row.append(f"{min(diffs):+.1f}" if diffs else "-")
+            row += [f"{lost}/{gained}/{strings}", f"{sign_test(lost, gained):.2f}"] if strings else ["-", "-"]
         row += ([f"{1 + ppl[n].rel_delta:.4f}" if n in ppl else "-"] if ppl else [])
         row += ([f"{1 + code[n].rel_delta:.4f}" if n in code else "-"] if code else [])
         rows.append(row)
     return (_table(header, rows) + "\nRULER-style scores: dense|sparse, % of the expected strings in the greedy "
-            "answer (mean over depths and seeds); worst diff: sparse - dense in points; ppl ratio: sparse / dense")
+            "answer (mean over depths and seeds); worst diff: sparse - dense in points; strings lost/gained: of "
+            "the expected strings (the last number), those only the dense / only the sparse answer holds, every task; "
+            "sign test p: the chance of a split at least that uneven if neither side were better; "
+            "ppl ratio: sparse / dense")
 
 
 def _niah_table(cells: list[NiahCell]) -> str:

@@ -72,6 +72,12 @@ class RulerSample:
     """where the first answer-carrying insert was asked to go, as a fraction of the context (None: no inserts)"""
 
 
+def found(output: str, answers: Sequence[str]) -> list[bool]:
+    """Per expected string, whether ``output`` holds it, ignoring case."""
+    text = output.lower()
+    return [a.lower() in text for a in answers]
+
+
 def score(output: str, answers: Sequence[str]) -> float:
     """RULER's all-strings match: the fraction of ``answers`` found in ``output``, ignoring case.
 
@@ -79,8 +85,7 @@ def score(output: str, answers: Sequence[str]) -> float:
     """
     if not answers:
         raise ValueError("score needs at least one expected answer")
-    found = output.lower()
-    return sum(a.lower() in found for a in answers) / len(answers)
+    return sum(found(output, answers)) / len(answers)
 
 
 # --------------------------------------------------------------------------- pieces
