@@ -117,11 +117,21 @@ def main() -> None:
     dense = sum(p.dense_score for p in prompts) / len(prompts)
     probes = []
 
+    def save(found) -> None:
+        # after every probe too: a run its time limit ends keeps the probes it finished
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"model": name, "config": args.config, "length": args.length, "tasks": args.tasks,
+                           "dense": dense, "dense_scores": [p.dense_score for p in prompts],
+                           "prompts": [[p.haystack, p.task, p.depth, p.seed] for p in prompts],
+                           "probes": [dataclasses.asdict(p) for p in probes], "found": found}, f, indent=1)
+
     def run(layers) -> Probe:
         result = probe(model, tokenizer, config, prompts, layers)
         probes.append(result)
         print(f"dense layers {result.dense_layers or 'none'}: sparse {result.score:.3f} (dense {dense:.3f}) "
               f"{result.scores} [{result.seconds:.0f} s]", flush=True)
+        save(None)
         return result
 
     every = list(range(len(config.layers)))
@@ -130,12 +140,7 @@ def main() -> None:
         found = find_layers(lambda group: run(group).score >= dense - args.tolerance, every)
     print(f"{name}, {args.length} tokens, {args.tasks}: dense {dense:.3f}; layers whose dense run gives it back: "
           f"{found or 'none needed'}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": name, "config": args.config, "length": args.length, "tasks": args.tasks,
-                       "dense": dense, "dense_scores": [p.dense_score for p in prompts],
-                       "prompts": [[p.haystack, p.task, p.depth, p.seed] for p in prompts],
-                       "probes": [dataclasses.asdict(p) for p in probes], "found": found}, f, indent=1)
+    save(found)
 
 
 if __name__ == "__main__":

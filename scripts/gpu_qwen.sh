@@ -32,7 +32,8 @@
 # model's rates of the three tuned shapes), tests_cost (the GPU tests of routing and the cost model), kernels_op
 # (bench kernels with the op's guarded, routed column, both families, 32K-512K), eval128_shipped32k (fidelity at 128K of
 # the config shipped past 8K), fwe_layers32 (its layers that lose frequent words at 32K), candidate32k_fwe (it sparse
-# from 32K with those layers dense: TTFT with and without CUDA graphs, fidelity at 32K), vt_code_layers128 (the
+# from 32K with those layers dense: TTFT with and without CUDA graphs, fidelity at 32K; candidate32k_noesc the same
+# without the guard's escalation), vt_code_layers128 (the
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -155,6 +156,12 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 580 python3 scripts/explore_task_layers.py configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
             --model $MODEL --length 32k --tasks freq_words --haystacks austen --depths 0.5 --seeds 0,1,2 \
             --out "$STATE/task_layers_fwe_32k.json" ;;
+    candidate32k_noesc)  # candidate32k_fwe's config without the guard's escalation (weak heads to cuDNN): TTFT and fidelity at 32K
+          [ -f "$STATE/candidate32k_fwe.json" ] || { echo "run candidate32k_fwe first"; return 1; }
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 32k --variants eager,minference \
+            --config "$STATE/candidate32k_fwe.json" --guard-escalation 0 0 --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 400 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code,ppl,ppl-code,niah --seeds 3 \
+            --ppl-tokens 1024 --config "$STATE/candidate32k_fwe.json" --guard-escalation 0 0 --out "$STATE/eval32_qwen_$1.json" ;;
     vt_code_layers128)  # which layers of the config shipped past 8K lose code variable tracking at 128K on the diagonal blocks
           timeout 590 python3 scripts/explore_task_layers.py configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
             --model $MODEL --length 128k --tasks variable_tracking --haystacks code --out "$STATE/task_layers_vt_code_128k.json" ;;

@@ -706,7 +706,7 @@ def _column_label(haystack: str, task: str) -> str:
 
 def _quality_table(results: EvalResults) -> str:
     """One row per length: each RULER-style task's dense|sparse score (%), the worst sparse - dense difference,
-    and the sparse/dense perplexity ratios."""
+    the expected strings lost and gained over every task with their sign test, and the sparse/dense perplexity ratios."""
     scores = {(s.length, s.haystack, s.task): s for s in results.ruler_scores()}
     columns = _ruler_columns(results)
     ppl = {r.length: r for r in results.ppl}
