@@ -318,7 +318,8 @@ def _add_asset_commands(sub) -> None:
                         "vocabulary's logits at 128K need this)")
     e.add_argument("--lengths", default="2k,4k,8k")
     e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (niah and the RULER-style haystack tasks)")
-    e.add_argument("--seeds", type=_positive_int, default=1, help="needle seeds per (length, depth)")
+    e.add_argument("--seeds", type=_positive_int, default=1, help="prompt seeds per (length, depth) of NIAH and the RULER-style tasks (the "
+                   "aggregation task, which has no depth, runs this many per depth instead)")
     e.add_argument("--window-seed", type=int, default=0, help="which held-out window perplexity and recall read")
     e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")
     e.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import time
+from typing import Optional
 
 import torch
 
@@ -32,7 +32,8 @@ class Prompt:
 
     haystack: str
     task: str
-    depth: float
+    depth: Optional[float]
+    """None for the aggregation task, which has no depth"""
     seed: int
     ids: torch.Tensor
     answers: list
@@ -66,7 +67,7 @@ def task_prompts(model, tokenizer, haystacks: dict, tasks, length: int, depths, 
     prompts = []
     for name, text in haystacks.items():
         for task in tasks:
-            for depth, seed in itertools.product(depths, seeds):
+            for depth, seed in ruler.prompts_of(task, depths, seeds):
                 sample = ruler.generate(task, tokenizer, text, length, seed, depth=depth, chat=chat)
                 ids = torch.tensor([sample.ids], device=device)
                 _, score = evaluate.scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops)

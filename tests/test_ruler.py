@@ -271,6 +271,14 @@ def test_quality_table_shows_mean_scores_and_ratios():
     assert (summary["austen", "niah_multivalue"].lost, summary["austen", "niah_multivalue"].gained) == (2, 1)
 
 
+def test_every_task_runs_as_many_prompts_and_the_aggregation_one_starts_at_the_given_seeds():
+    assert ruler.prompts_of("variable_tracking", [0.1, 0.9], [0, 1]) == [(0.1, 0), (0.1, 1), (0.9, 0), (0.9, 1)]
+    assert ruler.prompts_of("freq_words", [0.1, 0.5, 0.9], [0]) == [(None, 0), (None, 1), (None, 2)]
+    assert ruler.prompts_of("freq_words", [0.5], [0, 1]) == [(None, 0), (None, 1)]
+    seeded = ruler.prompts_of("freq_words", [0.1, 0.9], [0, 1])
+    assert [s for _, s in seeded] == [0, 1, 2, 3]  # distinct prompts, never one prompt twice
+
+
 def test_sign_test_of_lost_against_gained_strings():
     assert evaluate.sign_test(0, 0) == 1.0
     assert evaluate.sign_test(2, 0) == 0.5  # 2 * (1/4): two lost strings alone prove nothing

@@ -387,25 +387,24 @@ def ruler_grid(model, tokenizer, lengths, depths, seeds, *, haystack: str, hayst
                tasks=tuple(ruler.TASKS), chat: bool = False, compiled=None,
                progress: Callable[[str], None] = print) -> list[RulerCell]:
     """RULER-style cells for every (length, task, depth, seed), dense and (when ``compiled`` is given) sparse on
-    the same prompt. The aggregation task has no depth: it runs once per seed."""
+    the same prompt. The aggregation task has no depth: it runs as many seeds instead (:func:`ruler.prompts_of`)."""
     device = next(model.parameters()).device
     stops = stop_token_ids(model, tokenizer)
     cells = []
     for length in lengths:
         for name in tasks:
-            for depth in (depths if ruler.task(name).reads_haystack else [None]):
-                for seed in seeds:
-                    sample = ruler.generate(name, tokenizer, haystack, length, seed, depth=depth, chat=chat)
-                    ids = torch.tensor([sample.ids], device=device)
-                    dense, dense_score = scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops)
-                    sparse, sparse_score = ("", None) if compiled is None else scored_answer(
-                        model, tokenizer, ids, sample.answers, sample.new_tokens, stops, prefill=compiled)
-                    cell = RulerCell(length, name, haystack_name, depth, seed, sample.answers, dense_score,
-                                     sparse_score, dense, sparse)
-                    cells.append(cell)
-                    where = "" if depth is None else f" depth={depth}"
-                    progress(f"ruler {haystack_name} {name} L={length}{where} seed={seed}: dense {cell.dense_score:.2f} "
-                             f"{dense!r}" + ("" if compiled is None else f", sparse {cell.sparse_score:.2f} {sparse!r}"))
+            for depth, seed in ruler.prompts_of(name, depths, seeds):
+                sample = ruler.generate(name, tokenizer, haystack, length, seed, depth=depth, chat=chat)
+                ids = torch.tensor([sample.ids], device=device)
+                dense, dense_score = scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops)
+                sparse, sparse_score = ("", None) if compiled is None else scored_answer(
+                    model, tokenizer, ids, sample.answers, sample.new_tokens, stops, prefill=compiled)
+                cell = RulerCell(length, name, haystack_name, depth, seed, sample.answers, dense_score,
+                                 sparse_score, dense, sparse)
+                cells.append(cell)
+                where = "" if depth is None else f" depth={depth}"
+                progress(f"ruler {haystack_name} {name} L={length}{where} seed={seed}: dense {cell.dense_score:.2f} "
+                         f"{dense!r}" + ("" if compiled is None else f", sparse {cell.sparse_score:.2f} {sparse!r}"))
     return cells
 
 

@@ -370,6 +370,15 @@ def task(name: str) -> RulerTask:
         raise ValueError(f"no RULER-style task {name!r}; known: {', '.join(TASKS)}") from None
 
 
+def prompts_of(name: str, depths: Sequence[float], seeds: Sequence[int]) -> list[tuple[Optional[float], int]]:
+    """The (depth, seed) of every prompt task ``name`` runs for ``depths`` x ``seeds``. The aggregation task has no
+    depth, so it takes as many seeds instead (``seed * len(depths) + i``, which starts at the seeds given): every task
+    then scores the same number of prompts, and one prompt of three strings does not decide its score."""
+    if task(name).reads_haystack:
+        return [(depth, seed) for depth in depths for seed in seeds]
+    return [(None, seed * len(depths) + i) for seed in seeds for i in range(len(depths))]
+
+
 def generate(name: str, tokenizer, haystack: str, length: int, seed: int, *, depth: Optional[float] = None,
              chat: bool = False) -> RulerSample:
     """A sample of task ``name``; ``depth`` (default 0.5) is passed only to the tasks that read the haystack."""
