@@ -11,7 +11,7 @@ import torch
 from . import search
 from .autotune import cache, shapes, tuner
 from .config import ConfigError
-from .defaults import DEFAULTS
+from .defaults import DEFAULTS, TUNED_CROSSOVER
 from .inspection import inspect
 from .plan import Pattern
 from .tools import assets, bench, bench_prefill, breakdown, demo, evaluate, pick_device, tiny
@@ -111,9 +111,11 @@ def _growth(values) -> tuple | None:
 
 
 def _minference_options(args) -> dict | None:
-    """The backend options ``--guard-threshold``, ``--guard-escalation`` and ``--budget-growth`` give the minference
-    variants."""
+    """The backend options ``--guard-threshold``, ``--guard-escalation``, ``--budget-growth`` and ``--min-sparse-len``
+    give the minference variants."""
     options = {}
+    if getattr(args, "min_sparse_len", None) is not None:
+        options["min_sparse_len"] = args.min_sparse_len
     if args.guard_threshold is not None:
         options["guard_threshold"] = args.guard_threshold
     if args.guard_escalation is not None:
@@ -379,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill, breakdown: " + ESCALATION_HELP)
     b.add_argument("--budget-growth", type=float, nargs=2, default=None, metavar=("KEYS", "EXPONENT"),
                    help="prefill, breakdown: " + GROWTH_HELP)
+    b.add_argument("--min-sparse-len", type=int, default=None, metavar="TOKENS",
+                   help="prefill, breakdown: prompts shorter than this run dense SDPA in the minference variants "
+                        f"(option min_sparse_len; {TUNED_CROSSOVER} for the tuned crossover; default: the config's)")
     b.add_argument("--baselines", default="cudnn,flash,flex", help="comma list of cudnn, flash, flex ('' for none)")
     b.add_argument("--families", default="structured,scattered",
                    help="kernels: comma list of input families (structured: clustered slashes; scattered: slashes "

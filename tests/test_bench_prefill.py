@@ -4,6 +4,8 @@ import json
 import pytest
 import torch
 
+from minference_fx import cli
+from minference_fx.options import BackendOptions
 from minference_fx.tools import bench_prefill as bp
 from tiny_models import reports_since
 
@@ -420,3 +422,14 @@ def test_launch_config_says_whose_config_a_length_runs(monkeypatch):
     assert bp._launch_config(q, k, 131072) == "launch 64/64/4/3"
     assert bp._launch_config(q, k, 262144) == "launch 64/64/4/3 (tuned at 131072)"
     assert bp._launch_config(q, k[:, :1], 131072) == "launch 64/64/4/2 (untuned default)"  # group 8: no entry
+
+
+def test_min_sparse_len_reaches_the_minference_variants_as_the_option():
+    def options(*argv):
+        return cli._minference_options(cli.build_parser().parse_args(["bench", "prefill", *argv]))
+
+    assert options() is None  # the config's
+    assert options("--min-sparse-len", "32768") == {"min_sparse_len": 32768}
+    assert BackendOptions.from_user(options("--min-sparse-len", "-1")).min_sparse_len == -1  # the tuned crossover
+    with pytest.raises(ValueError, match="min_sparse_len"):
+        BackendOptions.from_user(options("--min-sparse-len", "-5"))
