@@ -68,11 +68,14 @@ def _ptxas(arch: int) -> Path:
     return Path(get_ptxas(arch).path)
 
 
-def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
-                        key_mask: bool = False, target=HOPPER) -> Codegen:
-    """Compile the sparse walk (bf16, vertical-slash heads) for ``target`` and read ptxas's report.
+def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
+                    key_mask: bool = False, dense_walk: bool = False, kernel=None, target=HOPPER, **launch) -> str:
+    """The PTX of the attention kernel (bf16, vertical-slash heads) as the op would launch it for ``target``.
 
-    Needs ``TRITON_INTERPRET`` unset or 0 when Triton was imported (the interpreter compiles nothing)."""
+    ``dense_walk``: the launch of forced-dense heads only (``forced="only"``, 128-row programs allowed);
+    ``kernel`` / ``launch``: another Triton kernel the launch runs and its extra arguments to
+    :func:`attend.sparse_attention_triton`. Needs ``TRITON_INTERPRET`` unset or 0 when Triton was imported (the
+    interpreter compiles nothing)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("kernel codegen needs TRITON_INTERPRET=0: the interpreter compiles nothing")
     b, hq, hkv, s = 1, 8, 2, 1024
@@ -83,14 +86,17 @@ def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: in
     index = SparseIndex(torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int32),
                         torch.zeros(b, hq, m, dtype=torch.int32), torch.zeros(b, hq, m, 16, dtype=torch.int32))
     plan = LayerPlan((DEFAULTS.head,) * hq)
-    kernel = attend._sparse_attn_fwd
+    if dense_walk:
+        launch = {**launch, "force_dense": torch.ones(b, hq, dtype=torch.bool), "forced": "only"}
+    kernel = kernel or attend._sparse_attn_fwd
     before = set(id(x) for cache in kernel.device_caches.values() for x in cache[0].values())
     previous = driver._active  # reset_active() would build the default driver, which needs a GPU
     driver.set_active(_TargetOnlyDriver(target))
     try:
         attend.sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=head_dim ** -0.5,
                                        key_mask=torch.ones(b, s, dtype=torch.bool) if key_mask else None,
-                                       num_warps=num_warps, num_stages=num_stages, block_m=block_m, block_n=block_n)
+                                       num_warps=num_warps, num_stages=num_stages, block_m=block_m, block_n=block_n,
+                                       **launch)
     except AttributeError as e:  # the launch: the stand-in driver has no launcher, and nothing is meant to run
         if "launcher" not in str(e):
             raise
@@ -99,9 +105,17 @@ def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: in
     compiled = [x for cache in kernel.device_caches.values() for x in cache[0].values() if id(x) not in before]
     if len(compiled) != 1:
         raise RuntimeError(f"expected one new compiled variant, found {len(compiled)}")
+    return compiled[0].asm["ptx"]
+
+
+def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
+                        key_mask: bool = False, target=HOPPER, **launch) -> Codegen:
+    """ptxas's report on :func:`sparse_walk_ptx`'s kernel."""
+    ptx_text = sparse_walk_ptx(head_dim, block_m, block_n, num_warps, num_stages, key_mask=key_mask, target=target,
+                               **launch)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled[0].asm["ptx"])
+        ptx.write_text(ptx_text)
         arch = f"sm_{target[1]}a" if target[1] == 90 else f"sm_{target[1]}"
         report = subprocess.run([str(_ptxas(target[1])), f"-arch={arch}", "-v", str(ptx), "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr

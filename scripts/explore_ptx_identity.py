@@ -1,0 +1,55 @@
+"""The sm_90a PTX of every launch the shipped H200 table makes of the attention kernel, as sha256 fingerprints of
+its instructions (debug information left out).
+
+An edit of ``kernels/attend.py`` that leaves every launch's PTX byte-identical leaves the tuned launch configs valid:
+the table can then be re-keyed to the new source hash instead of tuned again (BENCHMARKS.md section 6). Run it
+before and after the edit, on each Triton version the project claims, and compare (CPU only, no GPU):
+
+    TRITON_INTERPRET=0 python scripts/explore_ptx_identity.py > before.json   # ... edit ...
+    TRITON_INTERPRET=0 python scripts/explore_ptx_identity.py > after.json && diff before.json after.json
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import triton
+
+from minference_fx.kernels.codegen import sparse_walk_ptx
+
+TABLE = Path(__file__).resolve().parent.parent / "autotune" / "h200.json"
+
+
+def shipped_launches(table: Path = TABLE) -> list[tuple]:
+    """(head_dim, BLOCK_M, BLOCK_N, num_warps, num_stages, dense_walk) of every entry of ``table``, once each."""
+    rows = json.loads(table.read_text())["configs"]
+    return sorted({(r["key"]["head_dim"], r["entry"]["BLOCK_M"], r["entry"]["BLOCK_N"], r["entry"]["num_warps"],
+                    r["entry"]["num_stages"], r["key"]["kernel"] == "dense_walk") for r in rows})
+
+
+def instructions(ptx: str) -> str:
+    """The PTX without its debug information (line records, file names, the labels of inlined scopes, the DWARF
+    sections): moving code between lines or into a ``@triton.jit`` helper changes only those."""
+    ptx = ptx.split(".section\t.debug", 1)[0]
+    return "\n".join(line for line in ptx.splitlines()
+                     if not re.match(r"\s*\.(loc|file)\b", line) and not re.fullmatch(r"\$L__tmp\d+:", line))
+
+
+def main() -> None:
+    prints = {}
+    for head_dim, block_m, block_n, warps, stages, dense_walk in shipped_launches():
+        for key_mask in (False, True):
+            ptx = sparse_walk_ptx(head_dim, block_m, block_n, warps, stages, key_mask=key_mask, dense_walk=dense_walk)
+            name = (f"d{head_dim} m{block_m} n{block_n} w{warps} s{stages}{' dense_walk' if dense_walk else ''}"
+                    f"{' key_mask' if key_mask else ''}")
+            prints[name] = hashlib.sha256(instructions(ptx).encode()).hexdigest()[:16]
+            print(name, prints[name], file=sys.stderr, flush=True)
+    json.dump({"triton": triton.__version__, "ptx_sha256": prints}, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()
