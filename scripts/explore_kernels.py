@@ -13,7 +13,8 @@ usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k]
   columns): what a gathered column costs against a block;
 * ``--persistent-at``: the sparse walk (both input families) and the dense walk (every head forced dense) with the
   tuned H200 launch config, one program a (query tile, head) against 1-3 resident programs an SM that share the
-  items out (``programs_per_sm``), outputs compared bit for bit.
+  items out (``programs_per_sm``), in fixed shares or each taking the next item left (``dynamic``), outputs
+  compared bit for bit.
 """
 from __future__ import annotations
 
@@ -184,13 +185,15 @@ def persistent(seq: int) -> None:
             if walk == "dense walk" and family != "structured":
                 continue  # the dense walk reads no list: one family says it
             base = sparse_attention_triton(q, k, v, idx, *args, scale=scale, **launch)
-            for per_sm in (0, 1, 2, 3):
-                def run(per_sm=per_sm, idx=idx, launch=launch):
-                    return sparse_attention_triton(q, k, v, idx, *args, scale=scale, programs_per_sm=per_sm, **launch)
+            for per_sm, dynamic in [(0, False), *((n, d) for n in (1, 2, 3) for d in (False, True))]:
+                def run(per_sm=per_sm, dynamic=dynamic, idx=idx, launch=launch):
+                    return sparse_attention_triton(q, k, v, idx, *args, scale=scale, programs_per_sm=per_sm,
+                                                   dynamic=dynamic, **launch)
 
                 same = torch.equal(run(), base)
-                name = "one program an item" if per_sm == 0 else f"{per_sm} program(s) an SM"
-                print(f"persistent {family} @ {seq}: {walk:<11} {name:<20} {_ms(run, 5):8.2f} ms  same output: {same}",
+                name = ("one program an item" if per_sm == 0
+                        else f"{per_sm} an SM, {'next item' if dynamic else 'fixed share'}")
+                print(f"persistent {family} @ {seq}: {walk:<11} {name:<24} {_ms(run, 5):8.2f} ms  same output: {same}",
                       flush=True)
         del q, k, v, index
         torch.cuda.empty_cache()

@@ -34,8 +34,8 @@ def _check(q, k, v, plan, atol, launch=None, **mask_args):
 # gathered side by side (an odd count leaves half a block empty), and TMA copies of K/V tiles.
 # Resident programs (programs_per_sm, 2 SMs under the interpreter) each run several (query tile, head) items.
 LAUNCHES = [dict(block_n=32), dict(block_n=128), dict(kv_desc=True), dict(block_m=32), dict(block_m=16, block_n=128),
-            dict(programs_per_sm=1)]
-LAUNCH_IDS = ["bn32", "bn128", "tma", "bm32", "bm16-bn128", "persistent"]
+            dict(programs_per_sm=1), dict(programs_per_sm=2, dynamic=True)]
+LAUNCH_IDS = ["bn32", "bn128", "tma", "bm32", "bm16-bn128", "persistent", "persistent-next-item"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
@@ -204,8 +204,9 @@ def test_lse_is_the_log_sum_exp_over_the_keys_each_row_read(launch):
     torch.testing.assert_close(lse, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("programs_per_sm", [1, 3])
-def test_resident_programs_write_what_one_program_an_item_writes(programs_per_sm):
+@pytest.mark.parametrize("programs_per_sm, dynamic", [(1, False), (3, False), (1, True)],
+                         ids=["fixed-share", "fixed-share-3", "next-item"])
+def test_resident_programs_write_what_one_program_an_item_writes(programs_per_sm, dynamic):
     """The persistent launch runs the same programs' arithmetic in another order: the same bits, with the guard's
     two launches (forced pairs skipped, then walked dense into the same output) and the log-sum-exp."""
     q, k, v = _inputs(2, 4, 2, 150, 150, 16, torch.float32, seed=9)
@@ -224,7 +225,7 @@ def test_resident_programs_write_what_one_program_an_item_writes(programs_per_sm
                                 force_dense=force, forced="only", out=out, block_m=64, **launch)
         return out, lse
 
-    (out, lse), (want, want_lse) = run(programs_per_sm=programs_per_sm), run()
+    (out, lse), (want, want_lse) = run(programs_per_sm=programs_per_sm, dynamic=dynamic), run()
     assert torch.equal(out, want) and torch.equal(lse[~force], want_lse[~force])
     with pytest.raises(ValueError, match="programs_per_sm"):
         sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25, programs_per_sm=-1)

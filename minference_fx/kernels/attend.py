@@ -437,27 +437,37 @@ def _sparse_attn_fwd_persistent(
     Index, stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
     Plan, ForceDense,
     KeyMask, stride_km, FirstKey, DocIds, stride_doc, Lse, stride_lb, stride_lh,
-    num_heads, group, seq_q, seq_k, q_offset, window, qk_scale, num_pairs,
+    num_heads, group, seq_q, seq_k, q_offset, window, qk_scale, num_pairs, NextItem,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
+    FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr, DYNAMIC: tl.constexpr,
 ):
-    """``_sparse_attn_fwd``'s work in a fixed number of programs (a few per SM): program p runs the (query tile,
-    pair) items p, p + P, ... of ``num_pairs`` (batch, head) pairs, longest first across the pairs (every pair's
-    last query tile, then every pair's tile before it; the one-program-an-item launch goes pair by pair, each from
-    its last tile). Whether resident programs beat the hardware's scheduling of one program an item is what
-    ``scripts/explore_kernels.py --persistent-at`` measures; the op does not launch this kernel."""
-    m_tiles = tl.cdiv(seq_q, BLOCK_M)
-    for item in range(tl.program_id(0), m_tiles * num_pairs, tl.num_programs(0)):
-        pid_m = m_tiles - 1 - item // num_pairs
-        pid_bh = (item % num_pairs).to(tl.int64)
+    """``_sparse_attn_fwd``'s work in a fixed number of programs (a few per SM), which take the (query tile, pair)
+    items of ``num_pairs`` (batch, head) pairs longest first across the pairs (every pair's last query tile, then
+    every pair's tile before it; the one-program-an-item launch goes pair by pair, each from its last tile).
+    ``DYNAMIC``: a program takes the next item left when it finishes one (an atomic counter, ``NextItem``, zero at
+    launch); otherwise program p runs items p, p + P, ... Whether resident programs beat the hardware's scheduling
+    of one program an item is what ``scripts/explore_kernels.py --persistent-at`` measures; the op does not launch
+    this kernel."""
+    n_items = tl.cdiv(seq_q, BLOCK_M) * num_pairs
+    if DYNAMIC:
+        item = tl.atomic_add(NextItem, 1)
+        step = 0
+    else:
+        item = tl.program_id(0)
+        step = tl.num_programs(0)
+    while item < n_items:
         _attend_program(
-            pid_m, pid_bh,
+            tl.cdiv(seq_q, BLOCK_M) - 1 - item // num_pairs, (item % num_pairs).to(tl.int64),
             Q, K, V, Out, stride_q, stride_k, stride_v, stride_o, KDesc, VDesc, Index, stride_tc_bh, stride_ti_bh,
             stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m, Plan, ForceDense, KeyMask, stride_km, FirstKey,
             DocIds, stride_doc, Lse, stride_lb, stride_lh, num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, FORCE_MODE,
             KV_DESC, RETURN_LSE)
+        if DYNAMIC:
+            item = tl.atomic_add(NextItem, 1)
+        else:
+            item += step
 
 
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
@@ -488,7 +498,7 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
     q_offset=0, window=0, force_dense=None, forced="here", out=None, num_warps=4, num_stages=2, block_m=BLOCK,
-    block_n=BLOCK, kv_desc=True, return_lse=False, programs_per_sm=0,
+    block_n=BLOCK, kv_desc=True, return_lse=False, programs_per_sm=0, dynamic=False,
 ):
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
@@ -513,7 +523,8 @@ def sparse_attention_triton(
     return_lse : also return the natural-log sum of exp(scale * q·k) over the keys each row read,
         fp32 ``[B, Hq, Sq]`` (``-inf`` for a row that read none), e.g. to merge with other attention.
     programs_per_sm : 0 (the op's launch): one program a (query tile, batch, head); N > 0: N resident programs
-        an SM that share those items out (``_sparse_attn_fwd_persistent``; same arithmetic, same output).
+        an SM that share those items out (``_sparse_attn_fwd_persistent``; same arithmetic, same output), each
+        taking the next item left as it finishes one with ``dynamic`` (an atomic counter), else a fixed share.
 
     Returns
     -------
@@ -562,9 +573,11 @@ def sparse_attention_triton(
         raise ValueError(f"programs_per_sm must be >= 0, got {programs_per_sm}")
     items = triton.cdiv(sq, block_m) * B * Hq
     if programs_per_sm:
-        kernel, grid, extra = _sparse_attn_fwd_persistent, (min(items, programs_per_sm * _sm_count(q.device)),), (B * Hq,)
+        next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
+        kernel, grid = _sparse_attn_fwd_persistent, (min(items, programs_per_sm * _sm_count(q.device)),)
+        extra, persistent = (B * Hq, next_item), dict(DYNAMIC=dynamic)
     else:
-        kernel, grid, extra = _sparse_attn_fwd, (triton.cdiv(sq, block_m), B * Hq), ()
+        kernel, grid, extra, persistent = _sparse_attn_fwd, (triton.cdiv(sq, block_m), B * Hq), (), {}
     kernel[grid](
         q, k, v, out, q.stride(), k.stride(), v.stride(), out.stride(),
         k_desc, v_desc,
@@ -576,7 +589,7 @@ def sparse_attention_triton(
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK,
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FORCE_MODE=FORCE_MODES[forced if force_dense is not None else None],
-        KV_DESC=use_desc, RETURN_LSE=return_lse,
+        KV_DESC=use_desc, RETURN_LSE=return_lse, **persistent,
         num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out
