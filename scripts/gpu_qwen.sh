@@ -35,7 +35,8 @@
 # from 32K with those layers dense: TTFT with and without CUDA graphs, fidelity at 32K; candidate32k_noesc the same
 # without the guard's escalation), vt_code_layers128 (the
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
-# persistent (resident programs against one program an item, the sparse and dense walks; no model needed).
+# persistent (resident programs against one program an item, the sparse and dense walks; no model needed),
+# peers_512k (MInference at 512K, after step peers).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -236,6 +237,9 @@ PY
             --out "$STATE/peers_minference.json"
           timeout 600 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered --peers flashinfer \
             --out "$STATE/peers_flashinfer.json" ;;
+    peers_512k)  # MInference at 512K on both families, once step peers has installed it (the third row)
+          timeout 580 python3 -m benchmarks.peers --lengths 512k --families structured,scattered --peers minference \
+            --out "$STATE/peers_minference_512k.json" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
   echo "== $1 rc=$? took $((SECONDS - t0)) s"
