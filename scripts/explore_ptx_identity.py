@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import sys
 from pathlib import Path
 
 import triton
 
-from minference_fx.kernels.codegen import sparse_walk_ptx
+from minference_fx.kernels.codegen import ptx_instructions, sparse_walk_ptx
 
 TABLE = Path(__file__).resolve().parent.parent / "autotune" / "h200.json"
 
@@ -30,14 +29,6 @@ def shipped_launches(table: Path = TABLE) -> list[tuple]:
                     r["entry"]["num_stages"], r["key"]["kernel"] == "dense_walk") for r in rows})
 
 
-def instructions(ptx: str) -> str:
-    """The PTX without its debug information (line records, file names, the labels of inlined scopes, the DWARF
-    sections): moving code between lines or into a ``@triton.jit`` helper changes only those."""
-    ptx = ptx.split(".section\t.debug", 1)[0]
-    return "\n".join(line for line in ptx.splitlines()
-                     if not re.match(r"\s*\.(loc|file)\b", line) and not re.fullmatch(r"\$L__tmp\d+:", line))
-
-
 def main() -> None:
     prints = {}
     for head_dim, block_m, block_n, warps, stages, dense_walk in shipped_launches():
@@ -45,7 +36,7 @@ def main() -> None:
             ptx = sparse_walk_ptx(head_dim, block_m, block_n, warps, stages, key_mask=key_mask, dense_walk=dense_walk)
             name = (f"d{head_dim} m{block_m} n{block_n} w{warps} s{stages}{' dense_walk' if dense_walk else ''}"
                     f"{' key_mask' if key_mask else ''}")
-            prints[name] = hashlib.sha256(instructions(ptx).encode()).hexdigest()[:16]
+            prints[name] = hashlib.sha256(ptx_instructions(ptx).encode()).hexdigest()[:16]
             print(name, prints[name], file=sys.stderr, flush=True)
     json.dump({"triton": triton.__version__, "ptx_sha256": prints}, sys.stdout, indent=1)
     print()

@@ -5,6 +5,7 @@ import torch
 from minference_fx.autotune import workload
 from minference_fx.kernels import reference
 from minference_fx.kernels.attend import sparse_attention_triton
+from minference_fx.kernels.codegen import ptx_instructions
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 MIXED = [
@@ -345,6 +346,20 @@ def test_covering_budgets_equal_dense_sdpa():
     got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_ptx_instructions_drop_debug_records_and_keep_every_instruction():
+    """What the table's re-key rests on (scripts/explore_ptx_identity.py): code moved to other lines or into a
+    jit helper changes line records and inlined-scope labels, never an instruction."""
+
+    def ptx(line, labels, reg):
+        return ("\t.file\t1 \"/x/attend.py\"\n.visible .entry k()\n{\n" + labels +
+                f"\t.loc\t1 {line} 0\n\tld.global.b32 %r1, [%rd1];\n\tadd.s32 %{reg}, %r1, 1;\n}}\n"
+                "\t.section\t.debug_info\n\t{\n.b32 42\n\t}\n")
+
+    moved = ptx_instructions(ptx(244, "", "r2")), ptx_instructions(ptx(404, "$L__tmp1:\n$L__tmp2:\n", "r2"))
+    assert moved[0] == moved[1] and "ld.global.b32 %r1, [%rd1];" in moved[0] and ".b32 42" not in moved[0]
+    assert ptx_instructions(ptx(244, "", "r3")) != moved[0]  # another register is another instruction
 
 
 def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_without_serialised_wgmma():

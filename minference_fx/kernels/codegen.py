@@ -108,6 +108,14 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
     return compiled[0].asm["ptx"]
 
 
+def ptx_instructions(ptx: str) -> str:
+    """``ptx`` without its debug information (line records, file names, the labels of inlined scopes, the DWARF
+    sections): moving kernel code between lines or into a ``@triton.jit`` helper changes only those."""
+    ptx = ptx.split(".section\t.debug", 1)[0]
+    return "\n".join(line for line in ptx.splitlines()
+                     if not re.match(r"\s*\.(loc|file)\b", line) and not re.fullmatch(r"\$L__tmp\d+:", line))
+
+
 def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
                         key_mask: bool = False, target=HOPPER, **launch) -> Codegen:
     """ptxas's report on :func:`sparse_walk_ptx`'s kernel."""
