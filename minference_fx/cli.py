@@ -114,7 +114,7 @@ def _minference_options(args) -> dict | None:
     """The backend options ``--guard-threshold``, ``--guard-escalation``, ``--budget-growth`` and ``--min-sparse-len``
     give the minference variants."""
     options = {}
-    if getattr(args, "min_sparse_len", None) is not None:
+    if args.min_sparse_len is not None:
         options["min_sparse_len"] = args.min_sparse_len
     if args.guard_threshold is not None:
         options["guard_threshold"] = args.guard_threshold

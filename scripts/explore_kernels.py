@@ -178,16 +178,15 @@ def persistent(seq: int) -> None:
         q, k, v = make(seq, **shape)
         index = build_index_gpu(q, k, plan, scale=scale)
         every = torch.ones(1, shape["num_q_heads"], dtype=torch.bool, device=q.device)
-        walks = {"sparse walk": (index, sparse),
-                 "dense walk": (index, dict(block_m=128, block_n=64, num_warps=4, num_stages=2, force_dense=every,
-                                            forced="only"))}
-        for walk, (idx, launch) in walks.items():
-            if walk == "dense walk" and family != "structured":
-                continue  # the dense walk reads no list: one family says it
-            base = sparse_attention_triton(q, k, v, idx, *args, scale=scale, **launch)
+        walks = {"sparse walk": sparse}
+        if family == "structured":  # the dense walk reads no list: one family says it
+            walks["dense walk"] = dict(block_m=128, block_n=64, num_warps=4, num_stages=2, force_dense=every,
+                                       forced="only")
+        for walk, launch in walks.items():
+            base = sparse_attention_triton(q, k, v, index, *args, scale=scale, **launch)
             for per_sm, dynamic in [(0, False), *((n, d) for n in (1, 2, 3) for d in (False, True))]:
-                def run(per_sm=per_sm, dynamic=dynamic, idx=idx, launch=launch):
-                    return sparse_attention_triton(q, k, v, idx, *args, scale=scale, programs_per_sm=per_sm,
+                def run(per_sm=per_sm, dynamic=dynamic, launch=launch):
+                    return sparse_attention_triton(q, k, v, index, *args, scale=scale, programs_per_sm=per_sm,
                                                    dynamic=dynamic, **launch)
 
                 same = torch.equal(run(), base)
