@@ -449,16 +449,14 @@ def _sparse_attn_fwd_persistent(
     launch); otherwise program p runs items p, p + P, ... Whether resident programs beat the hardware's scheduling
     of one program an item is what ``scripts/explore_kernels.py --persistent-at`` measures; the op does not launch
     this kernel."""
-    n_items = tl.cdiv(seq_q, BLOCK_M) * num_pairs
+    m_tiles = tl.cdiv(seq_q, BLOCK_M)
     if DYNAMIC:
         item = tl.atomic_add(NextItem, 1)
-        step = 0
     else:
         item = tl.program_id(0)
-        step = tl.num_programs(0)
-    while item < n_items:
+    while item < m_tiles * num_pairs:
         _attend_program(
-            tl.cdiv(seq_q, BLOCK_M) - 1 - item // num_pairs, (item % num_pairs).to(tl.int64),
+            m_tiles - 1 - item // num_pairs, (item % num_pairs).to(tl.int64),
             Q, K, V, Out, stride_q, stride_k, stride_v, stride_o, KDesc, VDesc, Index, stride_tc_bh, stride_ti_bh,
             stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m, Plan, ForceDense, KeyMask, stride_km, FirstKey,
             DocIds, stride_doc, Lse, stride_lb, stride_lh, num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
@@ -467,7 +465,7 @@ def _sparse_attn_fwd_persistent(
         if DYNAMIC:
             item = tl.atomic_add(NextItem, 1)
         else:
-            item += step
+            item += tl.num_programs(0)
 
 
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
@@ -571,9 +569,9 @@ def sparse_attention_triton(
     lse_t = lse if return_lse else q  # any pointer; unused without RETURN_LSE
     if programs_per_sm < 0:
         raise ValueError(f"programs_per_sm must be >= 0, got {programs_per_sm}")
-    items = triton.cdiv(sq, block_m) * B * Hq
     if programs_per_sm:
         next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
+        items = triton.cdiv(sq, block_m) * B * Hq
         kernel, grid = _sparse_attn_fwd_persistent, (min(items, programs_per_sm * _sm_count(q.device)),)
         extra, persistent = (B * Hq, next_item), dict(DYNAMIC=dynamic)
     else:
