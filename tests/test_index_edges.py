@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from minference_fx.kernels import guard
+from minference_fx.kernels import index as index_mod
 from minference_fx.kernels import reference as ref
 from minference_fx.kernels.index import build_index_gpu, build_index_pair_gpu, vs_estimate
 from minference_fx.plan import escalated_plan
@@ -283,6 +284,23 @@ def test_guard_mass_equals_captured_mass(sq, skv, q_offset):
     plan = plan_of((VS, 40, 60), (BS, 2), (VS, 100, 20), (DENSE,))
     _, mass = check_against_reference(q, k, plan, scale=0.25, q_offset=q_offset, key_mask=key_mask)
     assert ((mass[:, [0, 1, 2]] > 0) & (mass[:, [0, 1, 2]] <= 1 + 1e-5)).all()
+
+
+def test_guard_mass_reads_column_sums_of_any_stride():
+    # the kernel reads the column sums through their strides: a key-major layout (key stride B * heads) gives
+    # the same masses as the contiguous one
+    q, k = rand_qk(2, 4, 2, 200, 200, 16, seed=11)
+    plan = plan_of((VS, 40, 60), (VS, 100, 20), (VS, 30, 30), (VS, 64, 64))
+    index = build_index_gpu(q, k, plan, scale=0.25)
+    vertical = guard.vertical_scores(q, k, scale=0.25).to(torch.float32)
+    key_major = vertical.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    assert key_major.stride(-1) != 1
+    heads = torch.arange(4, dtype=torch.int32)
+    masses = torch.full((2, 2, 4), -1.0)
+    index_mod._last_tile_mass(vertical, heads, index, masses[0], 200)
+    index_mod._last_tile_mass(key_major, heads, index, masses[1], 200)
+    assert (masses[0] > 0).all()
+    torch.testing.assert_close(masses[1], masses[0], rtol=0, atol=0)
 
 
 def test_index_pair_against_the_reference():

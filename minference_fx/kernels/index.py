@@ -346,10 +346,17 @@ def _count_below(values, n, bound):
     return lo
 
 
-@triton.jit(do_not_specialize=["skv", "n_sorted", "cap", "cover_len"])
-def _diag_blocks_kernel(SORTED, BLOCKS, COUNT, COVER, skv, n_sorted, cap, cover_len, BLOCK_K: tl.constexpr):
+@triton.jit
+def _cover_len(skv, BLOCK_K: tl.constexpr):
+    """A head's bytes in the cover map: an offset o's mark sits at ``o + BLOCK_K - 1``, and a tile's lookup reads
+    up to ``skv + BLOCK_K - 1`` (the host allocates ``skv + 2 * BLOCK`` a head)."""
+    return skv + 2 * BLOCK_K
+
+
+@triton.jit(do_not_specialize=["skv", "n_sorted", "cap"])
+def _diag_blocks_kernel(SORTED, BLOCKS, COUNT, COVER, skv, n_sorted, cap, BLOCK_K: tl.constexpr):
     """One head's diagonal blocks (``reference.diagonal_blocks``), ascending, into ``BLOCKS`` and their count;
-    and into ``COVER`` (zeroed, ``cover_len = skv + 2 * BLOCK_K`` a head) a 1 at ``o + BLOCK_K - 1`` for every
+    and into ``COVER`` (zeroed, :func:`_cover_len` bytes a head) a 1 at ``o + BLOCK_K - 1`` for every
     offset o whose 64-wide window ``o .. o + 63`` holds a block: a column j of a tile starting at ``lo`` lies in
     one of the tile's blocks iff ``COVER[lo - j + 63]`` is set.
 
@@ -359,7 +366,7 @@ def _diag_blocks_kernel(SORTED, BLOCKS, COUNT, COVER, skv, n_sorted, cap, cover_
     offsets past the last block, or are the block's own)."""
     row = tl.program_id(0).to(tl.int64)
     picks = SORTED + row * n_sorted
-    cover = COVER + row * cover_len
+    cover = COVER + row * _cover_len(skv, BLOCK_K)
     lanes = tl.arange(0, BLOCK_K)
     x = tl.load(picks)
     more = x < skv
@@ -379,11 +386,11 @@ def _diag_blocks_kernel(SORTED, BLOCKS, COUNT, COVER, skv, n_sorted, cap, cover_
     tl.store(COUNT + row, tl.minimum(i, cap))
 
 
-@triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "q_offset", "cap", "cover_len", "n_cols",
-                               "tile_cap", "col_cap"])
+@triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "q_offset", "cap", "n_cols", "tile_cap",
+                               "col_cap"])
 def _vs_to_blocks_kernel(
     BLOCKS, N_BLOCKS, COVER, COLS, HEADS, OUT,
-    n_vs, hq, m_tiles, sq, skv, q_offset, cap, cover_len, n_cols, tile_cap, col_cap,
+    n_vs, hq, m_tiles, sq, skv, q_offset, cap, n_cols, tile_cap, col_cap,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One (query tile, vertical-slash head) of the index: its block starts and leftover columns, written into
@@ -416,6 +423,7 @@ def _vs_to_blocks_kernel(
 
     # leftover columns: the selected ones (ascending) up to hi, in no block of the tile
     cols = COLS + slot_row.to(tl.int64) * n_cols
+    cover_len = _cover_len(skv, BLOCK_K)
     cover = COVER + slot_row.to(tl.int64) * cover_len
     ccount = 0
     col_end = _count_below(cols, n_cols, hi + 1)
@@ -485,14 +493,12 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     cap = min(max(diagonal_block_bound(n) for n in n_diags), n_tiles + 1)
     blocks = torch.empty(B, n_vs, cap, dtype=torch.int32, device=dev)
     n_blocks = torch.empty(B, n_vs, dtype=torch.int32, device=dev)
-    cover_len = skv + 2 * BLOCK
-    cover = torch.zeros(B, n_vs, cover_len, dtype=torch.int8, device=dev)
-    _diag_blocks_kernel[(B * n_vs,)](picked, blocks, n_blocks, cover, skv, picked.shape[-1], cap, cover_len,
-                                     BLOCK_K=BLOCK)
+    cover = torch.zeros(B, n_vs, skv + 2 * BLOCK, dtype=torch.int8, device=dev)  # _cover_len
+    _diag_blocks_kernel[(B * n_vs,)](picked, blocks, n_blocks, cover, skv, picked.shape[-1], cap, BLOCK_K=BLOCK)
     _vs_to_blocks_kernel[(m_tiles, B * n_vs)](
         blocks, n_blocks, cover, cols, heads,
         (out.block_start, out.block_count, out.col_index, out.col_count),
-        n_vs, Hq, m_tiles, sq, skv, q_offset, cap, cover_len, cols.shape[-1],
+        n_vs, Hq, m_tiles, sq, skv, q_offset, cap, cols.shape[-1],
         out.block_start.shape[-1], out.col_index.shape[-1],
         BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
     )
@@ -501,7 +507,7 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
 @triton.jit(do_not_specialize=["n_est", "hq", "m_tiles", "skv", "tile_cap", "col_cap", "stride_vb", "stride_vh",
                                "stride_mb", "inv_rows"])
 def _last_tile_mass_kernel(VERT, HEADS, INDEX, MASS, n_est, hq, m_tiles, skv, tile_cap, col_cap,
-                           stride_vb, stride_vh, stride_mb, inv_rows,
+                           stride_vb, stride_vh, stride_vk, stride_mb, inv_rows,
                            BLOCK_K: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr, BLOCK_C: tl.constexpr):
     """One (batch, estimated head): the share of its last rows' mass (``VERT``: their column sums) inside the
     last query tile's blocks and columns of ``INDEX = (BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT)``, into
@@ -521,31 +527,29 @@ def _last_tile_mass_kernel(VERT, HEADS, INDEX, MASS, n_est, hq, m_tiles, skv, ti
         listed = t0 + slots < n_blocks
         start = tl.load(BLOCK_START + row * tile_cap + t0 + slots, mask=listed, other=0).to(tl.int32)
         j = start[:, None] + keys[None, :]
-        total += tl.load(vert + j, mask=listed[:, None] & (j >= 0) & (j < skv), other=0.0)
+        total += tl.load(vert + j * stride_vk, mask=listed[:, None] & (j >= 0) & (j < skv), other=0.0)
     n_cols = tl.load(COL_CNT + row)
     lanes = tl.arange(0, BLOCK_C)
     in_cols = tl.zeros([BLOCK_C], tl.float32)
     for c0 in tl.range(0, n_cols, BLOCK_C):
         j = tl.load(COL_IDX + row * col_cap + c0 + lanes, mask=c0 + lanes < n_cols, other=-1)
-        in_cols += tl.load(vert + j, mask=j >= 0, other=0.0)
+        in_cols += tl.load(vert + j * stride_vk, mask=j >= 0, other=0.0)
     mass = (tl.sum(tl.sum(total, 1), 0) + tl.sum(in_cols, 0)) * inv_rows
     tl.store(MASS + b.to(tl.int64) * stride_mb + h, mass)
 
 
 def _last_tile_mass(vertical, heads: torch.Tensor, out: SparseIndex, mass_out: torch.Tensor, sq: int) -> None:
     """The runtime guard's estimate into ``mass_out[:, heads]`` (:func:`guard.captured_mass` on the device, one
-    launch): the last rows' mass (``vertical``, their column sums, ``[B, len(heads), Skv]``, any batch and head
+    launch): the last rows' mass (``vertical``, their column sums, ``[B, len(heads), Skv]``, any
     strides) inside the last query tile's key set of ``out``, for every head the estimate scored, whatever its
     pattern."""
     B, n_est, skv = vertical.shape
-    if vertical.stride(-1) != 1:
-        vertical = vertical.contiguous()
     if mass_out.stride(-1) != 1:
         raise ValueError("mass_out must have unit stride over heads")
     _last_tile_mass_kernel[(B * n_est,)](
         vertical, heads, (out.block_start, out.block_count, out.col_index, out.col_count), mass_out,
         n_est, out.block_count.shape[1], out.block_count.shape[-1], skv, out.block_start.shape[-1],
-        out.col_index.shape[-1], vertical.stride(0), vertical.stride(1), mass_out.stride(0),
+        out.col_index.shape[-1], vertical.stride(0), vertical.stride(1), vertical.stride(2), mass_out.stride(0),
         1.0 / max(min(VS_LAST_Q, sq), 1), BLOCK_K=BLOCK, BLOCKS_AT_ONCE=16, BLOCK_C=_COL_VEC,
     )
 
