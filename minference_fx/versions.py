@@ -11,7 +11,7 @@ import warnings
 from importlib import metadata
 
 OLDEST = {"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0"}
-NEWEST = {"torch": "2.14.1", "triton": "3.8.0", "transformers": "5.25.0"}
+NEWEST = {"torch": "2.15.0", "triton": "3.9.0", "transformers": "5.25.0"}
 
 
 def release(version: str) -> tuple:

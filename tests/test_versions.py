@@ -13,14 +13,14 @@ def test_release_reads_local_and_dev_versions():
 
 
 def test_only_newer_than_tested_is_named():
-    newer = versions.untested({"torch": "2.15.0", "triton": "3.8.0", "transformers": "5.24.0+local"})
-    assert newer == ["torch 2.15.0 (tested up to 2.14.1)"]
+    newer = versions.untested({"torch": "2.16.0", "triton": "3.9.0", "transformers": "5.24.0+local"})
+    assert newer == ["torch 2.16.0 (tested up to 2.15.0)"]
     assert versions.untested({"torch": "2.11.0+cpu", "triton": None, "transformers": "5.17.0"}) == []
 
 
 def test_import_warns_naming_the_versions(monkeypatch):
-    monkeypatch.setattr(versions, "installed", {"torch": "2.15.0", "triton": "3.9.0", "transformers": "5.24.0"}.get)
-    with pytest.warns(UserWarning, match=r"installed: torch 2\.15\.0 \(tested up to 2\.14\.1\), triton 3\.9\.0"):
+    monkeypatch.setattr(versions, "installed", {"torch": "2.16.0", "triton": "3.10.0", "transformers": "5.24.0"}.get)
+    with pytest.warns(UserWarning, match=r"installed: torch 2\.16\.0 \(tested up to 2\.15\.0\), triton 3\.10\.0"):
         versions.warn_if_untested()
 
 
