@@ -7,9 +7,14 @@ before and after the edit, on each Triton version the project claims, and compar
 
     TRITON_INTERPRET=0 python scripts/explore_ptx_identity.py > before.json   # ... edit ...
     TRITON_INTERPRET=0 python scripts/explore_ptx_identity.py > after.json && diff before.json after.json
+
+``--ptxas`` adds ptxas's account of each launch (registers, spill bytes, and whether the wgmma pipeline is
+serialised: advisory C7515), to compare what two Triton releases make of the same launches.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import triton
 
-from minference_fx.kernels.codegen import ptx_instructions, sparse_walk_ptx
+from minference_fx.kernels.codegen import ptx_instructions, ptxas_report, sparse_walk_ptx
 
 TABLE = Path(__file__).resolve().parent.parent / "autotune" / "h200.json"
 
@@ -30,15 +35,25 @@ def shipped_launches(table: Path = TABLE) -> list[tuple]:
 
 
 def main() -> None:
-    prints = {}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ptxas", action="store_true", help="also ptxas's registers, spills and C7515 per launch")
+    args = parser.parse_args()
+    prints, reports = {}, {}
     for head_dim, block_m, block_n, warps, stages, dense_walk in shipped_launches():
         for key_mask in (False, True):
             ptx = sparse_walk_ptx(head_dim, block_m, block_n, warps, stages, key_mask=key_mask, dense_walk=dense_walk)
             name = (f"d{head_dim} m{block_m} n{block_n} w{warps} s{stages}{' dense_walk' if dense_walk else ''}"
                     f"{' key_mask' if key_mask else ''}")
             prints[name] = hashlib.sha256(ptx_instructions(ptx).encode()).hexdigest()[:16]
-            print(name, prints[name], file=sys.stderr, flush=True)
-    json.dump({"triton": triton.__version__, "ptx_sha256": prints}, sys.stdout, indent=1)
+            line = prints[name]
+            if args.ptxas:
+                reports[name] = dataclasses.asdict(ptxas_report(ptx))
+                line += f" {reports[name]}"
+            print(name, line, file=sys.stderr, flush=True)
+    out = {"triton": triton.__version__, "ptx_sha256": prints}
+    if args.ptxas:
+        out["ptxas"] = reports
+    json.dump(out, sys.stdout, indent=1)
     print()
 
 

@@ -116,11 +116,8 @@ def ptx_instructions(ptx: str) -> str:
                      if not re.match(r"\s*\.(loc|file)\b", line) and not re.fullmatch(r"\$L__tmp\d+:", line))
 
 
-def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
-                        key_mask: bool = False, target=HOPPER, **launch) -> Codegen:
-    """ptxas's report on :func:`sparse_walk_ptx`'s kernel."""
-    ptx_text = sparse_walk_ptx(head_dim, block_m, block_n, num_warps, num_stages, key_mask=key_mask, target=target,
-                               **launch)
+def ptxas_report(ptx_text: str, target=HOPPER) -> Codegen:
+    """ptxas's account of the PTX ``ptx_text`` assembled for ``target``."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(ptx_text)
@@ -130,3 +127,10 @@ def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: in
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     return Codegen(registers, spills, "C7515" in report)
+
+
+def sparse_walk_codegen(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
+                        key_mask: bool = False, target=HOPPER, **launch) -> Codegen:
+    """ptxas's report on :func:`sparse_walk_ptx`'s kernel."""
+    return ptxas_report(sparse_walk_ptx(head_dim, block_m, block_n, num_warps, num_stages, key_mask=key_mask,
+                                        target=target, **launch), target)
