@@ -338,6 +338,22 @@ def test_diagonal_blocks_at_key_0_and_past_the_last_key(launch, sq, skv, offset)
     _check(q, k, v, plan, atol=1e-5, launch=launch, q_offset=offset)
 
 
+@pytest.mark.parametrize("launch", [dict(), dict(kv_desc=True), dict(block_m=32)], ids=["pointer", "tma", "bm32"])
+@pytest.mark.parametrize("sq,skv,offset,sink,window", [
+    (1, 100, 110, 0, 1),  # the window lies wholly past the last key: the row reads nothing
+    (117, 74, 62, 64, 1),  # some rows inside the keys, some past them
+    (1, 100, 300, 1000, 1),  # the sink budget reaches past the last key tile
+    (64, 100, 200, 129, 1),
+    (64, 100, 150, 40, 90),  # rows past the keys whose window reaches back into them
+], ids=["window-past", "straddling", "sinks-past", "sinks-past-tile", "window-into-keys"])
+def test_a_shape_heads_with_rows_past_the_last_key(launch, sq, skv, offset, sink, window):
+    # query positions past the keys (q_offset + Sq > Skv): the kernel walked a window tile the reference does not
+    # list, and sink tiles past the last key (read unmasked: zeros with TMA, memory past K/V without)
+    q, k, v = _inputs(1, 2, 1, sq, skv, 16, torch.float32, seed=sq + skv)
+    plan = LayerPlan((HeadPlan(Pattern.A_SHAPE, sink, window), HeadPlan(Pattern.A_SHAPE, 0, window)))
+    _check(q, k, v, plan, atol=1e-5, launch=launch, q_offset=offset)
+
+
 def test_covering_budgets_equal_dense_sdpa():
     q, k, v = _inputs(2, 4, 2, 130, 130, 16, torch.float32)
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1 << 20, 1 << 20), HeadPlan(Pattern.A_SHAPE, 0, 1 << 20),

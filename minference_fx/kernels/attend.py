@@ -328,7 +328,10 @@ def _attend_program(
         listed = (pattern == VERTICAL_SLASH) | (pattern == BLOCK_SPARSE)
         sink_budget = tl.load(BudgetA + h)
         sink_tiles = tl.cdiv(sink_budget, TILE)
-        win_first = tl.maximum(list_lo - tl.load(BudgetB + h) + 1, 0) // TILE
+        win_lo = tl.maximum(list_lo - tl.load(BudgetB + h) + 1, 0)
+        # rows past the last key (q_offset + Sq > Skv) may have a window wholly past it: then it holds no tile, and
+        # the sinks stop at the last key tile too (they are walked unmasked)
+        win_first = tl.where(win_lo < seq_k, win_lo // TILE, tl.cdiv(seq_k, TILE))
         sink_first = 0
         if HAS_KEY_MASK:
             # a left-padded row's sinks are its own first keys: from the tile of the first key the mask keeps.
