@@ -36,6 +36,7 @@
 # without the guard's escalation), vt_code_layers128 (the
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
 # persistent (resident programs against one program an item, the sparse and dense walks; no model needed),
+# candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
 # peers_512k (MInference at 512K, after step peers).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -169,6 +170,22 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     vt_code_layers128)  # which layers of the config shipped past 8K lose code variable tracking at 128K on the diagonal blocks
           timeout 590 python3 scripts/explore_task_layers.py configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
             --model $MODEL --length 128k --tasks variable_tracking --haystacks code --out "$STATE/task_layers_vt_code_128k.json" ;;
+    candidate128_links)  # the config shipped past 8K with the heads that carry variable tracking's links run dense (the top
+                         # link heads of scripts/explore_estimate_rows.py on the CPU): TTFT at 64K/128K, fidelity at 128K
+          python3 - configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json results/explore_estimate_rows_qwen_cpu_2026-12-05_8k*.json \
+            "$STATE/$1.json" <<'PY' || return 1
+import json, sys
+config, probes, out = json.load(open(sys.argv[1])), [json.load(open(f)) for f in sys.argv[2:-1]], sys.argv[-1]
+heads = sorted({tuple(h) for probe in probes for h in probe["top_link_heads"]})
+for layer, head in heads:
+    config["layers"][layer][head] = {"pattern": "dense", "budgets": [0, 0]}
+json.dump(config, open(out, "w"), indent=1)
+print(f"{out}: heads {heads} dense")
+PY
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+            --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json" ;;
     eval128_8k)  # fidelity at 128K of the 8K-searched config (guard 0.8 + escalation) on the diagonal blocks
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json --out "$STATE/$1_qwen.json" ;;
