@@ -147,10 +147,14 @@ def main() -> None:
             prob = {name: probabilities(q[h], k_g, rows, call.scale) for name, rows in scored.items()}
             link_prob = [probabilities(q[h], k_g, rows, call.scale) for rows, _ in links]
             link_mass = [p[:, a:b].sum(-1).mean().item() for p, (_, (a, b)) in zip(link_prob, links)]
-            sets = {name: picks(probabilities(q[h], k_g, rows, call.scale), rows, columns, diagonals)
-                    for name, rows in estimate_rows.items()}
+            # a row's softmax is its own: the index's estimate rows are the scored last rows, and the oracle's are
+            # every scored row, so their probabilities are reused rather than computed again
+            estimate_prob = {name: prob["last64"] if name == "last64" else probabilities(q[h], k_g, rows, call.scale)
+                             for name, rows in estimate_rows.items()}
+            sets = {name: picks(estimate_prob[name], rows, columns, diagonals) for name, rows in estimate_rows.items()}
             oracle_rows = torch.cat([scored["spread"], last, *(rows for rows, _ in links)])
-            sets["oracle"] = picks(probabilities(q[h], k_g, oracle_rows, call.scale), oracle_rows, columns, diagonals)
+            sets["oracle"] = picks(torch.cat([prob["spread"], prob["last64"], *link_prob]), oracle_rows, columns,
+                                   diagonals)
             row = {"link_mass": sum(link_mass) / max(len(link_mass), 1)}
             readers = {est: (lambda rows, col=col, diag=diag: kept(col, diag, rows)) for est, (col, diag) in sets.items()}
             readers.update({est: (lambda rows, tiles=tiles[h]: tiles[rows // BLOCK] & (torch.arange(s) <= rows[:, None]))
