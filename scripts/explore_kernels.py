@@ -1,7 +1,7 @@
 """GPU exploration (not a test): launch variants of the sparse kernel, and the index against a saved older one.
 
 usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k] [--dense-at 32k] [--index-at 8k,32k,128k]
-                                        [--parts-at 128k] [--persistent-at 32k,128k]
+                                        [--parts-at 128k]
 
 * launch variants (block_m, block_n, warps, stages, TMA copies) on the bench's VS(1000, 6096)
   index over structured inputs, and on dense work (every head DENSE) against cuDNN, in one run; each
@@ -10,11 +10,9 @@ usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k]
   ``minference_fx/kernels/index.py`` (e.g. ``git show REV:kernels/index.py``) for an A/B in the same run;
 * ``--parts-at``: the shipped sparse walk on both input families with the index whole, with its leftover columns
   dropped and with its blocks dropped, and the units of work each part lists (a block, or a gather of up to 64
-  columns): what a gathered column costs against a block;
-* ``--persistent-at``: the sparse walk (both input families) and the dense walk (every head forced dense) with the
-  tuned H200 launch config, one program a (query tile, head) against 1-3 resident programs an SM that share the
-  items out (``programs_per_sm``), in fixed shares or each taking the next item left (``dynamic``), outputs
-  compared bit for bit.
+  columns): what a gathered column costs against a block.
+Resident programs (a few an SM sharing the (query tile, head) items out) lost to one program an item by 15-130 %
+(H200, 2026-12-05, BENCHMARKS.md section 1): ``git show da7a5bf:scripts/explore_kernels.py`` for that comparison.
 """
 from __future__ import annotations
 
@@ -168,36 +166,6 @@ def walk_parts(seq: int) -> None:
         torch.cuda.empty_cache()
 
 
-def persistent(seq: int) -> None:
-    shape = LLAMA3_8B
-    plan = _vs_plan()
-    args = plan.op_arguments()
-    scale = shape["head_dim"] ** -0.5
-    sparse = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)  # the H200 table's d128/GQA-4 walk at 128K
-    for family, make in FAMILIES.items():
-        q, k, v = make(seq, **shape)
-        index = build_index_gpu(q, k, plan, scale=scale)
-        every = torch.ones(1, shape["num_q_heads"], dtype=torch.bool, device=q.device)
-        walks = {"sparse walk": sparse}
-        if family == "structured":  # the dense walk reads no list: one family says it
-            walks["dense walk"] = dict(block_m=128, block_n=64, num_warps=4, num_stages=2, force_dense=every,
-                                       forced="only")
-        for walk, launch in walks.items():
-            base = sparse_attention_triton(q, k, v, index, *args, scale=scale, **launch)
-            for per_sm, dynamic in [(0, False), *((n, d) for n in (1, 2, 3) for d in (False, True))]:
-                def run(per_sm=per_sm, dynamic=dynamic, launch=launch):
-                    return sparse_attention_triton(q, k, v, index, *args, scale=scale, programs_per_sm=per_sm,
-                                                   dynamic=dynamic, **launch)
-
-                same = torch.equal(run(), base)
-                name = ("one program an item" if per_sm == 0
-                        else f"{per_sm} an SM, {'next item' if dynamic else 'fixed share'}")
-                print(f"persistent {family} @ {seq}: {walk:<11} {name:<24} {_ms(run, 5):8.2f} ms  same output: {same}",
-                      flush=True)
-        del q, k, v, index
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old-index")
@@ -205,15 +173,12 @@ def main() -> None:
     ap.add_argument("--dense-at", default="32k")
     ap.add_argument("--index-at", default="8k,32k,128k")
     ap.add_argument("--parts-at", default="")
-    ap.add_argument("--persistent-at", default="")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for seq in parse_lengths(a.index_at) if a.index_at else ():
         index_ab(seq, a.old_index)
     for seq in parse_lengths(a.parts_at) if a.parts_at else ():
         walk_parts(seq)
-    for seq in parse_lengths(a.persistent_at) if a.persistent_at else ():
-        persistent(seq)
     if a.variants_at:
         launch_variants(parse_lengths(a.variants_at)[0], parse_lengths(a.dense_at)[0])
 

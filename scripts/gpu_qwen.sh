@@ -35,7 +35,6 @@
 # from 32K with those layers dense: TTFT with and without CUDA graphs, fidelity at 32K; candidate32k_noesc the same
 # without the guard's escalation), vt_code_layers128 (the
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
-# persistent (resident programs against one program an item, the sparse and dense walks; no model needed),
 # candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
 # peers_512k (MInference at 512K, after step peers).
 # The model must have been converted first (scripts/device_model.py convert).
@@ -99,8 +98,6 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     index_ab)  # the index now against an older one (its index.py carried to /root/peers as old_index_*.py), same run
           timeout 300 python3 scripts/explore_kernels.py --old-index /root/peers/old_index_*.py --variants-at '' \
             --index-at 32k,128k ;;
-    persistent)  # one program a (query tile, head) against resident programs sharing the items, 32K and 128K
-          timeout 300 python3 scripts/explore_kernels.py --index-at '' --variants-at '' --persistent-at 32k,128k ;;
     walk_parts)  # the sparse walk whole, without its columns and without its blocks, both families at 128K
           timeout 300 python3 scripts/explore_kernels.py --index-at '' --variants-at '' --parts-at 128k ;;
     kernels_op)  # bench kernels with the op column (guard, routing, cost model), both families, up to 512K

@@ -33,10 +33,8 @@ def _check(q, k, v, plan, atol, launch=None, **mask_args):
 
 # Launch configs change speed, never the result: key blocks of half a tile, of two listed tiles
 # gathered side by side (an odd count leaves half a block empty), and TMA copies of K/V tiles.
-# Resident programs (programs_per_sm, 2 SMs under the interpreter) each run several (query tile, head) items.
-LAUNCHES = [dict(block_n=32), dict(block_n=128), dict(kv_desc=True), dict(block_m=32), dict(block_m=16, block_n=128),
-            dict(programs_per_sm=1), dict(programs_per_sm=2, dynamic=True)]
-LAUNCH_IDS = ["bn32", "bn128", "tma", "bm32", "bm16-bn128", "persistent", "persistent-next-item"]
+LAUNCHES = [dict(block_n=32), dict(block_n=128), dict(kv_desc=True), dict(block_m=32), dict(block_m=16, block_n=128)]
+LAUNCH_IDS = ["bn32", "bn128", "tma", "bm32", "bm16-bn128"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
@@ -203,33 +201,6 @@ def test_lse_is_the_log_sum_exp_over_the_keys_each_row_read(launch):
     assert lse.shape == (2, 4, 100) and lse.dtype == torch.float32
     assert torch.isneginf(want[1, :, :5]).all()  # the case the kernel must not turn into NaN
     torch.testing.assert_close(lse, want, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("programs_per_sm, dynamic", [(1, False), (3, False), (1, True)],
-                         ids=["fixed-share", "fixed-share-3", "next-item"])
-def test_resident_programs_write_what_one_program_an_item_writes(programs_per_sm, dynamic):
-    """The persistent launch runs the same programs' arithmetic in another order: the same bits, with the guard's
-    two launches (forced pairs skipped, then walked dense into the same output) and the log-sum-exp."""
-    q, k, v = _inputs(2, 4, 2, 150, 150, 16, torch.float32, seed=9)
-    plan = _plan(4)
-    key_mask = torch.ones(2, 150, dtype=torch.bool)
-    key_mask[1, :40] = False
-    index = reference.build_index(q, k, plan, scale=0.25, key_mask=key_mask)
-    force = torch.zeros(2, 4, dtype=torch.bool)
-    force[0, 0] = force[1, 2] = True
-
-    def run(**launch):
-        out = torch.full_like(q, 7.0)
-        _, lse = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25, key_mask=key_mask,
-                                         force_dense=force, forced="skip", out=out, return_lse=True, **launch)
-        sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25, key_mask=key_mask,
-                                force_dense=force, forced="only", out=out, block_m=64, **launch)
-        return out, lse
-
-    (out, lse), (want, want_lse) = run(programs_per_sm=programs_per_sm, dynamic=dynamic), run()
-    assert torch.equal(out, want) and torch.equal(lse[~force], want_lse[~force])
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25, programs_per_sm=-1)
 
 
 def _plan(hq):

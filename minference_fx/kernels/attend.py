@@ -231,9 +231,20 @@ def _walk_keys(lo, hi, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
     return m_i, l_i, acc
 
 
-@triton.jit
-def _attend_program(
-    pid_m, pid_bh,
+# Lengths and offsets change with every prompt: specialising on them (==1, %16) would
+# compile new variants as prompts vary. So do the index's and the masks' strides (query
+# tiles, list capacities, key count), which are read a scalar or a row at a time anyway.
+# Q/K/V/Out strides stay specialised (vectorised loads); a multiple of 16 for any length.
+# They come as one tuple a tensor, (batch, head, row, dim). The unspecialised strides stay
+# separate arguments: Triton specialises every int inside a tuple argument whatever
+# do_not_specialize says (3.6 and 3.8 alike).
+_UNSPECIALISED = ["num_heads", "group", "seq_q", "seq_k", "q_offset", "window", "stride_tc_bh", "stride_ti_bh",
+                  "stride_ti_m", "stride_cc_bh", "stride_ci_bh", "stride_ci_m", "stride_km", "stride_doc", "stride_lb",
+                  "stride_lh"]
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _sparse_attn_fwd(
     Q, K, V, Out, stride_q, stride_k, stride_v, stride_o,
     KDesc, VDesc,
     Index, stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
@@ -244,8 +255,15 @@ def _attend_program(
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
-    """One program's work: query tile ``pid_m`` (BLOCK_M rows) of the (batch, head) pair ``pid_bh`` (int64); the
-    other arguments are the kernel's (``_sparse_attn_fwd``)."""
+    """One program a query tile (BLOCK_M rows) and (batch, head) pair. ``Index``: the tables ``(BlockCount,
+    BlockStart, ColCount, ColIndex)``, [B*H, M] and [B*H, M, cap]; ``Plan``: the per-head tables ``(Patterns, BudgetA,
+    BudgetB)``."""
+    # A head's programs differ in length: by the causal triangle, and in the sparse walk by the diagonals whose keys
+    # exist only past the first rows. Launching each head's last query tile (its longest walk) first leaves short
+    # programs for the last wave: on the scattered family at 128K this cut the sparse walk by 9 %
+    # (scripts/explore_launch_order.py)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
     BlockCount, BlockStart, ColCount, ColIndex = Index
     Patterns, BudgetA, BudgetB = Plan
     b = pid_bh // num_heads
@@ -392,84 +410,6 @@ def _attend_program(
         tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=tl.where(runs, row_ok, False))
 
 
-# Lengths and offsets change with every prompt: specialising on them (==1, %16) would
-# compile new variants as prompts vary. So do the index's and the masks' strides (query
-# tiles, list capacities, key count), which are read a scalar or a row at a time anyway.
-# Q/K/V/Out strides stay specialised (vectorised loads); a multiple of 16 for any length.
-# They come as one tuple a tensor, (batch, head, row, dim). The unspecialised strides stay
-# separate arguments: Triton specialises every int inside a tuple argument whatever
-# do_not_specialize says (3.6 and 3.8 alike).
-_UNSPECIALISED = ["num_heads", "group", "seq_q", "seq_k", "q_offset", "window", "stride_tc_bh", "stride_ti_bh",
-                  "stride_ti_m", "stride_cc_bh", "stride_ci_bh", "stride_ci_m", "stride_km", "stride_doc", "stride_lb",
-                  "stride_lh"]
-
-
-@triton.jit(do_not_specialize=_UNSPECIALISED)
-def _sparse_attn_fwd(
-    Q, K, V, Out, stride_q, stride_k, stride_v, stride_o,
-    KDesc, VDesc,
-    Index, stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
-    Plan, ForceDense,
-    KeyMask, stride_km, FirstKey, DocIds, stride_doc, Lse, stride_lb, stride_lh,
-    num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
-):
-    """``Index``: the tables ``(BlockCount, BlockStart, ColCount, ColIndex)``, [B*H, M] and [B*H, M, cap];
-    ``Plan``: the per-head tables ``(Patterns, BudgetA, BudgetB)``."""
-    # A head's programs differ in length: by the causal triangle, and in the sparse walk by the diagonals whose keys
-    # exist only past the first rows. Launching each head's last query tile (its longest walk) first leaves short
-    # programs for the last wave: on the scattered family at 128K this cut the sparse walk by 9 %
-    # (scripts/explore_launch_order.py)
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)  # (b, h) offsets pass 2^31 elements at 1M tokens x 32 heads
-    _attend_program(
-        pid_m, pid_bh,
-        Q, K, V, Out, stride_q, stride_k, stride_v, stride_o, KDesc, VDesc, Index, stride_tc_bh, stride_ti_bh,
-        stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m, Plan, ForceDense, KeyMask, stride_km, FirstKey, DocIds,
-        stride_doc, Lse, stride_lb, stride_lh, num_heads, group, seq_q, seq_k, q_offset, window, qk_scale, HEAD_DIM,
-        BLOCK_D, BLOCK_M, BLOCK_N, TILE, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, FORCE_MODE, KV_DESC,
-        RETURN_LSE)
-
-
-@triton.jit(do_not_specialize=[*_UNSPECIALISED, "num_pairs"])
-def _sparse_attn_fwd_persistent(
-    Q, K, V, Out, stride_q, stride_k, stride_v, stride_o,
-    KDesc, VDesc,
-    Index, stride_tc_bh, stride_ti_bh, stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m,
-    Plan, ForceDense,
-    KeyMask, stride_km, FirstKey, DocIds, stride_doc, Lse, stride_lb, stride_lh,
-    num_heads, group, seq_q, seq_k, q_offset, window, qk_scale, num_pairs, NextItem,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr, DYNAMIC: tl.constexpr,
-):
-    """``_sparse_attn_fwd``'s work in a fixed number of programs (a few per SM), which take the (query tile, pair)
-    items of ``num_pairs`` (batch, head) pairs longest first across the pairs (every pair's last query tile, then
-    every pair's tile before it; the one-program-an-item launch goes pair by pair, each from its last tile).
-    ``DYNAMIC``: a program takes the next item left when it finishes one (an atomic counter, ``NextItem``, zero at
-    launch); otherwise program p runs items p, p + P, ... Whether resident programs beat the hardware's scheduling
-    of one program an item is what ``scripts/explore_kernels.py --persistent-at`` measures; the op does not launch
-    this kernel."""
-    m_tiles = tl.cdiv(seq_q, BLOCK_M)
-    if DYNAMIC:
-        item = tl.atomic_add(NextItem, 1)
-    else:
-        item = tl.program_id(0)
-    while item < m_tiles * num_pairs:
-        _attend_program(
-            m_tiles - 1 - item // num_pairs, (item % num_pairs).to(tl.int64),
-            Q, K, V, Out, stride_q, stride_k, stride_v, stride_o, KDesc, VDesc, Index, stride_tc_bh, stride_ti_bh,
-            stride_ti_m, stride_cc_bh, stride_ci_bh, stride_ci_m, Plan, ForceDense, KeyMask, stride_km, FirstKey,
-            DocIds, stride_doc, Lse, stride_lb, stride_lh, num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE, HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, FORCE_MODE,
-            KV_DESC, RETURN_LSE)
-        if DYNAMIC:
-            item = tl.atomic_add(NextItem, 1)
-        else:
-            item += tl.num_programs(0)
-
 
 def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
     """An index with nothing listed: for plans of only dense / A-shape heads."""
@@ -477,12 +417,6 @@ def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
     no_block = torch.full((batch, heads, m_tiles, 1), NO_BLOCK, dtype=torch.int32, device=device)
     no_column = torch.full((batch, heads, m_tiles, 1), -1, dtype=torch.int32, device=device)
     return SparseIndex(zeros, no_block, zeros, no_column)
-
-
-def _sm_count(device) -> int:
-    """Streaming multiprocessors of ``device`` (a CUDA one); 2 under the CPU interpreter, so that its programs
-    each run several items."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
@@ -499,7 +433,7 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
     q_offset=0, window=0, force_dense=None, forced="here", out=None, num_warps=4, num_stages=2, block_m=BLOCK,
-    block_n=BLOCK, kv_desc=True, return_lse=False, programs_per_sm=0, dynamic=False,
+    block_n=BLOCK, kv_desc=True, return_lse=False,
 ):
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
@@ -523,9 +457,6 @@ def sparse_attention_triton(
         falls back to pointer loads where the layout does not allow it.
     return_lse : also return the natural-log sum of exp(scale * q·k) over the keys each row read,
         fp32 ``[B, Hq, Sq]`` (``-inf`` for a row that read none), e.g. to merge with other attention.
-    programs_per_sm : 0 (the op's launch): one program a (query tile, batch, head); N > 0: N resident programs
-        an SM that share those items out (``_sparse_attn_fwd_persistent``; same arithmetic, same output), each
-        taking the next item left as it finishes one with ``dynamic`` (an atomic counter), else a fixed share.
 
     Returns
     -------
@@ -570,27 +501,18 @@ def sparse_attention_triton(
     else:
         k_desc = v_desc = q  # unused
     lse_t = lse if return_lse else q  # any pointer; unused without RETURN_LSE
-    if programs_per_sm < 0:
-        raise ValueError(f"programs_per_sm must be >= 0, got {programs_per_sm}")
-    if programs_per_sm:
-        next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
-        items = triton.cdiv(sq, block_m) * B * Hq
-        kernel, grid = _sparse_attn_fwd_persistent, (min(items, programs_per_sm * _sm_count(q.device)),)
-        extra, persistent = (B * Hq, next_item), dict(DYNAMIC=dynamic)
-    else:
-        kernel, grid, extra, persistent = _sparse_attn_fwd, (triton.cdiv(sq, block_m), B * Hq), (), {}
-    kernel[grid](
+    _sparse_attn_fwd[(triton.cdiv(sq, block_m), B * Hq)](
         q, k, v, out, q.stride(), k.stride(), v.stride(), out.stride(),
         k_desc, v_desc,
         (tc, ti, cc, ci), tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
         (pat_t, a_t, b_t), force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
         km, km.stride(0) if key_mask is not None else 0, first_key, doc, doc.stride(0) if doc_ids is not None else 0,
         lse_t, Hq * sq if return_lse else 0, sq if return_lse else 0,
-        Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E, *extra,
+        Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK,
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FORCE_MODE=FORCE_MODES[forced if force_dense is not None else None],
-        KV_DESC=use_desc, RETURN_LSE=return_lse, **persistent,
+        KV_DESC=use_desc, RETURN_LSE=return_lse,
         num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out

@@ -73,8 +73,7 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
     """The PTX of the attention kernel (bf16, vertical-slash heads) as the op would launch it for ``target``.
 
     ``dense_walk``: the launch of forced-dense heads only (``forced="only"``, 128-row programs allowed);
-    ``launch``: further arguments to :func:`attend.sparse_attention_triton` (``programs_per_sm`` compiles the
-    persistent kernel). Needs ``TRITON_INTERPRET`` unset or 0 when Triton was imported (the
+    ``launch``: further arguments to :func:`attend.sparse_attention_triton`. Needs ``TRITON_INTERPRET`` unset or 0 when Triton was imported (the
     interpreter compiles nothing)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("kernel codegen needs TRITON_INTERPRET=0: the interpreter compiles nothing")
@@ -88,7 +87,7 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
     plan = LayerPlan((DEFAULTS.head,) * hq)
     if dense_walk:
         launch = {**launch, "force_dense": torch.ones(b, hq, dtype=torch.bool), "forced": "only"}
-    kernel = attend._sparse_attn_fwd_persistent if launch.get("programs_per_sm") else attend._sparse_attn_fwd
+    kernel = attend._sparse_attn_fwd
     before = set(id(x) for cache in kernel.device_caches.values() for x in cache[0].values())
     previous = driver._active  # reset_active() would build the default driver, which needs a GPU
     driver.set_active(_TargetOnlyDriver(target))
