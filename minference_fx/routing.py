@@ -20,7 +20,11 @@ whether a head has stopped being near-dense or costly. It builds the index at on
 once when the prompt has grown ``RECHECK_GROWTH``-fold since the call it last checked), and skips it in
 between. On random weights (every head routed) a checking call costs ~1 % of the model's prefill at 64K-128K
 (+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*`` at 6fb579a), which the other seven calls
-now save. A skipped check can only keep a head dense a few calls longer: slower at worst, never less exact.
+now save. Each check that finds every head routed again doubles the calls until the next, up to ``RECHECK_MAX``: a
+layer whose heads all stay dense (the scattered inputs at 32K on an H200) then pays the index at one call in 64, not one
+in 8, where that eighth had left the op 2 % slower than cuDNN alone (BENCHMARKS.md section 1). A check that routes
+fewer heads starts over at ``RECHECK_EVERY``. A skipped check can only keep a head dense some calls longer: slower at
+worst, never less exact.
 
 No host sync: the host reads a decision only once the copy's event has completed
 (``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read
@@ -46,6 +50,8 @@ NO_SITE = -1
 
 RECHECK_EVERY = 8
 """an all-routed site builds its index at one call in this many (the others skip it)"""
+RECHECK_MAX = 64
+"""... doubling from ``RECHECK_EVERY`` up to this many while each check routes every head again"""
 RECHECK_GROWTH = 2
 """... and at once at a prompt this many times the last checked one: a head near-dense at a short prompt is
 often sparse at a long one (the budgets stay fixed while the causal rows grow)"""
@@ -70,6 +76,8 @@ class SiteState:
     """the query length of the last observed call"""
     skipped: int = 0
     """calls since then that skipped the index (every head routed)"""
+    all_routed_streak: int = 0
+    """observed calls in a row, up to the last one read, that routed every head"""
 
 
 def _capturing(device: torch.device) -> bool:
@@ -86,9 +94,10 @@ class Router:
 
     The op reads and writes :data:`ROUTER`, the process's; a test or a benchmark can build its own."""
 
-    def __init__(self, *, recheck_every: int = RECHECK_EVERY, recheck_growth: int = RECHECK_GROWTH,
-                 max_sites: int = MAX_SITES):
+    def __init__(self, *, recheck_every: int = RECHECK_EVERY, recheck_max: int = RECHECK_MAX,
+                 recheck_growth: int = RECHECK_GROWTH, max_sites: int = MAX_SITES):
         self.recheck_every = recheck_every
+        self.recheck_max = recheck_max
         self.recheck_growth = recheck_growth
         self.max_sites = max_sites
         self.states: collections.OrderedDict[int, SiteState] = collections.OrderedDict()
@@ -112,9 +121,21 @@ class Router:
         if site == NO_SITE or state is None or state.heads != heads:
             return ()
         if state.ready is not None and not _capturing(device) and state.ready.query():
-            state.routed = _heads(state.host)
-            state.ready = None
+            self._take(state, _heads(state.host))
         return state.routed
+
+    @staticmethod
+    def _take(state: SiteState, routed: tuple) -> None:
+        """Make ``routed`` the site's decision, once per observed call."""
+        state.routed, state.ready = routed, None
+        state.all_routed_streak = state.all_routed_streak + 1 if len(routed) == state.heads else 0
+
+    def recheck_interval(self, site: int) -> int:
+        """Calls from one index build of an all-routed ``site`` to the next: ``recheck_every``, doubled for each
+        further observed call in a row that routed every head, at most ``recheck_max``."""
+        state = self.states.get(site)
+        streak = state.all_routed_streak if state is not None else 0
+        return min(self.recheck_every << max(streak - 1, 0), max(self.recheck_max, self.recheck_every))
 
     def index_due(self, site: int, length: int, device: torch.device) -> bool:
         """Whether this call of ``site``, whose every head is routed, builds its index (``recheck_every``,
@@ -122,7 +143,7 @@ class Router:
         nothing: the graph replays whichever it took."""
         state = self.states.get(site)
         if (state is None or self._every_call.get() or length >= self.recheck_growth * state.checked_len
-                or state.skipped >= self.recheck_every - 1):
+                or state.skipped >= self.recheck_interval(site) - 1):
             return True
         if not _capturing(device):
             state.skipped += 1
@@ -155,7 +176,7 @@ class Router:
         self.states.move_to_end(site)
         state.checked_len, state.skipped = length, 0
         if not ran_dense.is_cuda:
-            state.routed = _heads(every_row)
+            self._take(state, _heads(every_row))
             return
         if state.host is None:
             state.host = torch.empty(heads, dtype=torch.uint8, pin_memory=True)

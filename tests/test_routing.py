@@ -64,6 +64,28 @@ def test_an_all_routed_site_checks_its_index_once_in_a_while_and_when_the_prompt
     assert not router.index_due(site, 2999, cpu) and router.index_due(site, 3000, cpu)
 
 
+def test_each_check_that_routes_every_head_again_doubles_the_calls_to_the_next_up_to_the_cap():
+    router = routing.Router(recheck_every=2, recheck_max=8)
+    cpu = torch.device("cpu")
+    site = router.new_site()
+    every, one_sparse = torch.ones(1, 4, dtype=torch.bool), torch.tensor([[True, True, False, True]])
+
+    def calls_to_next_check():
+        due = [router.index_due(site, 1000, cpu) for _ in range(20)]
+        return due.index(True) + 1
+
+    router.observe(site, every, 1000)
+    intervals = []
+    for _ in range(4):
+        intervals.append(calls_to_next_check())
+        router.observe(site, every, 1000)  # the check routed every head again
+    assert intervals == [2, 4, 8, 8]
+    router.observe(site, one_sparse, 1000)  # a head came back sparse: not all routed, the index runs every call
+    assert router.routed_heads(site, 4, cpu) == (0, 1, 3) and router.recheck_interval(site) == 2
+    router.observe(site, every, 1000)
+    assert calls_to_next_check() == 2  # routed whole again: the count starts over
+
+
 def test_index_at_every_call_makes_its_own_threads_calls_check_and_no_others():
     import threading
 
