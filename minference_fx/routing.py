@@ -138,7 +138,7 @@ class Router:
         return min(self.recheck_every << max(streak - 1, 0), max(self.recheck_max, self.recheck_every))
 
     def index_due(self, site: int, length: int, device: torch.device) -> bool:
-        """Whether this call of ``site``, whose every head is routed, builds its index (``recheck_every``,
+        """Whether this call of ``site``, whose every head is routed, builds its index (:meth:`recheck_interval`,
         ``recheck_growth``) at query ``length``; when not, it counts as skipped. A CUDA graph capture counts
         nothing: the graph replays whichever it took."""
         state = self.states.get(site)

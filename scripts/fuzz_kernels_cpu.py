@@ -8,9 +8,9 @@ case draws its shapes, plan, masks and launch from its number, so it reruns alon
   (``mass_out``) against ``guard.captured_mass``. Where float64 scores nearly tie at a top-k cut the builders may
   pick either key: a case whose only differences are such heads' lists is a near tie, not a failure.
 * ``--layer attend``: ``sparse_attention_triton`` against ``reference.sparse_attention_reference`` on the same index
-  (the reference's, or the GPU builder's lists) under block sizes, pointer or TMA loads, forced-dense pairs (``here``, or ``skip`` + ``only`` into one output) and
-  SKIP heads: the output, the LSE over the keys each row reads, rows reading no key exactly 0 (LSE -inf), SKIP heads'
-  rows untouched.
+  (the reference's, or the GPU builder's lists) under block sizes, pointer or TMA loads, forced-dense pairs
+  (``here``, or ``skip`` + ``only`` into one output) and SKIP heads: the output, the LSE over the keys each row
+  reads, rows reading no key exactly 0 (LSE -inf), SKIP heads' rows untouched.
 
 ``--profile edge`` (attend) puts query rows past the last key and negative ``q_offset`` first, half the heads
 A-shape; ``long`` (index) takes 1000-2600 keys (several 1024-key chunks of the row statistics); a layer without the

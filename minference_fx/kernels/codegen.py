@@ -73,8 +73,8 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
     """The PTX of the attention kernel (bf16, vertical-slash heads) as the op would launch it for ``target``.
 
     ``dense_walk``: the launch of forced-dense heads only (``forced="only"``, 128-row programs allowed);
-    ``launch``: further arguments to :func:`attend.sparse_attention_triton`. Needs ``TRITON_INTERPRET`` unset or 0 when Triton was imported (the
-    interpreter compiles nothing)."""
+    ``launch``: further arguments to :func:`attend.sparse_attention_triton`. Needs ``TRITON_INTERPRET`` unset or 0
+    when Triton was imported (the interpreter compiles nothing)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("kernel codegen needs TRITON_INTERPRET=0: the interpreter compiles nothing")
     b, hq, hkv, s = 1, 8, 2, 1024
