@@ -30,8 +30,9 @@ read when all of these hold:
   padding mask only with one batch row): then the head runs dense through the device's SDPA this call,
   without the mask, and a row the padding mask hides keys of runs it again with the mask in the kernel's
   dense walk (``minference_fx.routing``: lagged, read without a host sync). A head only ever gains keys
-  by it. A site whose every head is routed builds its index only at one call in eight, or when the prompt
-  has doubled (``routing.Router.index_due``), to see a head stop being near-dense.
+  by it. A site whose every head is routed builds its index only at one call in eight, then in 16, 32 and 64
+  while every check routes all heads again, or when the prompt has doubled (``routing.Router.index_due``), to
+  see a head stop being near-dense.
 
 A row with no readable key yields zeros, never NaN. With ``grow_from`` > 0, a call of more than ``grow_from``
 keys reads its plan's vertical-slash and block-sparse budgets times ``(Skv / grow_from) ** grow_exponent``, the

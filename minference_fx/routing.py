@@ -16,15 +16,16 @@ run SDPA without the mask, and the row again masked if the mask hides keys (``de
 generate's all-ones mask, 0.98x -> 1.04x at 128K (``results/bench_prefill_h200_2026-12-01_v19*``, BENCHMARKS.md). A padded batch does not route.
 
 A site whose every head is routed runs the whole layer through SDPA, and its index then only serves to see
-whether a head has stopped being near-dense or costly. It builds the index at one call in ``RECHECK_EVERY`` (and at
-once when the prompt has grown ``RECHECK_GROWTH``-fold since the call it last checked), and skips it in
+whether a head has stopped being near-dense or costly. It builds the index at one call in ``RECHECK_EVERY`` at first
+(and at once when the prompt has grown ``RECHECK_GROWTH``-fold since the call it last checked), and skips it in
 between. On random weights (every head routed) a checking call costs ~1 % of the model's prefill at 64K-128K
 (+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*`` at 6fb579a), which the other seven calls
 now save. Each check that finds every head routed again doubles the calls until the next, up to ``RECHECK_MAX``: a
 layer whose heads all stay dense (the scattered inputs at 32K on an H200) then pays the index at one call in 64, not one
-in 8, where that eighth had left the op 2 % slower than cuDNN alone (BENCHMARKS.md section 1). A check that routes
-fewer heads starts over at ``RECHECK_EVERY``. A skipped check can only keep a head dense some calls longer: slower at
-worst, never less exact.
+in 8, which is 1.2 % of cuDNN's time there, the margin between the op's 0.98x and 1.00x of cuDNN in two runs
+(BENCHMARKS.md section 1). A check that routes fewer heads starts over at ``RECHECK_EVERY``; the checks a probe forces
+(:meth:`Router.index_at_every_call`) do not lengthen the interval. A skipped check can only keep a head dense some calls
+longer (up to ``RECHECK_MAX`` prompts of under twice the length): slower at worst, never less exact.
 
 No host sync: the host reads a decision only once the copy's event has completed
 (``Event.query``); until then it keeps the one before. During a CUDA graph capture nothing is read
@@ -49,7 +50,7 @@ NO_SITE = -1
 """the op's ``route_site`` when routing is off"""
 
 RECHECK_EVERY = 8
-"""an all-routed site builds its index at one call in this many (the others skip it)"""
+"""an all-routed site builds its index at one call in this many at first (the others skip it)"""
 RECHECK_MAX = 64
 """... doubling from ``RECHECK_EVERY`` up to this many while each check routes every head again"""
 RECHECK_GROWTH = 2
@@ -77,7 +78,10 @@ class SiteState:
     skipped: int = 0
     """calls since then that skipped the index (every head routed)"""
     all_routed_streak: int = 0
-    """observed calls in a row, up to the last one read, that routed every head"""
+    """decisions in a row, as the host read them, that routed every head (a decision the host never read because
+    the next call's overwrote it does not count)"""
+    probed: bool = False
+    """whether the latest observed call was inside :meth:`Router.index_at_every_call`"""
 
 
 def _capturing(device: torch.device) -> bool:
@@ -121,14 +125,18 @@ class Router:
         if site == NO_SITE or state is None or state.heads != heads:
             return ()
         if state.ready is not None and not _capturing(device) and state.ready.query():
-            self._take(state, _heads(state.host))
+            self._adopt_decision(state, _heads(state.host))
         return state.routed
 
     @staticmethod
-    def _take(state: SiteState, routed: tuple) -> None:
-        """Make ``routed`` the site's decision, once per observed call."""
+    def _adopt_decision(state: SiteState, routed: tuple) -> None:
+        """Make ``routed`` the site's decision (once per observed call that the host reads) and count the streak
+        of all-routed decisions; a probe's check may end the streak, never lengthen it."""
         state.routed, state.ready = routed, None
-        state.all_routed_streak = state.all_routed_streak + 1 if len(routed) == state.heads else 0
+        if len(routed) < state.heads:
+            state.all_routed_streak = 0
+        elif not state.probed:
+            state.all_routed_streak += 1
 
     def recheck_interval(self, site: int) -> int:
         """Calls from one index build of an all-routed ``site`` to the next: ``recheck_every``, doubled for each
@@ -153,7 +161,7 @@ class Router:
     def index_at_every_call(self):
         """Inside, every call builds its index (``index_due`` always True): for a probe that counts what the
         index decides, such as the prefill benchmark's guard counters. Only this thread's calls: others keep
-        skipping."""
+        skipping. Its checks do not lengthen the back-off (:meth:`recheck_interval`)."""
         token = self._every_call.set(True)
         try:
             yield
@@ -174,9 +182,9 @@ class Router:
             while len(self.states) > self.max_sites:
                 self.states.popitem(last=False)
         self.states.move_to_end(site)
-        state.checked_len, state.skipped = length, 0
+        state.checked_len, state.skipped, state.probed = length, 0, self._every_call.get()
         if not ran_dense.is_cuda:
-            self._take(state, _heads(every_row))
+            self._adopt_decision(state, _heads(every_row))
             return
         if state.host is None:
             state.host = torch.empty(heads, dtype=torch.uint8, pin_memory=True)

@@ -530,6 +530,7 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
     from minference_fx.autotune.workload import structured_qkv
 
     monkeypatch.setattr(routing.ROUTER, "recheck_every", recheck_every)
+    monkeypatch.setattr(routing.ROUTER, "recheck_max", recheck_every)  # no back-off: "checked" checks every call
 
     n, pad, scale = 16384, 3000, 128 ** -0.5
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)

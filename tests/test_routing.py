@@ -80,10 +80,18 @@ def test_each_check_that_routes_every_head_again_doubles_the_calls_to_the_next_u
         intervals.append(calls_to_next_check())
         router.observe(site, every, 1000)  # the check routed every head again
     assert intervals == [2, 4, 8, 8]
-    router.observe(site, one_sparse, 1000)  # a head came back sparse: not all routed, the index runs every call
+    router.observe(site, one_sparse, 1000)  # a head came back sparse: the streak ends
     assert router.routed_heads(site, 4, cpu) == (0, 1, 3) and router.recheck_interval(site) == 2
     router.observe(site, every, 1000)
     assert calls_to_next_check() == 2  # routed whole again: the count starts over
+    with router.index_at_every_call():  # a probe's checks neither lengthen the interval...
+        for _ in range(3):
+            router.observe(site, every, 1000)
+    assert router.recheck_interval(site) == 2
+    with router.index_at_every_call():  # ... nor keep it long once a head is sparse
+        router.observe(site, one_sparse, 1000)
+    router.observe(site, every, 1000)
+    assert router.recheck_interval(site) == 2
 
 
 def test_index_at_every_call_makes_its_own_threads_calls_check_and_no_others():
