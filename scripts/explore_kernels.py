@@ -11,7 +11,7 @@ usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k]
 * ``--parts-at``: the shipped sparse walk on both input families with the index whole, with its leftover columns
   dropped and with its blocks dropped, and the units of work each part lists (a block, or a gather of up to 64
   columns): what a gathered column costs against a block.
-Resident programs (a few an SM sharing the (query tile, head) items out) lost to one program an item by 15-130 %
+Resident programs (a few an SM sharing the (query tile, head) items out) lost to one program an item by 6-140 %
 (H200, 2026-12-05, BENCHMARKS.md section 1): ``git show da7a5bf:scripts/explore_kernels.py`` for that comparison.
 """
 from __future__ import annotations
