@@ -517,6 +517,29 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
     torch.testing.assert_close(_replayed(q, k, v, None, None, *args, site), routed)
 
 
+def test_an_all_routed_site_backs_off_its_index_checks_as_the_host_reads_each_decision(monkeypatch):
+    """Diffuse Q/K at 16K make every VS head near-dense, so each check routes all 8 heads again: read by the host
+    once its copy has landed, each such decision doubles the calls to the next check (2, 4, then the cap 4)."""
+    from minference_fx import routing
+
+    monkeypatch.setattr(routing.ROUTER, "recheck_every", 2)
+    monkeypatch.setattr(routing.ROUTER, "recheck_max", 4)
+    monkeypatch.setattr(dispatch, "walk_cost", lambda q, k: cost.UNTUNED_COST)  # the near-dense rule alone
+    n, scale = 16384, 128 ** -0.5
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    diffuse = [(1.28 * torch.randn(1, h, n, 128, device="cuda", generator=g)).bfloat16() for h in (8, 2, 2)]
+    site = routing.new_site()
+    checked = []
+    for call in range(12):
+        OP(*diffuse, None, None, scale, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+        torch.cuda.synchronize()
+        if routing.ROUTER.states[site].skipped == 0:  # this call built its index and recorded its decision
+            checked.append(call)
+    assert checked == [0, 2, 6, 10]
+    assert routing.ROUTER.routed_heads(site, 8, diffuse[0].device) == tuple(range(8))
+
+
 @pytest.mark.parametrize("recheck_every", [1, 8], ids=["index checked", "index skipped"])
 def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_and_capture(monkeypatch, recheck_every):
     """generate's mask on the GPU, one prompt: after diffuse Q/K at 16K (every VS head near-dense) the site

@@ -94,6 +94,22 @@ def test_each_check_that_routes_every_head_again_doubles_the_calls_to_the_next_u
     assert router.recheck_interval(site) == 2
 
 
+def test_op_backs_off_the_index_checks_of_a_site_that_stays_routed(monkeypatch):
+    """Through the op: every head near-dense at every check, so the checks come at calls 0, 2, 6 and 10 with
+    ``recheck_every`` 2 and ``recheck_max`` 4 (a check is a call that records a decision: ``skipped`` back at 0)."""
+    monkeypatch.setattr(routing.ROUTER, "recheck_every", 2)
+    monkeypatch.setattr(routing.ROUTER, "recheck_max", 4)
+    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
+    site = routing.new_site()
+    q, k, v = _qkv(640)
+    checked = []
+    for call in range(12):
+        OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
+        if routing.ROUTER.states[site].skipped == 0:
+            checked.append(call)
+    assert checked == [0, 2, 6, 10]
+
+
 def test_index_at_every_call_makes_its_own_threads_calls_check_and_no_others():
     import threading
 
