@@ -35,13 +35,15 @@ import time
 import torch
 
 from minference_fx.cli import parse_lengths
+from minference_fx.defaults import DEFAULTS
 from minference_fx.kernels.reference import BLOCK, VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS, VS_LAST_Q, build_index, listed_keys
 from minference_fx.observe import run_observed
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.tools import ruler, stdlib_code
 from minference_fx.tools.bench_prefill import build_real
 
-DEFAULT_KEYS_AT_128K = 1000 + 6096
+DEFAULT_COLUMNS, DEFAULT_DIAGONALS = DEFAULTS.budgets
+DEFAULT_KEYS_AT_128K = DEFAULT_COLUMNS + DEFAULT_DIAGONALS
 SPREAD_ROWS = 256
 ESTIMATES = ("last64", "mixed64", "mixed128", "oracle", "vs_index", "bs_index")
 
@@ -109,7 +111,7 @@ def main() -> None:
     length = args.length
     keys = args.keys or max(VS_FORCED_COLUMNS + VS_FORCED_DIAGONALS,
                             round(DEFAULT_KEYS_AT_128K * length / 131072))
-    columns = max(VS_FORCED_COLUMNS, round(keys * 1000 / DEFAULT_KEYS_AT_128K))
+    columns = max(VS_FORCED_COLUMNS, round(keys * DEFAULT_COLUMNS / DEFAULT_KEYS_AT_128K))
     diagonals = keys - columns
     model, tokenizer = build_real(args.model, length, torch.device("cpu"), torch.float32)
     haystack = stdlib_code.stdlib_code().text
@@ -121,11 +123,12 @@ def main() -> None:
     spans = insert_spans(sample, tokenizer)
     last = torch.arange(s - VS_LAST_Q, s)
     scored = {"last64": last, "spread": spread(VS_LAST_Q, s - VS_LAST_Q, SPREAD_ROWS, 0.5)}
-    estimate_rows = {
-        "last64": last,
-        "mixed64": torch.cat([spread(VS_LAST_Q, s - VS_LAST_Q, 32, 0.0), last[-32:]]),
-        "mixed128": torch.cat([spread(VS_LAST_Q, s - VS_LAST_Q, 64, 0.0), last]),
-    }
+    # each estimate: its rows spread over the prompt, then how many of the last rows
+    estimate_parts = {"last64": (torch.zeros(0, dtype=torch.long), VS_LAST_Q),
+                      "mixed64": (spread(VS_LAST_Q, s - VS_LAST_Q, 32, 0.0), 32),
+                      "mixed128": (spread(VS_LAST_Q, s - VS_LAST_Q, 64, 0.0), VS_LAST_Q)}
+    estimate_rows = {name: torch.cat([rows, last[len(last) - n_last:]])
+                     for name, (rows, n_last) in estimate_parts.items()}
     links = [(torch.arange(*spans[i]), spans[i - 1]) for i in range(1, len(spans))]
     print(f"{args.model}, variable tracking at {s} tokens (seed {args.seed}, depth {args.depth}): inserts at "
           f"{[a for a, _ in spans]}; budgets {columns} columns + {diagonals} diagonals = {keys} keys a row "
@@ -146,11 +149,13 @@ def main() -> None:
             k_g = k[h // group]
             prob = {name: probabilities(q[h], k_g, rows, call.scale) for name, rows in scored.items()}
             link_prob = [probabilities(q[h], k_g, rows, call.scale) for rows, _ in links]
-            link_mass = [p[:, a:b].sum(-1).mean().item() for p, (_, (a, b)) in zip(link_prob, links)]
-            # a row's softmax is its own: the index's estimate rows are the scored last rows, and the oracle's are
+            span_mass = [p[:, a:b].sum(-1) for p, (_, (a, b)) in zip(link_prob, links)]  # [link rows] each
+            link_mass = [m.mean().item() for m in span_mass]
+            # a row's softmax is its own: the estimates' last rows are the scored last rows, and the oracle's are
             # every scored row, so their probabilities are reused rather than computed again
-            estimate_prob = {name: prob["last64"] if name == "last64" else probabilities(q[h], k_g, rows, call.scale)
-                             for name, rows in estimate_rows.items()}
+            estimate_prob = {name: torch.cat([probabilities(q[h], k_g, rows, call.scale),
+                                              prob["last64"][VS_LAST_Q - n:]])
+                             for name, (rows, n) in estimate_parts.items()}
             sets = {name: picks(estimate_prob[name], rows, columns, diagonals) for name, rows in estimate_rows.items()}
             oracle_rows = torch.cat([scored["spread"], last, *(rows for rows, _ in links)])
             sets["oracle"] = picks(torch.cat([prob["spread"], prob["last64"], *link_prob]), oracle_rows, columns,
@@ -160,15 +165,14 @@ def main() -> None:
             readers.update({est: (lambda rows, tiles=tiles[h]: tiles[rows // BLOCK] & (torch.arange(s) <= rows[:, None]))
                             for est, tiles in indexes.items()})
             for est, reads in readers.items():
-                for name, rows in scored.items():
-                    row[f"{est}/{name}"] = (prob[name] * reads(rows)).sum(-1).mean().item()
-                rows = scored["spread"]
-                row[f"{est}/density"] = (reads(rows).sum(-1) / (rows + 1)).mean().item()
+                read = {name: reads(rows) for name, rows in scored.items()}
+                for name in scored:
+                    row[f"{est}/{name}"] = (prob[name] * read[name]).sum(-1).mean().item()
+                row[f"{est}/density"] = (read["spread"].sum(-1) / (scored["spread"] + 1)).mean().item()
                 inside = []
-                for p, (rows, (a, b)) in zip(link_prob, links):
-                    span_mass = p[:, a:b].sum(-1)
+                for p, m, (rows, (a, b)) in zip(link_prob, span_mass, links):
                     got = (p * reads(rows))[:, a:b].sum(-1)
-                    inside.append((got.sum() / span_mass.sum().clamp(min=1e-30)).item())
+                    inside.append((got.sum() / m.sum().clamp(min=1e-30)).item())
                 row[f"{est}/links"] = sum(inside) / max(len(inside), 1)
             per_head.append(row)
         layers.append(per_head)

@@ -38,6 +38,7 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import torch  # noqa: E402
 
+from minference_fx import dense  # noqa: E402
 from minference_fx.kernels import guard  # noqa: E402
 from minference_fx.kernels import reference as ref  # noqa: E402
 from minference_fx.kernels.attend import SKIP_CODE, sparse_attention_triton  # noqa: E402
@@ -242,11 +243,12 @@ def near_tie(values: torch.Tensor, k: int) -> bool:
     return bool((~((a == b) | apart)).any())
 
 
-def near_ties(q, k, plan: LayerPlan, scale, *, key_mask=None, doc_ids=None, q_offset=0, window=0) -> dict:
+def near_ties(q, k, plan: LayerPlan, scores, *, key_mask=None, doc_ids=None, q_offset=0, window=0) -> dict:
     """{head: which cut} of the heads with a near tie at a top-k cut, under the reference's rules (forced sinks from
-    the first kept key, the forced local band, forced and allowed block tiles)."""
+    the first kept key, the forced local band, forced and allowed block tiles); ``scores``: ``brute_vs``'s (vertical,
+    slash) of q and k, which no plan changes."""
     B, sq, skv, group = q.shape[0], q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-    vertical, slash = brute_vs(q, k, scale, key_mask, doc_ids, q_offset, window)
+    vertical, slash = scores
     j = torch.arange(skv)
     first_key = ref.first_kept_keys(key_mask, "cpu")[:, None, None]
     vertical = torch.where((j >= first_key) & (j < first_key + ref.VS_FORCED_COLUMNS), float("inf"), vertical)
@@ -284,12 +286,12 @@ def near_ties(q, k, plan: LayerPlan, scale, *, key_mask=None, doc_ids=None, q_of
     return ties
 
 
-def compare_index(got, want, mass, plan: LayerPlan, q, k, c: dict, what: str, mass_heads=None) -> list:
+def compare_index(got, want, mass, plan: LayerPlan, vertical, sq: int, skv: int, what: str, mass_heads=None) -> list:
     """[(head or None, problem)]: ``got`` against ``want`` entry by entry and as key sets (the head named: a near tie
     there may excuse it), and ``mass`` (of the heads ``mass_heads``, default the listed ones; -1 elsewhere) against
-    ``captured_mass`` of ``want`` where the lists agree (no tie excuses it then)."""
+    ``captured_mass`` of ``want`` where the lists agree (no tie excuses it then); ``vertical``: the guard's
+    ``vertical_scores`` of the case."""
     problems, bad_heads = [], set()
-    sq, skv = q.shape[2], k.shape[2]
     try:
         if got.block_start.shape[-1] == 0:  # check_format cannot take an empty capacity
             assert got.block_start.shape[-1] == index_capacity(plan, skv)[0] and not got.block_count.any()
@@ -324,7 +326,6 @@ def compare_index(got, want, mass, plan: LayerPlan, q, k, c: dict, what: str, ma
                                         f"want {only[1]}; keys only got {only[2]} only want {only[3]}"))
                     break
     checked = [h for h, hp in enumerate(plan.heads) if hp.pattern in (VS, BS)] if mass_heads is None else mass_heads
-    vertical = guard.vertical_scores(q, k, scale=c["scale"], **mask_args(c))
     want_mass = guard.captured_mass(vertical, want, min(ref.VS_LAST_Q, sq))
     for h in range(Hq):
         if h not in checked:
@@ -345,8 +346,13 @@ def run_index(c: dict) -> dict:
     else:
         mass = torch.full(q.shape[:2], -1.0)
     got = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks)
-    problems = compare_index(got, ref.build_index(q, k, plan, scale=scale, **masks), mass, plan, q, k, c, "single")
-    ties = near_ties(q.float(), k.float(), plan, scale, **masks)
+    # the guard's and the brute-force scores depend on q, k and the masks only: once for both plans
+    vertical = guard.vertical_scores(q, k, scale=scale, **masks)
+    scores = brute_vs(q, k, scale, masks["key_mask"], masks["doc_ids"], masks["q_offset"], masks["window"])
+    sq, skv = q.shape[2], k.shape[2]
+    problems = compare_index(got, ref.build_index(q, k, plan, scale=scale, **masks), mass, plan, vertical, sq, skv,
+                             "single")
+    ties = near_ties(q, k, plan, scores, **masks)
     escalated = escalated_plan(plan, c["esc"]) if c["esc"] is not None else None
     if escalated is not None:
         mass1, mass2 = torch.full(q.shape[:2], -1.0), torch.full(q.shape[:2], -1.0)
@@ -361,8 +367,9 @@ def run_index(c: dict) -> dict:
         # the escalated index lists only vertical-slash heads, the only ones the guard checks
         vs_heads = [h for h, hp in enumerate(plan.heads) if hp.pattern is VS]
         want_up = ref.build_index(q, k, escalated, scale=scale, **masks)
-        problems += compare_index(second, want_up, mass2, escalated, q, k, c, "escalated", mass_heads=vs_heads)
-        for h, why in near_ties(q.float(), k.float(), escalated, scale, **masks).items():
+        problems += compare_index(second, want_up, mass2, escalated, vertical, sq, skv, "escalated",
+                                  mass_heads=vs_heads)
+        for h, why in near_ties(q, k, escalated, scores, **masks).items():
             ties.setdefault(h, "escalated " + why)
     status = "ok"
     if problems:
@@ -373,23 +380,6 @@ def run_index(c: dict) -> dict:
 
 # ---- the attention layer --------------------------------------------------------------------------------------------
 
-def hybrid_index(gpu, reference, plan: LayerPlan):
-    """The GPU builder's lists for vertical-slash and block-sparse heads, the reference's for the others (int32, one
-    capacity): what the op hands the kernel."""
-    B, H, M = reference.block_count.shape
-    tiles = max(gpu.block_start.shape[-1], reference.block_start.shape[-1], 1)
-    cols = max(gpu.col_index.shape[-1], reference.col_index.shape[-1], 1)
-    out = ref.SparseIndex(torch.zeros(B, H, M, dtype=torch.int32),
-                          torch.full((B, H, M, tiles), ref.NO_BLOCK, dtype=torch.int32),
-                          torch.zeros(B, H, M, dtype=torch.int32), torch.full((B, H, M, cols), -1, dtype=torch.int32))
-    for h, hp in enumerate(plan.heads):
-        src = gpu if hp.pattern in (VS, BS) else reference
-        out.block_start[:, h, :, :src.block_start.shape[-1]] = src.block_start[:, h].int()
-        out.col_index[:, h, :, :src.col_index.shape[-1]] = src.col_index[:, h]
-        out.block_count[:, h], out.col_count[:, h] = src.block_count[:, h], src.col_count[:, h]
-    return out
-
-
 def run_attend(c: dict) -> dict:
     q, k, v = rand_qkv(c["n"] + 99, c)
     plan, scale, masks, mode = c["plan"], c["scale"], mask_args(c), c["mode"]
@@ -399,19 +389,20 @@ def run_attend(c: dict) -> dict:
     index = want_index = ref_index
     if c["gpu_index"]:
         index = build_index_gpu(q, k, plan, scale=scale, **masks)
-        want_index = hybrid_index(index, ref_index, plan)
+        # the reference runs the GPU builder's lists of the listed heads (the kernel's index), its own for the others
+        take = torch.tensor(dense.guarded_heads(plan)).expand(B, -1)
+        want_index = dense.take_index(ref_index, index, take)
     want = ref.sparse_attention_reference(q, k, v, plan, scale=scale, index=want_index, **masks).float()
     base = ref.base_allowed(torch.arange(sq) + c["q_offset"], skv, c["key_mask"], c["doc_ids"], c["window"])
-    reads = (ref.index_to_mask(want_index, range(sq), skv) & base).expand(B, Hq, -1, -1).clone()  # [B, Hq, Sq, Skv]
+    reads = ref.index_to_mask(want_index, range(sq), skv) & base  # [B, Hq, Sq, Skv]
     force = c["force"] if c["force"] is not None else torch.zeros(B, Hq, dtype=torch.bool)
     skipped = torch.zeros(B, Hq, dtype=torch.bool)
     skipped[:, c["skip_heads"]] = True
-    dense = force & ~skipped
-    if dense.any():
-        dense_plan = LayerPlan((HeadPlan(DENSE),) * Hq)
-        dense_index = ref.build_index(q, k, dense_plan, scale=scale, **masks)
-        want_dense = ref.sparse_attention_reference(q, k, v, dense_plan, scale=scale, index=dense_index, **masks)
-        want[dense], reads[dense] = want_dense.float()[dense], base.expand(B, Hq, -1, -1)[dense]
+    forced_dense = force & ~skipped
+    if forced_dense.any():
+        want_dense = ref.dense_attention_reference(q, k, v, scale=scale, **masks)
+        want[forced_dense] = want_dense.float()[forced_dense]
+        reads[forced_dense] = base.expand(B, Hq, -1, -1)[forced_dense]
 
     patterns, budget_a, budget_b = plan.op_arguments()
     patterns = [SKIP_CODE if h in c["skip_heads"] else p for h, p in enumerate(patterns)]
@@ -451,7 +442,7 @@ def run_attend(c: dict) -> dict:
     if c["lse"]:
         lse = results[0][1].clone()
         if mode == "split":  # the only launch wrote the forced pairs' LSE
-            lse[dense] = results[1][1][dense]
+            lse[forced_dense] = results[1][1][forced_dense]
         scores = (q.float() @ k.float().repeat_interleave(Hq // k.shape[1], 1).transpose(-1, -2)) * scale
         want_lse = torch.logsumexp(scores.masked_fill(~reads, float("-inf")), -1)
         g, w = lse[run], want_lse[run]

@@ -18,8 +18,8 @@ causal keys), from :mod:`minference_fx.kernels.density`.
 model calls it, once per forward at the same site: the quality guard on, the near-dense rule, and the
 routing that sends the heads the previous call ran dense, or found slower walked than dense (the cost
 model, :mod:`minference_fx.cost`), to the fused SDPA; its time is the mean over calls once the routing has
-settled, index rebuilds included: for a site whose every head is routed, the first of the routing's back-off
-(one call in 8, then 16), which a long run thins out to one call in 64.
+settled, index rebuilds included: for a site whose every head is routed, the window holds one rebuild (the
+back-off's first, 8 calls after the first call), where a long run thins them out to one call in 64.
 """
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def _ms(fn, reps_hint: float) -> float:
 def _op_ms(q, k, v, scale: float, plan: LayerPlan, calls: int) -> tuple[float, int]:
     """(mean milliseconds, heads routed) of the op at one new site with the default guard and no crossover: the
     mean of ``calls`` calls after three that let the routing settle (its decisions land a call late), so an
-    all-routed site's periodic index is in it (its first checks: ``routing.Router.recheck_interval``)."""
+    all-routed site's periodic index is in it once (its first check after the first call:
+    ``routing.Router.recheck_interval``)."""
     site = routing.new_site()
     args = (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
     op = torch.ops.minference.sparse_attention.default
