@@ -36,7 +36,8 @@
 # without the guard's escalation), vt_code_layers128 (the
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
 # candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
-# peers_512k (MInference at 512K, after step peers).
+# peers_512k (MInference at 512K, after step peers), vt_seeds128 (variable tracking at 128K, prose and code, three
+# seeds, the config shipped past 8K).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -183,6 +184,11 @@ PY
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json" ;;
+    vt_seeds128)  # variable tracking at 128K, prose and code, three seeds (45 strings a haystack, not 15): whether the
+                  # shipped config's code VT loss (2 of 15 strings) is its own or one seed's
+          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code \
+            --ruler-tasks variable_tracking --seeds 3 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+            --out "$STATE/$1_qwen.json" ;;
     eval128_8k)  # fidelity at 128K of the 8K-searched config (guard 0.8 + escalation) on the diagonal blocks
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json --out "$STATE/$1_qwen.json" ;;
