@@ -16,7 +16,7 @@
 # after a Triton kernel edit), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K, sparse from 16K), prefill_searched (TTFT 8K-128K with it), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
-# from 4K, not from the tuned crossover), breakdown (where the time goes at 128K), eval32 / eval128 (RULER-style
+# from 4K, not from the tuned crossover), breakdown (where the time goes at 128K, the config shipped past 8K), eval32 / eval128 (RULER-style
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
 # at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K), recall
@@ -219,7 +219,8 @@ PY
             "$CONFIG" "$STATE/config_sparse4k.json"
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k --variants eager,minference \
             --config "$STATE/config_sparse4k.json" --reps 3 --out "$STATE/bench_prefill_qwen_sparse4k.json" ;;
-    breakdown) timeout 400 minference-fx bench breakdown --model $MODEL --lengths 128k --config "$CONFIG" \
+    breakdown) timeout 400 minference-fx bench breakdown --model $MODEL --lengths 128k \
+                 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
                  --out "$STATE/breakdown_qwen_128k.json" ;;
     eval32|eval128) timeout 900 minference-fx eval --model $MODEL --lengths ${1#eval}k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config "$CONFIG" --out "$STATE/$1_qwen.json" ;;
