@@ -37,7 +37,7 @@
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
 # candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
 # peers_512k (MInference at 512K, after step peers), vt_seeds128 (variable tracking at 128K, prose and code, three
-# seeds, the config shipped past 8K).
+# seeds, the config shipped past 8K), candidate_cols1024 (that config with at least 1024 columns a head: code VT at 128K, TTFT).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -189,6 +189,24 @@ PY
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code \
             --ruler-tasks variable_tracking --seeds 3 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
             --out "$STATE/$1_qwen.json" ;;
+    candidate_cols1024)  # the config shipped past 8K with every vertical-slash head's columns raised to at least 1024 (2048
+                         # at 128K): code variable tracking at 128K on three seeds (its losses sit at depth 0.1, the chain
+                         # ~115K keys back), then TTFT at 64K/128K
+          python3 - configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json "$STATE/$1.json" <<'PY' || return 1
+import json, sys
+config = json.load(open(sys.argv[1]))
+raised = 0
+for heads in config["layers"]:
+    for head in heads:
+        if head["pattern"] == "vertical_slash" and head["budgets"][0] < 1024:
+            head["budgets"][0], raised = 1024, raised + 1
+json.dump(config, open(sys.argv[2], "w"), indent=1)
+print(f"{sys.argv[2]}: {raised} heads' columns raised to 1024")
+PY
+          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler-code --ruler-tasks variable_tracking \
+            --seeds 3 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json"
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+            --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
     eval128_8k)  # fidelity at 128K of the 8K-searched config (guard 0.8 + escalation) on the diagonal blocks
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json --out "$STATE/$1_qwen.json" ;;
