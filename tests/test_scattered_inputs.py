@@ -141,3 +141,23 @@ def test_rows_of_both_families_on_cpu(tmp_path):
     saved = json.loads(out.read_text())["rows"]
     assert [r["family"] for r in saved] == list(bench.KERNEL_FAMILIES)
     assert saved[1]["physical_by_head"] == rows[1].physical_by_head
+
+
+@pytest.mark.parametrize("every, cap, settle", [(2, 8, 7), (8, 64, 57), (8, 8, 1)])
+def test_the_op_column_settles_until_an_all_routed_sites_checks_are_furthest_apart(every, cap, settle):
+    """``bench kernels`` times the op over ``recheck_max`` calls after :func:`bench.settle_calls`: by then an
+    all-routed site's checks are ``recheck_max`` apart, so the window holds exactly one (the steady state)."""
+    from minference_fx import routing
+
+    router = routing.Router(recheck_every=every, recheck_max=cap)
+    site, cpu, every_head = router.new_site(), torch.device("cpu"), torch.ones(1, 4, dtype=torch.bool)
+    router.observe(site, every_head, 1000)  # call 0 builds the index and routes every head
+    checks = [0]
+    for call in range(1, settle + 3 * cap):
+        if router.index_due(site, 1000, cpu):
+            router.observe(site, every_head, 1000)
+            checks.append(call)
+    assert bench.settle_calls(router) == settle
+    window = [c for c in checks if settle <= c < settle + cap]
+    assert len(window) == 1
+    assert all(b - a == cap for a, b in zip(checks, checks[1:]) if a >= settle - 1)

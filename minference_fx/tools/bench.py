@@ -18,8 +18,9 @@ causal keys), from :mod:`minference_fx.kernels.density`.
 model calls it, once per forward at the same site: the quality guard on, the near-dense rule, and the
 routing that sends the heads the previous call ran dense, or found slower walked than dense (the cost
 model, :mod:`minference_fx.cost`), to the fused SDPA; its time is the mean over calls once the routing has
-settled, index rebuilds included: for a site whose every head is routed, the window holds one rebuild (the
-back-off's first, 8 calls after the first call), where a long run thins them out to one call in 64.
+settled, index rebuilds included: up to 128K, once an all-routed site's back-off has reached its longest interval
+(:func:`settle_calls`), over that interval (64 calls, one rebuild: the steady state of a long run); past 128K, where a
+call takes seconds, over 8 calls after three.
 """
 from __future__ import annotations
 
@@ -74,15 +75,23 @@ def _ms(fn, reps_hint: float) -> float:
     return float(triton.testing.do_bench(fn, warmup=max(1, int(reps_hint)), rep=max(1, int(4 * reps_hint)), return_mode="median"))
 
 
-def _op_ms(q, k, v, scale: float, plan: LayerPlan, calls: int) -> tuple[float, int]:
+def settle_calls(router: routing.Router) -> int:
+    """Calls until an all-routed site's index checks reach ``router``'s longest interval: checks at calls 0, 8, 24
+    and 56 by default, so 57; after them one call in ``recheck_max`` builds the index."""
+    calls, interval = 1, router.recheck_every
+    while interval < router.recheck_max:
+        calls += interval
+        interval = min(2 * interval, router.recheck_max)
+    return calls
+
+
+def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
     """(mean milliseconds, heads routed) of the op at one new site with the default guard and no crossover: the
-    mean of ``calls`` calls after three that let the routing settle (its decisions land a call late), so an
-    all-routed site's periodic index is in it once (its first check after the first call:
-    ``routing.Router.recheck_interval``)."""
+    mean of ``calls`` calls after ``settle`` that let the routing settle (its decisions land a call late)."""
     site = routing.new_site()
     args = (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
     op = torch.ops.minference.sparse_attention.default
-    for _ in range(3):
+    for _ in range(settle):  # each decision lands before the next call, as between a model's forwards
         op(*args)
         torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -235,8 +244,9 @@ def bench_kernels(lengths, *, families=KERNEL_FAMILIES, budgets=DEFAULTS.budgets
                    **density_fields(case.density),
                    tflops_computed=4 * shape["head_dim"] * computed_pairs / (kernel_ms * 1e-3) / 1e12,
                    cudnn_ms=None, flash_ms=None, flex_ms=None, flex_mask_ms=None)
-        calls = 2 * routing.ROUTER.recheck_every if seq <= 131072 else routing.ROUTER.recheck_every
-        row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, calls)
+        router = routing.ROUTER
+        settle, calls = ((settle_calls(router), router.recheck_max) if seq <= 131072 else (3, router.recheck_every))
+        row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, settle, calls)
         dense_reps = 3 if seq <= 131072 else 1
         k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
