@@ -368,7 +368,7 @@ def run_index(c: dict) -> dict:
         problems += compare_index(second, want_up, mass2, escalated, vertical, sq, skv, "escalated",
                                   mass_heads=vs_heads)
     status, ties = "ok", {}
-    if problems:  # only a disagreement needs the ties that may excuse it (the search costs a case's time again)
+    if problems:  # only a disagreement needs the near ties that may excuse it (a passing case logs none)
         scores = brute_vs(q, k, scale, masks["key_mask"], masks["doc_ids"], masks["q_offset"], masks["window"])
         ties = near_ties(q, k, plan, scores, **masks)
         if escalated is not None:
