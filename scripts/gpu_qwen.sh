@@ -11,7 +11,9 @@
 #                                       collect: every poll brings back all results so far
 #
 # The device tool gives a machine back after 30 s without a call, and what the steps wrote goes with it: while
-# steps run, keep calling `poll` (each call keeps the machine busy while it waits), never leave a gap.
+# steps run, keep calling `poll` (each call keeps the machine busy while it waits), never leave a gap. A machine can
+# also be taken back mid-step without warning (twice on 2026-12-05, once with a finished step's JSON on it): end every
+# call, a model part's `receive` included, with `collect`, so each result reaches $OUT in the call after it lands.
 # Steps: tune (d128/g6, the model's shape, with the 64K bucket the shipped table lacks), retune (the three shipped shapes
 # after a Triton kernel edit), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K, sparse from 16K), prefill_searched (TTFT 8K-128K with it), prefill (TTFT 4K-128K, eager vs minference with the
