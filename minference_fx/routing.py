@@ -22,8 +22,7 @@ between. On random weights (every head routed) a checking call costs ~1 % of the
 (+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*`` at 6fb579a), which the other seven calls
 now save. Each check that finds every head routed again doubles the calls until the next, up to ``RECHECK_MAX``: a
 layer whose heads all stay dense (the scattered inputs at 32K on an H200) then pays the index at one call in 64, not one
-in 8, which is 1.2 % of cuDNN's time there, the margin between the op's 0.98x and 1.00x of cuDNN in two runs
-(BENCHMARKS.md section 1). A check that routes fewer heads starts over at ``RECHECK_EVERY``; the checks a probe forces
+in 8: 0.1 % of cuDNN's time there, where the op measured 1.01x cuDNN once settled (BENCHMARKS.md section 1). A check that routes fewer heads starts over at ``RECHECK_EVERY``; the checks a probe forces
 (:meth:`Router.index_at_every_call`) do not lengthen the interval. A skipped check can only keep a head dense some calls
 longer (up to ``RECHECK_MAX`` prompts of under twice the length): slower at worst, never less exact.
 

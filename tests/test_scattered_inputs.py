@@ -145,8 +145,9 @@ def test_rows_of_both_families_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("every, cap, settle", [(2, 8, 7), (8, 64, 57), (8, 8, 1)])
 def test_the_op_column_settles_until_an_all_routed_sites_checks_are_furthest_apart(every, cap, settle):
-    """``bench kernels`` times the op over ``recheck_max`` calls after :func:`bench.settle_calls`: by then an
-    all-routed site's checks are ``recheck_max`` apart, so the window holds exactly one (the steady state)."""
+    """``bench kernels`` times the op over ``recheck_max`` calls after :func:`bench.settle_calls` (``bench.op_window``
+    up to 128K): by then an all-routed site's checks are ``recheck_max`` apart, so the window holds exactly one (the
+    steady state)."""
     from minference_fx import routing
 
     router = routing.Router(recheck_every=every, recheck_max=cap)
@@ -158,6 +159,7 @@ def test_the_op_column_settles_until_an_all_routed_sites_checks_are_furthest_apa
             router.observe(site, every_head, 1000)
             checks.append(call)
     assert bench.settle_calls(router) == settle
+    assert bench.op_window(router, 32768) == (settle, cap) and bench.op_window(router, 524288) == (3, every)
     window = [c for c in checks if settle <= c < settle + cap]
     assert len(window) == 1
     assert all(b - a == cap for a, b in zip(checks, checks[1:]) if a >= settle - 1)

@@ -85,6 +85,15 @@ def settle_calls(router: routing.Router) -> int:
     return calls
 
 
+def op_window(router: routing.Router, seq: int) -> tuple[int, int]:
+    """(calls to settle, calls timed) of the op column at ``seq`` keys: up to 128K, :func:`settle_calls` and then the
+    longest interval between an all-routed site's checks (one check in the window); past 128K, where a call takes
+    seconds, three and ``recheck_every``."""
+    if seq > 131072:
+        return 3, router.recheck_every
+    return settle_calls(router), max(router.recheck_max, router.recheck_every)
+
+
 def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
     """(mean milliseconds, heads routed) of the op at one new site with the default guard and no crossover: the
     mean of ``calls`` calls after ``settle`` that let the routing settle (its decisions land a call late)."""
@@ -244,9 +253,7 @@ def bench_kernels(lengths, *, families=KERNEL_FAMILIES, budgets=DEFAULTS.budgets
                    **density_fields(case.density),
                    tflops_computed=4 * shape["head_dim"] * computed_pairs / (kernel_ms * 1e-3) / 1e12,
                    cudnn_ms=None, flash_ms=None, flex_ms=None, flex_mask_ms=None)
-        router = routing.ROUTER
-        settle, calls = ((settle_calls(router), router.recheck_max) if seq <= 131072 else (3, router.recheck_every))
-        row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, settle, calls)
+        row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, *op_window(routing.ROUTER, seq))
         dense_reps = 3 if seq <= 131072 else 1
         k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
