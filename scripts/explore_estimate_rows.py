@@ -102,6 +102,9 @@ def main() -> None:
     parser.add_argument("--length", type=lambda s: parse_lengths(s)[0], default=8192)
     parser.add_argument("--keys", type=int, default=None,
                         help="keys a row (columns + diagonals); default: the default budgets' share at 128K")
+    parser.add_argument("--columns", type=int, default=None,
+                        help="columns a row, with --diagonals: budgets of their own instead of --keys' default split")
+    parser.add_argument("--diagonals", type=int, default=None, help="diagonals a row, with --columns")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--depth", type=float, default=0.2)
     parser.add_argument("--top-heads", type=int, default=8, help="link heads reported apart: the most link mass")
@@ -113,6 +116,11 @@ def main() -> None:
                             round(DEFAULT_KEYS_AT_128K * length / 131072))
     columns = max(VS_FORCED_COLUMNS, round(keys * DEFAULT_COLUMNS / DEFAULT_KEYS_AT_128K))
     diagonals = keys - columns
+    if (args.columns is None) != (args.diagonals is None):
+        parser.error("--columns and --diagonals go together")
+    if args.columns is not None:
+        columns, diagonals = args.columns, args.diagonals
+        keys = columns + diagonals
     model, tokenizer = build_real(args.model, length, torch.device("cpu"), torch.float32)
     haystack = stdlib_code.stdlib_code().text
     # as `eval` asks an instruct model: in its chat template
