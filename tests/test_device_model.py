@@ -77,7 +77,8 @@ def test_a_lost_machine_has_everything_missing_and_a_damaged_part_is_rejected(fa
     assert fresh["present"] == [] and fresh["missing"] == [1, 2, 3, 4]
     dm.stage([3, 4], manifest, gguf, xfer, limit_mib=1, fetch_wheel=False)
     damaged = xfer / "parts" / "part03.bin"
-    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    data = damaged.read_bytes()
+    damaged.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # always a change: a fixed byte matched 1 in 256 random parts
     (xfer / "parts" / "part99.bin").write_bytes(b"stray")
     state = dm.receive(manifest, store, xfer)
     assert state["rejected"] == ["part03.bin", "part99.bin"] and state["missing"] == [3]
