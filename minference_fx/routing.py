@@ -22,8 +22,9 @@ between. On random weights (every head routed) a checking call costs ~1 % of the
 (+9 / +24 ms of 865 / 2799 ms, ``results/bench_prefill_h200_2026-12-02_v27*`` at 6fb579a), which the other seven calls
 now save. Each check that finds every head routed again doubles the calls until the next, up to ``RECHECK_MAX``: a
 layer whose heads all stay dense (the scattered inputs at 32K on an H200) then pays the index at one call in 64, not one
-in 8: 0.1 % of cuDNN's time there, where the op measured 1.01x cuDNN once settled (BENCHMARKS.md section 1). A check that routes fewer heads starts over at ``RECHECK_EVERY``; the checks a probe forces
-(:meth:`Router.index_at_every_call`) do not lengthen the interval. A skipped check can only keep a head dense some calls
+in 8: 0.1 % of cuDNN's time there, where the op measured 1.01x cuDNN once settled (BENCHMARKS.md section 1). A check
+that routes fewer heads starts over at ``RECHECK_EVERY``; the checks a probe forces (:meth:`Router.index_at_every_call`)
+do not lengthen the interval. A skipped check can only keep a head dense some calls
 longer (up to ``RECHECK_MAX`` prompts of under twice the length): slower at worst, never less exact.
 
 No host sync: the host reads a decision only once the copy's event has completed
@@ -138,11 +139,19 @@ class Router:
             state.all_routed_streak += 1
 
     def recheck_interval(self, site: int) -> int:
-        """Calls from one index build of an all-routed ``site`` to the next: ``recheck_every``, doubled for each
-        further observed call in a row that routed every head, at most ``recheck_max``."""
+        """Calls from one index build of an all-routed ``site`` to the next (:meth:`interval_after` its streak)."""
         state = self.states.get(site)
-        streak = state.all_routed_streak if state is not None else 0
-        return min(self.recheck_every << max(streak - 1, 0), max(self.recheck_max, self.recheck_every))
+        return self.interval_after(state.all_routed_streak if state is not None else 0)
+
+    def interval_after(self, streak: int) -> int:
+        """Calls to the next index build after ``streak`` read decisions in a row that routed every head:
+        ``recheck_every``, doubled for each after the first, at most :attr:`longest_interval`."""
+        return min(self.recheck_every << max(streak - 1, 0), self.longest_interval)
+
+    @property
+    def longest_interval(self) -> int:
+        """The calls between an all-routed site's index builds once its back-off is done."""
+        return max(self.recheck_max, self.recheck_every)
 
     def index_due(self, site: int, length: int, device: torch.device) -> bool:
         """Whether this call of ``site``, whose every head is routed, builds its index (:meth:`recheck_interval`,

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minference_fx import cost
+from minference_fx import cost, routing
 from minference_fx.autotune import dispatch
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
@@ -436,7 +436,6 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     graph captured on a routed site reads and queues nothing while capturing and replays the routed path."""
     import torch.nn.functional as F
 
-    from minference_fx import routing
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
     from minference_fx.kernels.index import build_index_gpu
@@ -488,7 +487,6 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
     it is not routed whole."""
     import torch.nn.functional as F
 
-    from minference_fx import routing
     from minference_fx.cost import WalkCost
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
@@ -520,8 +518,6 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
 def test_an_all_routed_site_backs_off_its_index_checks_as_the_host_reads_each_decision(monkeypatch):
     """Diffuse Q/K at 16K make every VS head near-dense, so each check routes all 8 heads again: read by the host
     once its copy has landed, each such decision doubles the calls to the next check (2, 4, then the cap 4)."""
-    from minference_fx import routing
-
     monkeypatch.setattr(routing.ROUTER, "recheck_every", 2)
     monkeypatch.setattr(routing.ROUTER, "recheck_max", 4)
     monkeypatch.setattr(dispatch, "walk_cost", lambda q, k: cost.UNTUNED_COST)  # the near-dense rule alone
@@ -549,7 +545,6 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
     index (``sparse_on_gpu``) or skips it (``dense.every_head_routed``)."""
     import torch.nn.functional as F
 
-    from minference_fx import routing
     from minference_fx.autotune.workload import structured_qkv
 
     monkeypatch.setattr(routing.ROUTER, "recheck_every", recheck_every)

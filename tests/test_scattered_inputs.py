@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from minference_fx import routing
 from minference_fx.autotune import workload
 from minference_fx.kernels import density as den
 from minference_fx.kernels import reference as ref
@@ -148,8 +149,6 @@ def test_the_op_column_settles_until_an_all_routed_sites_checks_are_furthest_apa
     """``bench kernels`` times the op over ``recheck_max`` calls after :func:`bench.settle_calls` (``bench.op_window``
     up to 128K): by then an all-routed site's checks are ``recheck_max`` apart, so the window holds exactly one (the
     steady state)."""
-    from minference_fx import routing
-
     router = routing.Router(recheck_every=every, recheck_max=cap)
     site, cpu, every_head = router.new_site(), torch.device("cpu"), torch.ones(1, 4, dtype=torch.bool)
     router.observe(site, every_head, 1000)  # call 0 builds the index and routes every head

@@ -76,12 +76,12 @@ def _ms(fn, reps_hint: float) -> float:
 
 
 def settle_calls(router: routing.Router) -> int:
-    """Calls until an all-routed site's index checks reach ``router``'s longest interval: checks at calls 0, 8, 24
-    and 56 by default, so 57; after them one call in ``recheck_max`` builds the index."""
-    calls, interval = 1, router.recheck_every
-    while interval < router.recheck_max:
-        calls += interval
-        interval = min(2 * interval, router.recheck_max)
+    """Calls until an all-routed site's index checks are :attr:`~routing.Router.longest_interval` apart: checks at
+    calls 0, 8, 24 and 56 by default, so 57 (the check at call 0 starts the streak at one)."""
+    calls, streak = 1, 1
+    while router.interval_after(streak) < router.longest_interval:
+        calls += router.interval_after(streak)
+        streak += 1
     return calls
 
 
@@ -91,7 +91,7 @@ def op_window(router: routing.Router, seq: int) -> tuple[int, int]:
     seconds, three and ``recheck_every``."""
     if seq > 131072:
         return 3, router.recheck_every
-    return settle_calls(router), max(router.recheck_max, router.recheck_every)
+    return settle_calls(router), router.longest_interval
 
 
 def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
