@@ -59,20 +59,8 @@ install() {
 
 derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 tokens, every head's budgets times $5
                      # (default 1), budget growth $6 ("KEYS,EXPONENT"; default none)
-  python3 - "$@" <<'PY'
-import json, sys
-source, target, guard, min_sparse_len = sys.argv[1:5]
-scale = float(sys.argv[5]) if len(sys.argv) > 5 else 1.0
-growth = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else None
-config = json.load(open(source))
-config["defaults"].update(min_sparse_len=int(min_sparse_len), guard_threshold=float(guard),
-                          budget_growth=[int(growth[0]), float(growth[1])] if growth else None)
-for heads in config["layers"]:
-    for head in heads:
-        head["budgets"] = [round(b * scale) for b in head.get("budgets", [])]
-json.dump(config, open(target, "w"), indent=1)
-print(f"{target}: sparse from {min_sparse_len}, guard {guard}, budgets x{scale}, growth {growth}")
-PY
+  python3 -m minference_fx.tools.candidates derived "$1" --out "$2" --guard-threshold "$3" --min-sparse-len "$4" \
+    --scale "${5:-1}" ${6:+--budget-growth ${6%,*} ${6#*,}}
 }
 
 step() {   # $1: step name; its log is $STATE/$1.txt
@@ -172,16 +160,8 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --model $MODEL --length 128k --tasks variable_tracking --haystacks code --out "$STATE/task_layers_vt_code_128k.json" ;;
     candidate128_links)  # the config shipped past 8K with the heads that carry variable tracking's links run dense (the top
                          # link heads of scripts/explore_estimate_rows.py on the CPU): TTFT at 64K/128K, fidelity at 128K
-          python3 - configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json results/explore_estimate_rows_qwen_cpu_2026-12-05_8k*.json \
-            "$STATE/$1.json" <<'PY' || return 1
-import json, sys
-config, probes, out = json.load(open(sys.argv[1])), [json.load(open(f)) for f in sys.argv[2:-1]], sys.argv[-1]
-heads = sorted({tuple(h) for probe in probes for h in probe["top_link_heads"]})
-for layer, head in heads:
-    config["layers"][layer][head] = {"pattern": "dense", "budgets": [0, 0]}
-json.dump(config, open(out, "w"), indent=1)
-print(f"{out}: heads {heads} dense")
-PY
+          python3 -m minference_fx.tools.candidates dense-heads configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+            --probes results/explore_estimate_rows_qwen_cpu_2026-12-05_8k*.json --out "$STATE/$1.json" || return 1
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
@@ -194,17 +174,8 @@ PY
     candidate_cols1024)  # the config shipped past 8K with every vertical-slash head's columns raised to at least 1024 (2048
                          # at 128K): code variable tracking at 128K on three seeds (its losses sit at depth 0.1, the chain
                          # ~115K keys back), then TTFT at 64K/128K
-          python3 - configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json "$STATE/$1.json" <<'PY' || return 1
-import json, sys
-config = json.load(open(sys.argv[1]))
-raised = 0
-for heads in config["layers"]:
-    for head in heads:
-        if head["pattern"] == "vertical_slash" and head["budgets"][0] < 1024:
-            head["budgets"][0], raised = 1024, raised + 1
-json.dump(config, open(sys.argv[2], "w"), indent=1)
-print(f"{sys.argv[2]}: {raised} heads' columns raised to 1024")
-PY
+          python3 -m minference_fx.tools.candidates min-columns configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json 1024 \
+            --out "$STATE/$1.json" || return 1
           timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler-code --ruler-tasks variable_tracking \
             --seeds 3 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json"
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
@@ -214,16 +185,8 @@ PY
             --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json --out "$STATE/$1_qwen.json" ;;
     candidate32k_fwe)  # that config sparse from 32K with the layers fwe_layers32 found run dense: TTFT at 32K with and
                        # without CUDA graphs, fidelity at 32K (forced sparse, three seeds)
-          python3 - configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json "$STATE/task_layers_fwe_32k.json" "$STATE/$1.json" <<'PY' || return 1
-import json, sys
-config, found = (json.load(open(f)) for f in sys.argv[1:3])
-layers = sorted({layer for group in found["found"] for layer in group}) if found["found"] != [list(range(len(config["layers"])))] else []
-for layer in layers:
-    config["layers"][layer] = [{"pattern": "dense", "budgets": [0, 0]} for _ in config["layers"][layer]]
-config["defaults"]["min_sparse_len"] = 32768
-json.dump(config, open(sys.argv[3], "w"), indent=1)
-print(f"{sys.argv[3]}: sparse from 32K, layers {layers} dense")
-PY
+          python3 -m minference_fx.tools.candidates dense-layers configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+            --found "$STATE/task_layers_fwe_32k.json" --min-sparse-len 32768 --out "$STATE/$1.json" || return 1
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 32k,64k --variants eager,minference,minference-ro \
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 400 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code,ppl,ppl-code,niah \
@@ -235,8 +198,7 @@ PY
                --variants eager,inductor,minference,minference-noguard --config "$CONFIG" --reps 3 \
                --out "$STATE/bench_prefill_qwen.json" ;;
     prefill_sparse4k)  # the same config sparse from 4K instead of from the tuned crossover
-          python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['defaults']['min_sparse_len']=4096; json.dump(c, open(sys.argv[2], 'w'))" \
-            "$CONFIG" "$STATE/config_sparse4k.json"
+          python3 -m minference_fx.tools.candidates min-sparse-len "$CONFIG" 4096 --out "$STATE/config_sparse4k.json" || return 1
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k --variants eager,minference \
             --config "$STATE/config_sparse4k.json" --reps 3 --out "$STATE/bench_prefill_qwen_sparse4k.json" ;;
     breakdown) timeout 400 minference-fx bench breakdown --model $MODEL --lengths 128k \
