@@ -8,6 +8,8 @@ from minference_fx import recent_reports, routing
 from minference_fx.call_masks import CallMasks
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
+from routing_helpers import calls_that_checked
+
 OP = torch.ops.minference.sparse_attention.default
 
 
@@ -102,12 +104,8 @@ def test_op_backs_off_the_index_checks_of_a_site_that_stays_routed(monkeypatch):
     plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
     site = routing.new_site()
     q, k, v = _qkv(640)
-    checked = []
-    for call in range(12):
-        OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)
-        if routing.ROUTER.states[site].skipped == 0:
-            checked.append(call)
-    assert checked == [0, 2, 6, 10]
+    run = lambda: OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)  # noqa: E731
+    assert calls_that_checked(run, site) == [0, 2, 6, 10]
 
 
 def test_index_at_every_call_makes_its_own_threads_calls_check_and_no_others():
