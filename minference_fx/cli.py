@@ -14,7 +14,7 @@ from .config import ConfigError
 from .defaults import DEFAULTS, TUNED_CROSSOVER
 from .inspection import inspect
 from .plan import Pattern
-from .tools import assets, bench, bench_prefill, breakdown, demo, evaluate, pick_device, tiny
+from .tools import assets, bench, bench_prefill, breakdown, demo, evaluate, pick_device, stdlib_code, tiny
 
 
 def build_model(spec: str, attn: str, layers: int | None = None):
@@ -166,6 +166,19 @@ def _bench(args) -> int:
     return 0
 
 
+def _calibration_text(source: str) -> tuple[str, str]:
+    """(text, how the config's provenance names it) of one ``search --data`` source."""
+    if source == "austen":
+        return assets.austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
+    if source == "code":
+        code = stdlib_code.stdlib_code()
+        return code.text, (f"Python {code.python}'s standard-library sources ({code.files} files, "
+                           f"sha256 {code.sha256[:12]})")
+    if not Path(source).is_file():
+        sys.exit(f"search --data: {source!r} is not 'austen', 'code' or a text file")
+    return Path(source).read_text(), source
+
+
 def _search(args) -> int:
     lengths = parse_lengths(args.lengths)
     yarn = args.yarn
@@ -186,13 +199,12 @@ def _search(args) -> int:
         model = build_model(args.model, "sdpa")
     # fp32 on either device: the scores are compared across heads and candidates, not speed-critical numerics
     model = model.to(pick_device(args.device))
-    if args.data == "austen":
-        text, data_name = assets.austen_text(), "Jane Austen's novels (Debian r-cran-janeaustenr)"
-    else:
-        text, data_name = Path(args.data).read_text(), str(args.data)
+    sources = [_calibration_text(name) for name in args.data.split(",")]
+    data_name = " + ".join(name for _, name in sources)
     if yarn and yarn > 1:
         data_name += f"; model with YaRN x{yarn:g} rope scaling"
-    samples = [s for n in lengths for s in search.text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
+    samples = [s for n in lengths for text, _ in sources
+               for s in search.text_samples(tokenizer, text, length=n, count=args.samples, seed=args.seed)]
     guard_defaults = {}
     if args.guard_threshold is not None:
         guard_defaults["guard_threshold"] = args.guard_threshold
@@ -414,9 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("search", help="offline pattern search: per (layer, head) pattern into a semantic config")
     sp.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, or a local HF model directory "
                     "with a tokenizer")
-    sp.add_argument("--data", default="austen", help="'austen' (Jane Austen's novels, fetched once) or a text file")
+    sp.add_argument("--data", default="austen", help="calibration text, comma-separated sources: 'austen' (Jane "
+                    "Austen's novels, fetched once), 'code' (Python's standard-library sources) or a text file; "
+                    "--samples windows of each")
     sp.add_argument("--lengths", default="8k", help="calibration lengths, e.g. 4k,8k")
-    sp.add_argument("--samples", type=_positive_int, default=2, help="windows per length")
+    sp.add_argument("--samples", type=_positive_int, default=2, help="windows per length and source")
     sp.add_argument("--bound", type=float, default=0.05, help="largest mean relative output error a sparse head may have")
     sp.add_argument("--target-density", type=float, default=0.24, help="mean physical density the choice aims at")
     sp.add_argument("--yarn", type=float, default=None, metavar="FACTOR", help="a named model: YaRN rope scaling "

@@ -219,6 +219,16 @@ def test_cli_search_loads_smollm2_with_yarn_past_8k(tmp_path, monkeypatch):
     assert searches[0]["guard_defaults"] == {}
     with pytest.raises(SystemExit, match="only with --model smollm2"):
         cli.main([*common, "--model", "llama", "--yarn", "2"])
+    # several sources: --samples windows of each, all named in the provenance
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "mod.py").write_text("def f(x):\n    return x + 1\n" * 2000)
+    monkeypatch.setattr(cli.stdlib_code, "stdlib_root", lambda: code)
+    assert cli.main([*common[:2], f"code,{data}", *common[3:], "--lengths", "8k", "--samples", "2"]) == 0
+    assert searches[-1]["lengths"] == [8192] * 4
+    assert searches[-1]["data_name"].startswith("Python ") and searches[-1]["data_name"].endswith(f" + {data}")
+    with pytest.raises(SystemExit, match="'prose' is not 'austen', 'code' or a text file"):
+        cli.main([*common[:2], "prose", *common[3:]])
     # a tiny family or a config.json has no tokenizer: refused before the model is built
     monkeypatch.setattr(cli, "build_model", lambda *a: pytest.fail("built a model it cannot tokenize for"))
     for model in ("llama", str(tmp_path / "config.json")):
