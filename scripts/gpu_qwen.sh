@@ -39,7 +39,8 @@
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
 # candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
 # peers_512k (MInference at 512K, after step peers), vt_seeds128 (variable tracking at 128K, prose and code, three
-# seeds, the config shipped past 8K), candidate_cols1024 (that config with at least 1024 columns a head: code VT at 128K, TTFT).
+# seeds, the config shipped past 8K), candidate_cols1024 (that config with at least 1024 columns a head: code VT at 128K, TTFT),
+# search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT, the fidelity table).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -180,6 +181,18 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --seeds 3 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json"
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
+    search_prose_code32k)  # the 32K search calibrated on prose and code (one window each), with the shipped config's
+                           # defaults; then code variable tracking at 128K on three seeds (the shipped config loses 9 of 45
+                           # strings there) and the full fidelity table and TTFT at 64K/128K
+          timeout 400 minference-fx search --model $MODEL --data austen,code --lengths 32k --samples 1 --yarn 4 \
+            --guard-threshold 0.8 --guard-escalation 1000 6096 --min-sparse-len 65536 --budget-growth 32768 0.5 \
+            --out "$STATE/$1.json" || return 1
+          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler-code --ruler-tasks variable_tracking \
+            --seeds 3 --config "$STATE/$1.json" --out "$STATE/eval128_vt_qwen_$1.json"
+          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
+            --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
+            --ppl-tokens 1024 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json" ;;
     eval128_8k)  # fidelity at 128K of the 8K-searched config (guard 0.8 + escalation) on the diagonal blocks
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json --out "$STATE/$1_qwen.json" ;;
