@@ -29,38 +29,6 @@ Compare rules at equal physical density: that is the walk's time.
         --rules single:6096,single:1524,prune:96,optimal:96 [--tiles 8] [--out FILE.json]
     python scripts/explore_band_picks.py --model qwen2.5-coder-1.5b --lengths 16k --budgets 125 762 \
         --rules single:762,single:190,prune:16,prune:24 --out FILE.json      # every layer, Austen prose, fp32
-"""Arithmetic and CPU attention, no kernel: vertical-slash heads that pick diagonal *blocks* by their mass instead of
-single diagonals (issue 36, part 2: work proportional to the keys the index keeps).
-
-Today a head ranks single diagonals by the estimate's slash scores, keeps the best S, and the index turns them into
-diagonal blocks (``reference.diagonal_blocks``): a block at offset x of a query tile whose rows sit at ``lo ..
-lo + 63`` holds keys ``lo - x .. lo - x + 63``. Where the picks scatter, each lone diagonal costs a whole 64 x 64
-block of work for one key a row (``scripts/explore_layouts.py``: physical density 8.9x logical at 128K on the
-scattered family, bounded by the picks, not the layout). The walk computes every key of its blocks, so the keys
-the attention reads are the blocks' keys, not the picked diagonals.
-
-Here a head picks the blocks themselves. A block at x holds diagonal ``x + j`` for ``64 - |j|`` of a tile's 64
-rows (a tent over ``x - 63 .. x + 63``), so its share of the estimate is the tent-weighted sum of the slash
-scores. Blocks at least 64 apart never overlap, and two that are exactly 64 apart hold every diagonal between
-them whole, so the mass of a set of such blocks is the sum of their tents. The rule (``band``): the forced local
-band's blocks (offsets 0, 64, 128, as the index makes of diagonals 0 .. 99), then greedily the block of highest
-tent score at least 64 from every block taken (``--grid G`` restricts offsets to multiples of G, as a GPU pass
-scanning fewer candidates would), ``ceil(S / 64)`` blocks in all, so a row reads about S keys on diagonals as today.
-Columns are picked as today.
-
-For each head it reports, against the index as built today (``single``), on the same estimate:
-
-* physical density (64 x 64 steps walked over causal tiles) and logical density (keys kept over causal keys; for
-  ``band`` the blocks' keys, since those are what the rule keeps);
-* on sampled query tiles (the last one and ``--tiles`` spread over the prompt): the dense attention mass inside the
-  keys each rule reads (blocks and columns), and the relative error of the attention output against dense
-  (``|o - o_dense| / |o_dense|`` pooled over the sampled rows and the heads).
-
-``band_equal_work`` also picks blocks by tent score, but as many as ``single`` walks for the head, to compare at equal
-work instead of equal keys.
-
-    python scripts/explore_band_picks.py --families structured,scattered --lengths 32k [--tiles 8] [--grid 1] \\
-        [--out results/explore_band_picks_cpu_DATE.json]
 """
 from __future__ import annotations
 
