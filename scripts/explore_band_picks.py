@@ -13,6 +13,7 @@ its share of the estimate is the tent-weighted sum of the slash scores. Blocks 6
 of every diagonal, so a set of such blocks holds the sum of their tents. The rules, each ``RULE:N``:
 
 * ``single:S``: today's index at S diagonals (and the given columns);
+* ``aligned:S``: the same picks on aligned key tiles, as the index walked them before diagonal blocks (c533d13);
 * ``prune:B``: today's blocks at the ``--budgets`` diagonals, cut to the forced band's (offsets 0, 64, 128) and the
   best by tent, B in all: a rule a GPU index could run after its block pass (a gather and a top-k a head);
 * ``optimal:B``: the B blocks, 64 or more apart, of largest total tent (a dynamic program with a Lagrangian price
@@ -49,7 +50,7 @@ from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.tools.bench_prefill import build_real, text_prompt_ids
 
 FAMILIES = {"structured": structured_qkv, "scattered": scattered_qkv}
-RULES = ("single", "prune", "optimal")
+RULES = ("single", "aligned", "prune", "optimal")
 
 
 def tent_scores(slash: np.ndarray) -> np.ndarray:
@@ -66,6 +67,13 @@ def tent_scores(slash: np.ndarray) -> np.ndarray:
 def forced_blocks(skv: int) -> list[int]:
     """The blocks the index makes of the forced local diagonals 0 .. 99 (offsets 0, 64, 128)."""
     return diagonal_blocks(range(min(VS_FORCED_DIAGONALS, skv)))
+
+
+def aligned_blocks(diagonals: list[int]) -> list[int]:
+    """The aligned key tiles the index walked before diagonal blocks, as offsets: a diagonal d = 64a + b crosses key
+    tiles m - a and, when b > 0, m - a - 1 of query tile m, which are the blocks at offsets 64a and 64(a + 1)."""
+    tiles_back = {d // BLOCK for d in diagonals} | {d // BLOCK + 1 for d in diagonals if d % BLOCK}
+    return sorted(BLOCK * t for t in tiles_back)
 
 
 def pruned_blocks(single: list[int], tent: np.ndarray, n_blocks: int) -> list[int]:
@@ -200,7 +208,7 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
         plan = LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, columns, n_diags) for _ in range(Hq)))
         return key_selection(vertical, slash, plan)
 
-    singles = {n: picks_at(n) for n in {diagonals} | {b for r, b in rules if r == "single"}}
+    singles = {n: picks_at(n) for n in {diagonals} | {b for r, b in rules if r in ("single", "aligned")}}
     base = singles[diagonals]
     _, hi_all = tile_bounds(sq)
     causal_tiles = int(sum(h // BLOCK + 1 for h in hi_all))
@@ -210,7 +218,7 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
         acc = tally.rules[label]
         acc["causal_tiles"] += Hq * causal_tiles
         acc["causal_keys"] += Hq * causal_keys
-        if rule == "single":  # the pattern's keys, as kernels.density counts them
+        if rule in ("single", "aligned"):  # the pattern's keys, as kernels.density counts them
             acc["keys"] += float(_vs_logical(singles[budget], sq, sq, 0).sum())
     for h in range(Hq):
         cols = base.columns[0, h].numpy()
@@ -221,13 +229,15 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
         for label, (rule, budget) in zip(labels, rules):
             if rule == "single":
                 blocks = single_blocks[budget]
+            elif rule == "aligned":
+                blocks = aligned_blocks([d for d in singles[budget].diagonals[0, h].tolist() if d >= 0])
             elif rule == "prune":
                 blocks = pruned_blocks(single_blocks[diagonals], tent, budget)
             else:
                 blocks = optimal_blocks(tent, budget)
             steps, keys, offsets[label] = head_work(blocks, cols, sq)
             tally.rules[label]["steps"] += steps
-            if rule != "single":
+            if rule not in ("single", "aligned"):
                 tally.rules[label]["keys"] += keys
         kh, vh = k[0, h // group].float(), v[0, h // group].float()
         for t in tiles:
@@ -294,7 +304,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="32k")
     parser.add_argument("--budgets", type=int, nargs=2, default=(1000, 6096), metavar=("COLUMNS", "DIAGONALS"))
     parser.add_argument("--rules", default="single:6096,prune:96,optimal:96",
-                        help="RULE:N, comma-separated: single:DIAGONALS, prune:BLOCKS, optimal:BLOCKS")
+                        help="RULE:N, comma-separated: single:DIAGONALS, aligned:DIAGONALS, prune:BLOCKS, optimal:BLOCKS")
     parser.add_argument("--tiles", type=int, default=8, help="query tiles sampled besides the last one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
