@@ -30,6 +30,8 @@ Compare rules at equal physical density: that is the walk's time.
         --rules single:6096,single:1524,prune:96,optimal:96 [--tiles 8] [--out FILE.json]
     python scripts/explore_band_picks.py --model qwen2.5-coder-1.5b --lengths 16k --budgets 125 762 \
         --rules single:762,single:190,prune:16,prune:24 --out FILE.json      # every layer, Austen prose, fp32
+    python scripts/explore_band_picks.py --model qwen2.5-coder-1.5b --lengths 16k --configs A.json,B.json --out FILE.json
+        # each config's plan at that length, on the heads vertical-slash in all of them (today's index)
 """
 from __future__ import annotations
 
@@ -37,12 +39,14 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from minference_fx.autotune.workload import scattered_qkv, structured_qkv
 from minference_fx.cli import parse_lengths
+from minference_fx.config import SemanticConfig, load_config
 from minference_fx.kernels.density import _vs_logical, causal_pairs, key_selection, vs_scores
 from minference_fx.kernels.reference import BLOCK, VS_FORCED_DIAGONALS, diagonal_blocks
 from minference_fx.observe import run_observed
@@ -225,7 +229,7 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
         tent = tent_scores(slash[0, h].numpy())
         single_blocks = {n: diagonal_blocks([d for d in p.diagonals[0, h].tolist() if d >= 0])
                          for n, p in singles.items()}
-        offsets = {}
+        reads = {}
         for label, (rule, budget) in zip(labels, rules):
             if rule == "single":
                 blocks = single_blocks[budget]
@@ -235,25 +239,61 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
                 blocks = pruned_blocks(single_blocks[diagonals], tent, budget)
             else:
                 blocks = optimal_blocks(tent, budget)
-            steps, keys, offsets[label] = head_work(blocks, cols, sq)
+            steps, keys, x = head_work(blocks, cols, sq)
+            reads[label] = (x, cols)
             tally.rules[label]["steps"] += steps
             if rule not in ("single", "aligned"):
                 tally.rules[label]["keys"] += keys
-        kh, vh = k[0, h // group].float(), v[0, h // group].float()
-        for t in tiles:
-            lo = t * BLOCK
-            rows = min(BLOCK, sq - lo)
-            s = (q[0, h, lo: lo + rows].float() @ kh.T) * scale
-            causal = torch.arange(sq)[None, :] <= (lo + torch.arange(rows))[:, None]
-            p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
-            dense = p @ vh
-            tally.ref2 += float((dense ** 2).sum())
-            for label, x in offsets.items():
-                m = read_mask(x, cols, lo, rows, sq)
-                tally.rules[label]["mass"] += float((p * m).sum())
-                ps = torch.softmax(s.masked_fill(~m, float("-inf")), -1)
-                tally.rules[label]["err2"] += float(((ps @ vh - dense) ** 2).sum())
-                tally.rules[label]["rows"] += rows
+        tally_reads(q[0, h], k[0, h // group], v[0, h // group], scale, reads, tiles, tally)
+
+
+def tally_reads(q_h, k_g, v_g, scale: float, reads: dict, tiles: list[int], tally: Tally) -> None:
+    """Add to ``tally`` the dense mass inside, and the output error of, each rule's keys (``reads[label]`` = (block
+    offsets, columns)) on the sampled query tiles of one head."""
+    sq = q_h.shape[0]
+    kh, vh = k_g.float(), v_g.float()
+    for t in tiles:
+        lo = t * BLOCK
+        rows = min(BLOCK, sq - lo)
+        s = (q_h[lo: lo + rows].float() @ kh.T) * scale
+        causal = torch.arange(sq)[None, :] <= (lo + torch.arange(rows))[:, None]
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+        dense = p @ vh
+        tally.ref2 += float((dense ** 2).sum())
+        for label, (x, cols) in reads.items():
+            m = read_mask(x, cols, lo, rows, sq)
+            tally.rules[label]["mass"] += float((p * m).sum())
+            ps = torch.softmax(s.masked_fill(~m, float("-inf")), -1)
+            tally.rules[label]["err2"] += float(((ps @ vh - dense) ** 2).sum())
+            tally.rules[label]["rows"] += rows
+
+
+def measure_configs_call(q, k, v, scale: float, *, plans: dict[str, LayerPlan], tiles: list[int],
+                         tally: Tally) -> int:
+    """Add one attention call to ``tally`` for each semantic config's plan of the layer (``plans[label]``), over the
+    heads that are vertical-slash in every plan (today's index: single diagonals). Returns how many heads that is."""
+    Hq, Hkv, sq = q.shape[1], k.shape[1], q.shape[2]
+    group = Hq // Hkv
+    heads = [h for h in range(Hq) if all(p.heads[h].pattern is Pattern.VERTICAL_SLASH for p in plans.values())]
+    if not heads:
+        return 0
+    vertical, slash = vs_scores(q, k, scale=scale)
+    picks = {label: key_selection(vertical, slash, plan) for label, plan in plans.items()}
+    _, hi_all = tile_bounds(sq)
+    for label, pick in picks.items():
+        acc = tally.rules[label]
+        acc["causal_tiles"] += len(heads) * int(sum(h // BLOCK + 1 for h in hi_all))
+        acc["causal_keys"] += len(heads) * sq * (sq + 1) // 2
+        acc["keys"] += float(_vs_logical(pick, sq, sq, 0)[0, heads].sum())
+    for h in heads:
+        reads = {}
+        for label, pick in picks.items():
+            cols = pick.columns[0, h].numpy()
+            steps, _, x = head_work(diagonal_blocks([d for d in pick.diagonals[0, h].tolist() if d >= 0]), cols, sq)
+            reads[label] = (x, cols)
+            tally.rules[label]["steps"] += steps
+        tally_reads(q[0, h], k[0, h // group], v[0, h // group], scale, reads, tiles, tally)
+    return len(heads)
 
 
 def measure_family(family: str, sq: int, *, columns: int, diagonals: int, rules: list[tuple[str, int]], n_tiles: int,
@@ -270,19 +310,26 @@ def measure_family(family: str, sq: int, *, columns: int, diagonals: int, rules:
 
 
 def measure_model(name: str, sq: int, *, columns: int, diagonals: int, rules: list[tuple[str, int]], n_tiles: int,
-                  seed: int) -> dict:
-    """Every layer of a real model on ``sq`` tokens of Austen's prose (fp32 on the CPU), pooled over its heads."""
+                  seed: int, configs: dict[str, SemanticConfig] | None = None) -> dict:
+    """Every layer of a real model on ``sq`` tokens of Austen's prose (fp32 on the CPU), pooled over its heads: the
+    rules at uniform budgets, or with ``configs`` each config's plan at that length (its vertical-slash heads)."""
     started = time.time()
     model, tokenizer = build_real(name, sq, torch.device("cpu"), torch.float32)
     ids = text_prompt_ids(tokenizer, sq, seed, "cpu")
     tiles = sampled_tiles(ids.shape[1], n_tiles)
-    tally = Tally([f"{r}:{b}" for r, b in rules])
+    tally = Tally(list(configs) if configs else [f"{r}:{b}" for r, b in rules])
     per_layer = []
 
     def observe(call) -> None:
         layer = Tally(list(tally.rules))
-        measure_call(call.q, call.k, call.v, call.scale, columns=columns, diagonals=diagonals, rules=rules,
-                     tiles=tiles, tally=layer)
+        if configs:
+            n_heads = call.q.shape[1]
+            plans = {label: c.plan_at(call.layer, 0, n_heads, call.k.shape[2]) for label, c in configs.items()}
+            if not measure_configs_call(call.q, call.k, call.v, call.scale, plans=plans, tiles=tiles, tally=layer):
+                return
+        else:
+            measure_call(call.q, call.k, call.v, call.scale, columns=columns, diagonals=diagonals, rules=rules,
+                         tiles=tiles, tally=layer)
         for label, acc in layer.rules.items():
             for key, value in acc.items():
                 tally.rules[label][key] += value
@@ -293,7 +340,7 @@ def measure_model(name: str, sq: int, *, columns: int, diagonals: int, rules: li
 
     run_observed(model.model, ids, observe)
     return {"model": name, "length": ids.shape[1], "columns": columns, "diagonals": diagonals, "seed": seed,
-            "text": "austen", "sampled_tiles": tiles, "rules": tally.summary(), "layers": per_layer,
+            "configs": {label: str(c.provenance.notes)[-200:] for label, c in (configs or {}).items()}, "text": "austen", "sampled_tiles": tiles, "rules": tally.summary(), "layers": per_layer,
             "seconds": round(time.time() - started, 1)}
 
 
@@ -301,6 +348,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="structured,scattered")
     parser.add_argument("--model", help="a real model (e.g. qwen2.5-coder-1.5b) on Austen's prose instead of --families")
+    parser.add_argument("--configs", help="with --model: semantic config files, comma-separated, compared on their "
+                        "vertical-slash heads instead of --rules")
     parser.add_argument("--lengths", default="32k")
     parser.add_argument("--budgets", type=int, nargs=2, default=(1000, 6096), metavar=("COLUMNS", "DIAGONALS"))
     parser.add_argument("--rules", default="single:6096,prune:96,optimal:96",
@@ -315,6 +364,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     budgets = dict(columns=args.budgets[0], diagonals=args.budgets[1], rules=rules, n_tiles=args.tiles,
                    seed=args.seed)
+    if args.configs:
+        if not args.model:
+            parser.error("--configs needs --model")
+        budgets["configs"] = {Path(f).stem: load_config(f) for f in args.configs.split(",")}
     cases = ([(args.model, sq) for sq in parse_lengths(args.lengths)] if args.model else
              [(family, sq) for family in args.families.split(",") for sq in parse_lengths(args.lengths)])
     for family, sq in cases:
