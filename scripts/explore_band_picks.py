@@ -195,6 +195,12 @@ class Tally:
                               "err2": 0.0, "rows": 0} for label in labels}
         self.ref2 = 0.0
 
+    def add_causal(self, label: str, n_heads: int, sq: int) -> None:
+        """Count ``n_heads`` heads' causal tiles and keys of an ``sq``-row call, the denominators of the densities."""
+        _, hi = tile_bounds(sq)
+        self.rules[label]["causal_tiles"] += n_heads * int((hi // BLOCK + 1).sum())
+        self.rules[label]["causal_keys"] += n_heads * sq * (sq + 1) // 2
+
     def summary(self) -> dict:
         return {label: {"physical": a["steps"] / a["causal_tiles"], "logical": a["keys"] / a["causal_keys"],
                         "mass": a["mass"] / a["rows"], "rel_err": math.sqrt(a["err2"] / self.ref2)}
@@ -214,16 +220,11 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
 
     singles = {n: picks_at(n) for n in {diagonals} | {b for r, b in rules if r in ("single", "aligned")}}
     base = singles[diagonals]
-    _, hi_all = tile_bounds(sq)
-    causal_tiles = int(sum(h // BLOCK + 1 for h in hi_all))
-    causal_keys = sq * (sq + 1) // 2
     labels = [f"{r}:{b}" for r, b in rules]
     for label, (rule, budget) in zip(labels, rules):
-        acc = tally.rules[label]
-        acc["causal_tiles"] += Hq * causal_tiles
-        acc["causal_keys"] += Hq * causal_keys
+        tally.add_causal(label, Hq, sq)
         if rule in ("single", "aligned"):  # the pattern's keys, as kernels.density counts them
-            acc["keys"] += float(_vs_logical(singles[budget], sq, sq, 0).sum())
+            tally.rules[label]["keys"] += float(_vs_logical(singles[budget], sq, sq, 0).sum())
     for h in range(Hq):
         cols = base.columns[0, h].numpy()
         tent = tent_scores(slash[0, h].numpy())
@@ -279,12 +280,9 @@ def measure_configs_call(q, k, v, scale: float, *, plans: dict[str, LayerPlan], 
         return 0
     vertical, slash = vs_scores(q, k, scale=scale)
     picks = {label: key_selection(vertical, slash, plan) for label, plan in plans.items()}
-    _, hi_all = tile_bounds(sq)
     for label, pick in picks.items():
-        acc = tally.rules[label]
-        acc["causal_tiles"] += len(heads) * int(sum(h // BLOCK + 1 for h in hi_all))
-        acc["causal_keys"] += len(heads) * sq * (sq + 1) // 2
-        acc["keys"] += float(_vs_logical(pick, sq, sq, 0)[0, heads].sum())
+        tally.add_causal(label, len(heads), sq)
+        tally.rules[label]["keys"] += float(_vs_logical(pick, sq, sq, 0)[0, heads].sum())
     for h in heads:
         reads = {}
         for label, pick in picks.items():

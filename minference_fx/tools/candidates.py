@@ -21,7 +21,6 @@ from pathlib import Path
 from minference_fx.config import load_config
 
 
-
 def dense_head() -> dict:
     return {"pattern": "dense", "budgets": [0, 0]}
 
@@ -63,16 +62,19 @@ def dense_layers(config: dict, layers: list[int], min_sparse_len: int | None = N
         out["layers"][layer] = [dense_head() for _ in out["layers"][layer]]
     change = f"layers {sorted(layers)} dense"
     if min_sparse_len is not None:
-        out["defaults"]["min_sparse_len"] = min_sparse_len
-        change += f", sparse from {min_sparse_len} keys"
+        change += ", " + _set_min_sparse_len(out, min_sparse_len)
     return _noted(out, change), change
 
 
 def with_min_sparse_len(config: dict, min_sparse_len: int) -> tuple[dict, str]:
     out = copy.deepcopy(config)
-    out["defaults"]["min_sparse_len"] = min_sparse_len
-    change = f"sparse from {min_sparse_len} keys"
+    change = _set_min_sparse_len(out, min_sparse_len)
     return _noted(out, change), change
+
+
+def _set_min_sparse_len(config: dict, min_sparse_len: int) -> str:
+    config["defaults"]["min_sparse_len"] = min_sparse_len
+    return f"sparse from {min_sparse_len} keys"
 
 
 def derived(config: dict, *, guard_threshold: float, min_sparse_len: int, scale: float = 1.0,
