@@ -47,7 +47,7 @@ import torch
 from minference_fx.autotune.workload import scattered_qkv, structured_qkv
 from minference_fx.cli import parse_lengths
 from minference_fx.config import SemanticConfig, load_config
-from minference_fx.kernels.density import _vs_logical, causal_pairs, key_selection, vs_scores
+from minference_fx.kernels.density import causal_pairs, key_selection, selection_pairs, vs_scores
 from minference_fx.kernels.reference import BLOCK, VS_FORCED_DIAGONALS, diagonal_blocks
 from minference_fx.observe import run_observed
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
@@ -224,7 +224,7 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
     for label, (rule, budget) in zip(labels, rules):
         tally.add_causal(label, Hq, sq)
         if rule in ("single", "aligned"):  # the pattern's keys, as kernels.density counts them
-            tally.rules[label]["keys"] += float(_vs_logical(singles[budget], sq, sq, 0).sum())
+            tally.rules[label]["keys"] += float(selection_pairs(singles[budget], sq, sq, 0).sum())
     for h in range(Hq):
         cols = base.columns[0, h].numpy()
         tent = tent_scores(slash[0, h].numpy())
@@ -282,7 +282,7 @@ def measure_configs_call(q, k, v, scale: float, *, plans: dict[str, LayerPlan], 
     picks = {label: key_selection(vertical, slash, plan) for label, plan in plans.items()}
     for label, pick in picks.items():
         tally.add_causal(label, len(heads), sq)
-        tally.rules[label]["keys"] += float(_vs_logical(pick, sq, sq, 0)[0, heads].sum())
+        tally.rules[label]["keys"] += float(selection_pairs(pick, sq, sq, 0)[0, heads].sum())
     for h in heads:
         reads = {}
         for label, pick in picks.items():

@@ -202,7 +202,7 @@ def _query_tiles(sq: int, skv: int, q_offset: int, device) -> tuple[torch.Tensor
     return lo, hi, torch.clamp(hi, max=skv - 1) // BLOCK
 
 
-def _vs_logical(selection: KeySelection, sq: int, skv: int, q_offset: int) -> torch.Tensor:
+def selection_pairs(selection: KeySelection, sq: int, skv: int, q_offset: int) -> torch.Tensor:
     """float64 ``[B, H]``: causal pairs on the columns or the diagonals, each pair once."""
     cols, diags = selection.columns, selection.diagonals
     q_end = q_offset + sq
@@ -282,7 +282,7 @@ def index_density(index: SparseIndex, plan: LayerPlan, selection: KeySelection |
                           torch.full((B, Hq), float(causal_keys), dtype=torch.float64, device=dev))
     if has_vs:
         logical = torch.where(codes == PATTERN_CODES[Pattern.VERTICAL_SLASH],
-                              _vs_logical(selection, sq, skv, q_offset).to(dev), logical)
+                              selection_pairs(selection, sq, skv, q_offset).to(dev), logical)
     bs = [h for h, hp in enumerate(plan.heads) if hp.pattern is Pattern.BLOCK_SPARSE]
     if bs:
         # only the block-sparse heads' lists: a vertical-slash head's list is far wider
