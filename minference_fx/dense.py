@@ -93,11 +93,9 @@ def dense_attention(q, k, v, masks: CallMasks, scale: float, walk=None) -> torch
     mask, then the row again in the masked dense walk if the mask hides a key of it.
     """
     sq, skv = q.shape[-2], k.shape[-2]
-    gqa = q.shape[1] != k.shape[1]
     if fused_sdpa_applies(sq, skv, masks):
         # a prefill aligned at 0 is causal; otherwise (a decode step) every cached key is visible
-        causal = masks.q_offset == 0 and sq == skv
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
+        return fused_sdpa(q, k, v, causal=masks.q_offset == 0 and sq == skv, scale=scale)
     if q.is_cuda and sq * skv > MASKED_SDPA_MAX_PAIRS:
         if walk is None:
             raise ValueError(f"dense_attention: a masked call of {sq} x {skv} pairs on the GPU runs the kernel's dense "
@@ -111,6 +109,19 @@ def dense_attention(q, k, v, masks: CallMasks, scale: float, walk=None) -> torch
             return dense_walk(q, k, v, masks, scale, walk, out=out)
         return dense_walk(q, k, v, masks, scale, walk)
     return masked_sdpa(q, k, v, masks, scale)
+
+
+def fused_sdpa(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+    """SDPA with no mask, grouped KV heads included, on a kernel that builds no score matrix."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and q.is_cuda and q.dtype == torch.float32:
+        # On CUDA only the flash and cuDNN kernels take grouped KV heads, and neither takes float32: SDPA would fall
+        # back to its math path, which builds every score ([B, Hq, Sq, Skv] in float32: 48 GiB for Qwen2.5-Coder's 12
+        # heads at 32K, where the float32 search ran out of an H100's memory). Repeated KV heads cost Hq / Hkv copies
+        # of K and V instead, and the memory-efficient kernel takes them.
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        group = 1
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1).contiguous()
 
 
 def masked_sdpa(q, k, v, masks: CallMasks, scale: float) -> torch.Tensor:

@@ -355,6 +355,29 @@ def test_masked_dense_attention_past_the_limit_builds_no_pair_sized_mask(batch):
     assert _rel(got, want) < 1e-2
 
 
+def test_float32_grouped_dense_attention_builds_no_score_matrix():
+    """The float32 search's dense calls (12 query / 2 KV heads, as Qwen2.5-Coder) run on a kernel that builds no
+    [Hq, Sq, Skv] score matrix: SDPA's math fallback for grouped float32 heads would take 3 GiB here, 48 GiB at 32K."""
+    from minference_fx import dense
+
+    n, group = 8192, 6
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 2 * group, n, 128, device="cuda", generator=gen)
+    k, v = (torch.randn(1, 2, n, 128, device="cuda", generator=gen) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = dense.dense_attention(q, k, v, CallMasks(), 0.125)
+    torch.cuda.synchronize()
+    # the output and the repeated K and V take 144 MiB; the scores of one head alone 256 MiB, of all twelve 3 GiB
+    assert torch.cuda.max_memory_allocated() - base < 4 * n * n
+    rows = slice(n - 256, n)  # the last rows, against explicit float64 attention on every key
+    s = (q[:, :, rows].double() @ k.repeat_interleave(group, 1).double().transpose(-1, -2)) * 0.125
+    causal = torch.arange(n, device="cuda")[None] <= torch.arange(n - 256, n, device="cuda")[:, None]
+    want = torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v.repeat_interleave(group, 1).double()
+    assert _rel(got[:, :, rows], want) < 1e-3
+
+
 def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_keep_the_mask(monkeypatch):
     """generate's prefill of one prompt below the crossover, past the pair limit: SDPA never reads a mask,
     all-ones or left-padded, and the result is the mask-building path's; a decode step still passes its small
