@@ -111,14 +111,21 @@ def dense_attention(q, k, v, masks: CallMasks, scale: float, walk=None) -> torch
     return masked_sdpa(q, k, v, masks, scale)
 
 
+def repeats_kv_heads(q, group: int) -> bool:
+    """Whether :func:`fused_sdpa` repeats grouped KV heads for SDPA instead of passing ``enable_gqa``.
+
+    On CUDA only the flash and cuDNN kernels take grouped KV heads, and neither takes float32: SDPA would fall back
+    to its math path, which builds every score ([B, Hq, Sq, Skv] in float32: 48 GiB for Qwen2.5-Coder's 12 heads
+    at 32K, where the float32 search ran out of an H100's memory). Repeated KV heads cost Hq / Hkv copies of K and
+    V instead, and the memory-efficient kernel takes them.
+    """
+    return group > 1 and q.is_cuda and q.dtype == torch.float32
+
+
 def fused_sdpa(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
     """SDPA with no mask, grouped KV heads included, on a kernel that builds no score matrix."""
     group = q.shape[1] // k.shape[1]
-    if group > 1 and q.is_cuda and q.dtype == torch.float32:
-        # On CUDA only the flash and cuDNN kernels take grouped KV heads, and neither takes float32: SDPA would fall
-        # back to its math path, which builds every score ([B, Hq, Sq, Skv] in float32: 48 GiB for Qwen2.5-Coder's 12
-        # heads at 32K, where the float32 search ran out of an H100's memory). Repeated KV heads cost Hq / Hkv copies
-        # of K and V instead, and the memory-efficient kernel takes them.
+    if repeats_kv_heads(q, group):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         group = 1
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1).contiguous()

@@ -32,6 +32,26 @@ def test_decode_step_sees_every_cached_key():
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True))
 
 
+@pytest.mark.parametrize(("is_cuda", "dtype", "group", "repeats"),
+                         [(True, torch.float32, 6, True), (True, torch.bfloat16, 6, False), (True, torch.float32, 1, False),
+                          (False, torch.float32, 6, False)])
+def test_only_float32_grouped_heads_on_cuda_repeat_their_kv_heads(is_cuda, dtype, group, repeats):
+    """SDPA's fused CUDA kernels that take grouped KV heads take no float32 (its math path would build every score):
+    only there are the KV heads repeated; bf16 keeps enable_gqa, and the CPU's kernels take either."""
+    from types import SimpleNamespace
+
+    from minference_fx.dense import repeats_kv_heads
+
+    assert repeats_kv_heads(SimpleNamespace(is_cuda=is_cuda, dtype=dtype), group) is repeats
+
+
+def test_dense_attention_of_grouped_float32_heads_equals_repeated_heads():
+    q, k, v = _qkv(sq=64, skv=64)
+    got = dense_attention(q, k, v, CallMasks(), 0.25)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=0.25)
+    torch.testing.assert_close(got, want)
+
+
 def test_dense_path_equals_reference_with_padding_window_and_offset():
     q, k, v = _qkv(sq=40, skv=100, b=2)
     key_mask = torch.ones(2, 100, dtype=torch.bool)
