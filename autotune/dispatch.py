@@ -38,10 +38,6 @@ def set_on_miss(enabled: bool) -> None:
     _on_miss = bool(enabled)
 
 
-def on_miss() -> bool:
-    return _on_miss
-
-
 def _can_tune(q: torch.Tensor) -> bool:
     return q.is_cuda
 

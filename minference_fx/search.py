@@ -276,12 +276,6 @@ def choose_heads(scores: list[LayerScores], candidates: list[HeadPlan], *, bound
     return Choice(picks, table(err), table(rec), table(dens))
 
 
-def choose(scores: LayerScores, candidates: list[HeadPlan], bound: float, **rule) -> list[HeadEntry]:
-    """One layer's heads (no global density budget unless ``target_density`` is given)."""
-    picked = choose_heads([scores], candidates, bound=bound, **rule)
-    return _entries(picked, candidates)[0]
-
-
 def _entries(choice: Choice, candidates: list[HeadPlan]) -> list[list[HeadEntry]]:
     return [[HeadEntry(candidates[c].pattern, (candidates[c].budget_a, candidates[c].budget_b), choice.error[l][h])
              for h, c in enumerate(layer)] for l, layer in enumerate(choice.picks)]

@@ -6,6 +6,7 @@ import torch
 
 from minference_fx import cli
 from minference_fx.options import BackendOptions
+from minference_fx.tools import assets
 from minference_fx.tools import bench_prefill as bp
 from tiny_models import reports_since
 
@@ -340,10 +341,10 @@ def test_gpu_small_model_all_variants(tmp_path):
 
 
 def test_smollm2_yarn_factor_covers_the_longest_prompt():
-    assert bp.smollm2_yarn_factor(8192) == 1.0
-    assert bp.smollm2_yarn_factor(8193) == 2.0
-    assert bp.smollm2_yarn_factor(131072) == 16.0
-    assert all(8192 * bp.smollm2_yarn_factor(n) >= n for n in (1, 5000, 40000, 1 << 20))
+    assert assets.smollm2_yarn_factor(8192) == 1.0
+    assert assets.smollm2_yarn_factor(8193) == 2.0
+    assert assets.smollm2_yarn_factor(131072) == 16.0
+    assert all(8192 * assets.smollm2_yarn_factor(n) >= n for n in (1, 5000, 40000, 1 << 20))
 
 
 def test_a_local_model_directory_is_benchmarked_with_its_own_weights(tmp_path):

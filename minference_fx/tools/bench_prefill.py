@@ -69,7 +69,6 @@ from ..kernels import guard
 from ..dense import NEAR_DENSE_STATS
 from ..plan import HeadPlan, LayerPlan, Pattern
 from . import assets, bench, pick_device
-from .assets import smollm2_yarn_factor
 from .evaluate import CHARS_PER_TOKEN_ROOM, text_window_ids
 
 LLAMA3_8B = dict(
