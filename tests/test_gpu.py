@@ -375,7 +375,7 @@ def test_float32_grouped_dense_attention_builds_no_score_matrix():
     s = (q[:, :, rows].double() @ k.repeat_interleave(group, 1).double().transpose(-1, -2)) * 0.125
     causal = torch.arange(n, device="cuda")[None] <= torch.arange(n - 256, n, device="cuda")[:, None]
     want = torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v.repeat_interleave(group, 1).double()
-    assert _rel(got[:, :, rows], want) < 1e-3
+    assert _rel(got[:, :, rows], want) < 5e-3  # TF32 would give about 1e-3; heads paired wrongly, order 1
 
 
 def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_keep_the_mask(monkeypatch):
