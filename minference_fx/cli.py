@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -261,17 +262,14 @@ def _autotune(args) -> int:
     return 0
 
 
-def _eval(args) -> int:
-    if args.budgets and args.config:
-        sys.exit("eval: give --config or --budgets, not both")
-    lengths = parse_lengths(args.lengths)
-    model, tok, name = evaluate.load_model(args.model, longest=max(lengths), device=args.device)
-    text = assets.austen_text(path=None if args.data == "austen" else args.data)
+def _eval_config(args, model, path: Optional[str], longest: int) -> tuple:
+    """(config, its name in the results, guard escalation) of ``eval``: ``path`` (or ``--budgets``) with the
+    command's guard, growth and escalation options applied."""
     if args.budgets:
         config = evaluate.uniform_config(model, Pattern.VERTICAL_SLASH, tuple(args.budgets))
         config_name = f"every head vertical-slash {tuple(args.budgets)}"
     else:
-        config, config_name = evaluate.resolve_config(model, args.config, longest=max(lengths))
+        config, config_name = evaluate.resolve_config(model, path, longest=longest)
     if args.guard_threshold is not None:
         config = config.with_guard_threshold(args.guard_threshold)
         config_name += f", guard threshold {args.guard_threshold:g}"
@@ -288,18 +286,49 @@ def _eval(args) -> int:
         config_name += f", weak heads escalate to {escalation} (the config's)" if escalation else ""
     else:
         config_name += f", weak heads escalate to {escalation}" if escalation else ", no guard escalation"
-    results = evaluate.run_eval(
-        model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config, config_name=config_name,
-        model_name=name, depths=[float(d) for d in args.depths.split(",")], seeds=range(args.seeds), inner=args.inner,
-        window_seed=args.window_seed, ruler_tasks=tuple(args.ruler_tasks.split(",")),
-        chat={"auto": None, "chat": True, "plain": False}[args.prompt], ppl_tokens=args.ppl_tokens,
-        guard_escalation=escalation)
-    print("\n" + results.table())
-    if args.out:  # without --out nothing is written: the table above is the result
-        results.save(args.out)
-        print(f"wrote {args.out}")
-        png = evaluate.save_png(results, Path(args.out).with_suffix(".png"))
-        print(f"wrote {png}" if png else "no PNG: matplotlib is not installed (pip install matplotlib)")
+    return config, config_name, escalation
+
+
+def _eval_outputs(out: Optional[str], paths: list) -> list:
+    """Where each config's results go: ``out`` itself for one config, else ``out``'s stem + ``_`` + the config
+    file's stem, so that configs compared in one run never overwrite each other."""
+    if out is None:
+        return [None] * len(paths)
+    if len(paths) == 1:
+        return [Path(out)]
+    stems = [Path(p).stem for p in paths]
+    if len(set(stems)) != len(stems):
+        sys.exit(f"eval --config: two configs share a file name ({', '.join(stems)}), so their results would too")
+    return [Path(out).with_name(f"{Path(out).stem}_{stem}{Path(out).suffix}") for stem in stems]
+
+
+def _eval(args) -> int:
+    if args.budgets and args.config:
+        sys.exit("eval: give --config or --budgets, not both")
+    lengths = parse_lengths(args.lengths)
+    paths = args.config.split(",") if args.config else [None]
+    outputs = _eval_outputs(args.out, paths)  # before the model loads: a clash of names fails at once
+    model, tok, name = evaluate.load_model(args.model, longest=max(lengths), device=args.device)
+    text = assets.austen_text(path=None if args.data == "austen" else args.data)
+    # several configs share one process and one dense side: each prompt's dense answer and perplexity are
+    # computed once, so the configs differ only by their sparse runs
+    dense_memo = evaluate.DenseMemo() if len(paths) > 1 else None
+    for path, out in zip(paths, outputs):
+        config, config_name, escalation = _eval_config(args, model, path, max(lengths))
+        results = evaluate.run_eval(
+            model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config,
+            config_name=config_name, model_name=name, depths=[float(d) for d in args.depths.split(",")],
+            seeds=range(args.seeds), inner=args.inner, window_seed=args.window_seed,
+            ruler_tasks=tuple(args.ruler_tasks.split(",")), chat={"auto": None, "chat": True, "plain": False}[args.prompt],
+            ppl_tokens=args.ppl_tokens, guard_escalation=escalation, dense_memo=dense_memo)
+        if dense_memo is not None:
+            results.notes.append(f"dense side shared, in one process, by the configs {', '.join(paths)}")
+        print("\n" + results.table())
+        if out:  # without --out nothing is written: the table above is the result
+            results.save(out)
+            print(f"wrote {out}")
+            png = evaluate.save_png(results, Path(out).with_suffix(".png"))
+            print(f"wrote {png}" if png else "no PNG: matplotlib is not installed (pip install matplotlib)")
     return 0
 
 
@@ -335,7 +364,9 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--seeds", type=_positive_int, default=1, help="prompt seeds per (length, depth) of NIAH and the RULER-style tasks (the "
                    "aggregation task, which has no depth, runs this many per depth instead)")
     e.add_argument("--window-seed", type=int, default=0, help="which held-out window perplexity and recall read")
-    e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform scaled one)")
+    e.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else a uniform "
+                   "scaled one); several, comma-separated, are compared on one dense side (results: --out's stem + "
+                   "_ + each config's)")
     e.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help="every head vertical-slash with these budgets (instead of --config)")
     e.add_argument("--guard-threshold", type=float, default=None,

@@ -42,7 +42,8 @@
 # seeds, the config shipped past 8K), candidate_cols1024 (that config with at least 1024 columns a head: code VT at 128K, TTFT),
 # search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT, the fidelity table), eval128_cols1024
 # (the whole 128K fidelity table of candidate_cols1024's config), candidate_x15_cols1024 (budgets x1.5 and at least 1024
-# columns: code VT at 128K, TTFT).
+# columns: code VT at 128K, TTFT), compare_vt128 (the shipped config and those two candidates on one dense side: code VT
+# at 128K, then TTFT).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -198,6 +199,20 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --seeds 3 --config "$STATE/$1.json" --out "$STATE/eval128_qwen_$1.json"
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
+    compare_vt128)  # code variable tracking at 128K on three seeds, in one process on one dense side: the config shipped past 8K,
+                    # it with at least 1024 columns a head, and that with every budget x1.5 too; then TTFT of the last two
+          python3 -m minference_fx.tools.candidates min-columns configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json 1024 \
+            --out "$STATE/cols1024.json" || return 1
+          python3 -m minference_fx.tools.candidates derived configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --scale 1.5 \
+            --guard-threshold 0.8 --min-sparse-len 65536 --budget-growth 32768 0.5 --out "$STATE/x15.json" || return 1
+          python3 -m minference_fx.tools.candidates min-columns "$STATE/x15.json" 1024 --out "$STATE/x15_cols1024.json" || return 1
+          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler-code --ruler-tasks variable_tracking --seeds 3 \
+            --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json,"$STATE/cols1024.json","$STATE/x15_cols1024.json" \
+            --out "$STATE/eval128_vt.json"
+          for c in cols1024 x15_cols1024; do
+            timeout 300 minference-fx bench prefill --model $MODEL --lengths 128k --variants eager,minference \
+              --config "$STATE/$c.json" --reps 3 --out "$STATE/bench_prefill_qwen_$c.json"
+          done ;;
     search_prose_code32k)  # the 32K search calibrated on prose and code (one window each), with the shipped config's
                            # defaults; then code variable tracking at 128K on three seeds (the shipped config loses 9 of 45
                            # strings there) and the full fidelity table and TTFT at 64K/128K

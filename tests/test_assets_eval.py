@@ -300,6 +300,40 @@ def stub_eval(monkeypatch) -> dict:
     return seen
 
 
+def test_eval_cli_compares_several_configs_on_one_dense_side(monkeypatch, tmp_path):
+    """``eval --config A.json,B.json --out e.json``: each config runs, with one dense memo between them, and its
+    results go to e_A.json and e_B.json; two configs of one file name are refused before any run."""
+    from minference_fx import cli
+    from minference_fx.tools.tiny import tiny_model
+
+    calls = []
+
+    def fake_run_eval(model, tok, text, **kwargs):
+        calls.append(kwargs)
+        return evaluate.EvalResults(model="tiny", config=kwargs["config_name"], lengths=[1024], device="cpu")
+
+    stub_eval(monkeypatch)
+    monkeypatch.setattr(evaluate, "run_eval", fake_run_eval)
+    monkeypatch.setattr(evaluate, "save_png", lambda results, path: None)
+    model = tiny_model("llama")
+    for name, budgets in (("a", (64, 128)), ("b", (128, 256))):
+        evaluate.uniform_config(model, Pattern.VERTICAL_SLASH, budgets).save(tmp_path / f"{name}.json")
+    configs = f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}"
+    assert cli.main(["eval", "--config", configs, "--lengths", "1k", "--out", str(tmp_path / "e.json")]) == 0
+    assert [tuple(c["config"].layers[0][0].budgets) for c in calls] == [(64, 128), (128, 256)]
+    assert calls[0]["dense_memo"] is not None and calls[0]["dense_memo"] is calls[1]["dense_memo"]
+    assert (tmp_path / "e_a.json").is_file() and (tmp_path / "e_b.json").is_file() and not (tmp_path / "e.json").exists()
+    (tmp_path / "other").mkdir()
+    evaluate.uniform_config(model, Pattern.VERTICAL_SLASH, (64, 64)).save(tmp_path / "other" / "a.json")
+    calls.clear()
+    with pytest.raises(SystemExit, match="share a file name"):
+        cli.main(["eval", "--config", f"{tmp_path / 'a.json'},{tmp_path / 'other' / 'a.json'}", "--lengths", "1k",
+                  "--out", str(tmp_path / "e.json")])
+    assert calls == []
+    assert cli.main(["eval", "--config", str(tmp_path / "a.json"), "--lengths", "1k"]) == 0
+    assert calls[0]["dense_memo"] is None  # one config: nothing to share
+
+
 def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
     """``eval --budgets V S``: every head vertical-slash (V, S), named in the results; refused beside --config."""
     from minference_fx import cli

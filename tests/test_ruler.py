@@ -245,6 +245,44 @@ def test_eval_runs_ruler_and_code_perplexity_end_to_end(tok, austen, code, tmp_p
                           ruler_tasks=("cwe",))
 
 
+def test_configs_compared_in_one_process_share_one_dense_side(tok, austen, code, monkeypatch):
+    """Two configs run with one dense memo: the second run computes no dense answer or perplexity, its dense
+    fields are the first run's, and its sparse ones are its own config's."""
+    from minference_fx.plan import Pattern
+    from minference_fx.tools.tiny import tiny_model
+
+    model = tiny_model("llama", vocab_size=len(tok))
+    dense_calls = []
+    answer, ppl = evaluate.greedy_answer, evaluate.perplexity
+
+    def counted_answer(model, ids, *, prefill=None, new_tokens=7):
+        dense_calls.append("answer") if prefill is None else None
+        return answer(model, ids, prefill=prefill, new_tokens=new_tokens)
+
+    def counted_perplexity(model, ids, *, compiled=None, scored=None):
+        dense_calls.append("ppl") if compiled is None else None
+        return ppl(model, ids, compiled=compiled, scored=scored)
+
+    monkeypatch.setattr(evaluate, "greedy_answer", counted_answer)
+    monkeypatch.setattr(evaluate, "perplexity", counted_perplexity)
+    memo, runs = evaluate.DenseMemo(), []
+    for budgets in ((8, 8), (1024, 1024)):  # the guard off: the few keys of the first stay sparse
+        config = evaluate.uniform_config(model, Pattern.VERTICAL_SLASH, budgets).with_guard_threshold(0)
+        runs.append(evaluate.run_eval(model, tok, austen, lengths=[512], tasks=("ppl", "niah", "ruler"), config=config,
+                                      config_name=str(budgets), depths=(0.5,), ruler_tasks=("niah_multikey",),
+                                      chat=False, ppl_tokens=64, progress=lambda line: None, dense_memo=memo))
+        if budgets == (8, 8):
+            first_dense_calls = len(dense_calls)
+    assert first_dense_calls == 3 and len(dense_calls) == 3  # ppl, one needle, one RULER prompt: once each
+    first, second = runs
+    assert [r.dense for r in second.ppl] == [r.dense for r in first.ppl]
+    assert [c.dense_answer for c in second.niah] == [c.dense_answer for c in first.niah]
+    assert [(c.dense_answer, c.dense_score) for c in second.ruler] == [(c.dense_answer, c.dense_score) for c in first.ruler]
+    # each sparse run is its own config's: every key (second) gives the dense perplexity, a few keys (first) do not
+    assert second.ppl[0].sparse == pytest.approx(second.ppl[0].dense, rel=1e-4)
+    assert first.ppl[0].sparse != pytest.approx(first.ppl[0].dense, rel=1e-4)
+
+
 def test_the_plot_draws_scores_and_ppl_ratio(tmp_path):
     pytest.importorskip("matplotlib")
     results = evaluate.EvalResults("m", "c", [1024, 2048], "cpu")

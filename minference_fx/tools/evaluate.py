@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -192,8 +193,25 @@ def _timed(fn: Callable):
     return value, time.perf_counter() - start
 
 
-def compare_perplexity(model, compiled, ids: torch.Tensor, *, scored: Optional[int] = None) -> PerplexityRow:
-    dense, dense_s = _timed(lambda: perplexity(model, ids, scored=scored))
+DenseMemo = dict
+"""The dense side of eval's tasks by prompt (:func:`dense_once`), shared by the runs of several configs in one process."""
+
+
+def dense_once(memo: Optional[DenseMemo], kind: str, ids: torch.Tensor, extra: tuple, compute: Callable):
+    """``compute()`` for a prompt, once per ``memo``: configs compared in one process score against the same dense
+    answers and perplexities, and pay for them once. Keyed by the prompt's token ids, so a config whose held-out
+    window differs (calibrated or not) gets its own."""
+    if memo is None:
+        return compute()
+    key = (kind, hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest(), tuple(ids.shape), extra)
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def compare_perplexity(model, compiled, ids: torch.Tensor, *, scored: Optional[int] = None,
+                       dense_memo: Optional[DenseMemo] = None) -> PerplexityRow:
+    dense, dense_s = dense_once(dense_memo, "ppl", ids, (scored,), lambda: _timed(lambda: perplexity(model, ids, scored=scored)))
     sparse, sparse_s = _timed(lambda: perplexity(model, ids, compiled=compiled, scored=scored))
     return PerplexityRow(ids.shape[1], dense, sparse, (sparse - dense) / dense, dense_s, sparse_s, scored)
 
@@ -280,7 +298,7 @@ def decode_greedy(model, out, new_tokens: int) -> list[int]:
 
 
 def needle_grid(model, tokenizer, lengths, depths, seeds, *, compiled=None, text: str | None = None,
-                progress: Callable[[str], None] = print) -> list[NiahCell]:
+                progress: Callable[[str], None] = print, dense_memo: Optional[DenseMemo] = None) -> list[NiahCell]:
     """NIAH cells for every (length, depth, seed), dense and (when ``compiled`` is given) sparse."""
     if text is None:
         text = assets.austen_text()
@@ -291,7 +309,7 @@ def needle_grid(model, tokenizer, lengths, depths, seeds, *, compiled=None, text
             for seed in seeds:
                 ids, passkey = needle_prompt(tokenizer, text, length, depth, seed)
                 ids = ids.to(device)
-                dense = tokenizer.decode(greedy_answer(model, ids))
+                dense = dense_once(dense_memo, "niah", ids, (), lambda: tokenizer.decode(greedy_answer(model, ids)))
                 sparse = tokenizer.decode(greedy_answer(model, ids, prefill=compiled)) if compiled is not None else ""
                 cell = NiahCell(length, depth, seed, passkey, passkey in dense, passkey in sparse, dense, sparse)
                 cells.append(cell)
@@ -385,7 +403,7 @@ def scored_answer(model, tokenizer, ids: torch.Tensor, answers: list[str], new_t
 
 def ruler_grid(model, tokenizer, lengths, depths, seeds, *, haystack: str, haystack_name: str = "austen",
                tasks=tuple(ruler.TASKS), chat: bool = False, compiled=None,
-               progress: Callable[[str], None] = print) -> list[RulerCell]:
+               progress: Callable[[str], None] = print, dense_memo: Optional[DenseMemo] = None) -> list[RulerCell]:
     """RULER-style cells for every (length, task, depth, seed), dense and (when ``compiled`` is given) sparse on
     the same prompt. The aggregation task has no depth: it runs as many seeds instead (:func:`ruler.prompts_of`)."""
     device = next(model.parameters()).device
@@ -396,7 +414,9 @@ def ruler_grid(model, tokenizer, lengths, depths, seeds, *, haystack: str, hayst
             for depth, seed in ruler.prompts_of(name, depths, seeds):
                 sample = ruler.generate(name, tokenizer, haystack, length, seed, depth=depth, chat=chat)
                 ids = torch.tensor([sample.ids], device=device)
-                dense, dense_score = scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops)
+                dense, dense_score = dense_once(
+                    dense_memo, "ruler", ids, (tuple(sample.answers), sample.new_tokens),
+                    lambda: scored_answer(model, tokenizer, ids, sample.answers, sample.new_tokens, stops))
                 sparse, sparse_score = ("", None) if compiled is None else scored_answer(
                     model, tokenizer, ids, sample.answers, sample.new_tokens, stops, prefill=compiled)
                 cell = RulerCell(length, name, haystack_name, depth, seed, sample.answers, dense_score,
@@ -864,14 +884,16 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
              config_name: str, model_name: str = "", depths=(0.1, 0.5, 0.9), seeds=(0,), inner: str = "eager",
              rows: int = 256, window_seed: int = 0, code: Optional[stdlib_code.CodeCorpus] = None,
              ruler_tasks=tuple(ruler.TASKS), chat: Optional[bool] = None, ppl_tokens: Optional[int] = None,
-             progress: Callable[[str], None] = print, guard_escalation: Optional[tuple] = None) -> EvalResults:
+             progress: Callable[[str], None] = print, guard_escalation: Optional[tuple] = None,
+             dense_memo: Optional[DenseMemo] = None) -> EvalResults:
     """Every requested task (of :data:`EVAL_TASKS`) at every length; progress lines as it goes.
 
     ``window_seed`` picks the held-out window of perplexity and recall; another seed checks that a
     result is not one window's luck. ``code``: the corpus of ``ppl-code`` and ``ruler-code`` (default: this
     Python's standard library). ``chat``: RULER-style prompts in the tokenizer's chat template (default: when
     it has one) or as a plain "Answer:" continuation. ``ppl_tokens``: score only the last this many
-    predictions of each perplexity window (a large vocabulary's logits at 128K do not fit otherwise)."""
+    predictions of each perplexity window (a large vocabulary's logits at 128K do not fit otherwise). ``dense_memo``:
+    shared by the runs of several configs in one process, the dense side runs once for them all (:func:`dense_once`)."""
     device = str(next(model.parameters()).device)
     results = EvalResults(model_name, config_name, list(lengths), device)
     unknown = set(tasks) - set(EVAL_TASKS)
@@ -897,21 +919,22 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
             for n in lengths:
                 ids = (held_out_ids(tokenizer, text, n, seed=window_seed, calibrated=calibrated) if corpus is None
                        else code_window_ids(tokenizer, corpus.text, n, seed=window_seed)).to(device)
-                row = compare_perplexity(model, compiled, ids, scored=ppl_tokens)
+                row = compare_perplexity(model, compiled, ids, scored=ppl_tokens, dense_memo=dense_memo)
                 out.append(row)
                 progress(f"{task_name} L={n}: dense {row.dense:.4f} sparse {row.sparse:.4f} "
                          f"({100 * row.rel_delta:+.3f}%) [{row.dense_s:.0f} s / {row.sparse_s:.0f} s]")
         if "niah" in tasks:
             results.niah = needle_grid(model, tokenizer, lengths, depths, seeds, compiled=compiled, text=text,
-                                       progress=progress)
+                                       progress=progress, dense_memo=dense_memo)
         if "ruler" in tasks:
             results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=text, haystack_name="austen",
-                                        tasks=ruler_tasks, chat=chat, compiled=compiled, progress=progress)
+                                        tasks=ruler_tasks, chat=chat, compiled=compiled, progress=progress,
+                                        dense_memo=dense_memo)
         if "ruler-code" in tasks:  # the aggregation task reads no haystack: its code run would repeat the prose one
             in_code = [t for t in ruler_tasks if ruler.task(t).reads_haystack]
             results.ruler += ruler_grid(model, tokenizer, lengths, depths, seeds, haystack=code.text,
                                         haystack_name="code", tasks=in_code, chat=chat, compiled=compiled,
-                                        progress=progress)
+                                        progress=progress, dense_memo=dense_memo)
         if SPARSE_RUN_TASKS & set(tasks):  # the guard only runs in the sparse model's calls
             after = _guard_counts()
             results.guard = {k: after[k] - guard_before.get(k, 0) for k in after}
