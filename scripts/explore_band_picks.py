@@ -337,9 +337,10 @@ def measure_model(name: str, sq: int, *, columns: int, diagonals: int, rules: li
             f"{label} {m['physical']:.3f}/{m['rel_err']:.4f}" for label, m in per_layer[-1].items()), flush=True)
 
     run_observed(model.model, ids, observe)
+    config_notes = {label: str(c.provenance.notes)[-200:] for label, c in (configs or {}).items()}
     return {"model": name, "length": ids.shape[1], "columns": columns, "diagonals": diagonals, "seed": seed,
-            "configs": {label: str(c.provenance.notes)[-200:] for label, c in (configs or {}).items()}, "text": "austen", "sampled_tiles": tiles, "rules": tally.summary(), "layers": per_layer,
-            "seconds": round(time.time() - started, 1)}
+            "configs": config_notes, "text": "austen", "sampled_tiles": tiles, "rules": tally.summary(),
+            "layers": per_layer, "seconds": round(time.time() - started, 1)}
 
 
 def main() -> None:

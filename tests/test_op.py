@@ -45,11 +45,17 @@ def test_only_float32_grouped_heads_on_cuda_repeat_their_kv_heads(is_cuda, dtype
     assert repeats_kv_heads(SimpleNamespace(is_cuda=is_cuda, dtype=dtype), group) is repeats
 
 
-def test_dense_attention_of_grouped_float32_heads_equals_repeated_heads():
+def test_repeated_kv_heads_pair_each_query_head_with_its_group(monkeypatch):
+    """The repeating branch (CUDA float32 only) taken on the CPU: each query head reads its own group's KV head, as
+    ``enable_gqa`` pairs them, in a prefill and in a decode step."""
+    from minference_fx import dense
+
     q, k, v = _qkv(sq=64, skv=64)
-    got = dense_attention(q, k, v, CallMasks(), 0.25)
-    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=0.25)
-    torch.testing.assert_close(got, want)
+    want = dense_attention(q, k, v, CallMasks(), 0.25)
+    want_step = dense_attention(q[:, :, -1:], k, v, CallMasks(q_offset=63), 0.25)
+    monkeypatch.setattr(dense, "repeats_kv_heads", lambda q, group: group > 1)
+    torch.testing.assert_close(dense_attention(q, k, v, CallMasks(), 0.25), want)
+    torch.testing.assert_close(dense_attention(q[:, :, -1:], k, v, CallMasks(q_offset=63), 0.25), want_step)
 
 
 def test_dense_path_equals_reference_with_padding_window_and_offset():
