@@ -42,7 +42,8 @@
 # seeds, the config shipped past 8K), candidate_cols1024 (that config with at least 1024 columns a head: code VT at 128K, TTFT),
 # search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT, the fidelity table), eval128_cols1024
 # (the whole 128K fidelity table of candidate_cols1024's config), compare_vt128 (the shipped config, it with at least 1024
-# columns, and that with budgets x1.5, on one dense side: code VT at 128K, then TTFT).
+# columns, and that with budgets x1.5, on one dense side: code VT at 128K, then TTFT), compile_qwen (compile time at 4K
+# against HF + Inductor's, one run).
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -154,6 +155,10 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
             --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --reps 3 \
             --out "$STATE/bench_prefill_qwen_shipped32k.json" ;;
+    compile_qwen)  # compile time against HF + Inductor's in one run: the first call at 4K compiles (the config shipped
+                   # past 8K, whose 4K runs the dense path; the sparse kernels JIT beside Inductor), 32K checks no recompile
+          timeout 500 minference-fx bench prefill --model $MODEL --lengths 4k,32k --variants eager,inductor,minference \
+            --config $SHIPPED32K --reps 1 --out "$STATE/bench_prefill_qwen_$1.json" ;;
     eval128_shipped32k)  # fidelity at 128K of the config shipped past 8K (forced sparse, as eval128)
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --out "$STATE/$1_qwen.json" ;;
