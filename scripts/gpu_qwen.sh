@@ -39,11 +39,9 @@
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
 # candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
 # peers_512k (MInference at 512K, after step peers), vt_seeds128 (variable tracking at 128K, prose and code, three
-# seeds, the config shipped past 8K), candidate_cols1024 (that config with at least 1024 columns a head: code VT at 128K, TTFT),
-# search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT, the fidelity table), eval128_cols1024
-# (the whole 128K fidelity table of candidate_cols1024's config), compare_vt128 (the shipped config, it with at least 1024
-# columns, and that with budgets x1.5, on one dense side: code VT at 128K, then TTFT), compile_qwen (compile time at 4K
-# against HF + Inductor's, one run).
+# seeds, the config shipped past 8K), search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT,
+# the fidelity table), compile_qwen (compile time at 4K against HF + Inductor's, one run). The steps that compared column
+# candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
 STATE=${STATE:-/root/mfx-state}
@@ -68,14 +66,6 @@ derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 token
 }
 
 SHIPPED32K=configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json
-
-column_candidates() {   # $STATE/cols1024.json: the config shipped past 8K with at least 1024 columns a head;
-                        # $STATE/x15_cols1024.json: that with every budget x1.5 too
-  python3 -m minference_fx.tools.candidates min-columns $SHIPPED32K 1024 --out "$STATE/cols1024.json" &&
-    python3 -m minference_fx.tools.candidates derived $SHIPPED32K --scale 1.5 --guard-threshold 0.8 --min-sparse-len 65536 \
-      --budget-growth 32768 0.5 --out "$STATE/x15.json" &&
-    python3 -m minference_fx.tools.candidates min-columns "$STATE/x15.json" 1024 --out "$STATE/x15_cols1024.json"
-}
 
 step() {   # $1: step name; its log is $STATE/$1.txt
   local t0=$SECONDS
@@ -189,29 +179,6 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code \
             --ruler-tasks variable_tracking --seeds 3 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
             --out "$STATE/$1_qwen.json" ;;
-    candidate_cols1024)  # the config shipped past 8K with every vertical-slash head's columns raised to at least 1024 (2048
-                         # at 128K): code variable tracking at 128K on three seeds (its losses sit at depth 0.1, the chain
-                         # ~115K keys back), then TTFT at 64K/128K
-          column_candidates || return 1
-          timeout 600 minference-fx eval --model $MODEL --lengths 128k --tasks ruler-code --ruler-tasks variable_tracking \
-            --seeds 3 --config "$STATE/cols1024.json" --out "$STATE/eval128_qwen_$1.json"
-          timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
-            --config "$STATE/cols1024.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
-    eval128_cols1024)  # the whole 128K fidelity table of candidate_cols1024's config (on an H100 it won back 3 of the 6 code
-                       # VT strings lost at depth 0.1 for no TTFT): shipped in its place if perplexity, NIAH and the other tasks hold
-          column_candidates || return 1
-          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
-            --ppl-tokens 1024 --config "$STATE/cols1024.json" --out "$STATE/$1_qwen.json" ;;
-    compare_vt128)  # code variable tracking at 128K on three seeds, in one process on one dense side: the config shipped past 8K,
-                    # it with at least 1024 columns a head, and that with every budget x1.5 too (on the CPU at 16K: 25 % less
-                    # output error for 8 points of physical density); then TTFT of the two candidates
-          column_candidates || return 1
-          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler-code --ruler-tasks variable_tracking --seeds 3 \
-            --config $SHIPPED32K,"$STATE/cols1024.json","$STATE/x15_cols1024.json" --out "$STATE/eval128_vt.json"
-          for c in cols1024 x15_cols1024; do
-            timeout 300 minference-fx bench prefill --model $MODEL --lengths 128k --variants eager,minference \
-              --config "$STATE/$c.json" --reps 3 --out "$STATE/bench_prefill_qwen_$c.json"
-          done ;;
     search_prose_code32k)  # the 32K search calibrated on prose and code (one window each), with the shipped config's
                            # defaults; then code variable tracking at 128K on three seeds (the shipped config loses 9 of 45
                            # strings there) and the full fidelity table and TTFT at 64K/128K

@@ -16,12 +16,12 @@ def shipped() -> dict:
 
 
 def test_min_columns_raises_only_vertical_slash_heads_below_it(shipped):
-    out, change = candidates.min_columns(shipped, 1024)
+    out, change = candidates.min_columns(shipped, 2048)
     raised = 0
     for before_heads, after_heads in zip(shipped["layers"], out["layers"]):
         for before, after in zip(before_heads, after_heads):
-            if before["pattern"] == "vertical_slash" and before["budgets"][0] < 1024:
-                assert after["budgets"] == [1024, before["budgets"][1]]
+            if before["pattern"] == "vertical_slash" and before["budgets"][0] < 2048:
+                assert after["budgets"] == [2048, before["budgets"][1]]
                 raised += 1
             else:
                 assert after == before

@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         growth = (int(args.budget_growth[0]), args.budget_growth[1]) if args.budget_growth else None
         out, change = derived(config, guard_threshold=args.guard_threshold, min_sparse_len=args.min_sparse_len,
                               scale=args.scale, budget_growth=growth)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    load_config(args.out)  # the candidate must still be a config the backend takes
+    Path(args.out).write_text(json.dumps(out))
+    # the candidate must still be a config the backend takes; saved as the shipped configs are, so that shipping one
+    # is a copy and its diff against the shipped file shows only the heads it changed
+    load_config(args.out).save(args.out)
     print(f"{args.out}: {change}")
 
 
