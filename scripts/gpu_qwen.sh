@@ -40,7 +40,8 @@
 # candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
 # peers_512k (MInference at 512K, after step peers), vt_seeds128 (variable tracking at 128K, prose and code, three
 # seeds, the config shipped past 8K), search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT,
-# the fidelity table), compile_qwen (compile time at 4K against HF + Inductor's, one run). The steps that compared column
+# the fidelity table), compile_qwen (compile time at 4K against HF + Inductor's, one run), sparse32k_shipped (the shipped
+# config past 8K sparse from 32K: TTFT, fidelity at 32K on three seeds). The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -145,6 +146,13 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
             --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --reps 3 \
             --out "$STATE/bench_prefill_qwen_shipped32k.json" ;;
+    sparse32k_shipped)  # the shipped config past 8K sparse from 32K (since its columns were raised): TTFT at 32K with and without
+                        # CUDA graphs, then fidelity at 32K forced sparse on three seeds (with its columns as searched, frequent
+                        # words lost 2 of 9 words there, one prompt); 1.3x at 32K with every task within 2 points would ship it
+          timeout 300 minference-fx bench prefill --model $MODEL --lengths 32k --variants eager,minference,minference-ro \
+            --config $SHIPPED32K --min-sparse-len 32768 --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
+          timeout 500 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code,ppl,ppl-code,niah --seeds 3 \
+            --ppl-tokens 1024 --config $SHIPPED32K --out "$STATE/eval32_qwen_$1.json" ;;
     compile_qwen)  # compile time against HF + Inductor's in one run: the first call at 4K compiles (the config shipped
                    # past 8K, whose 4K runs the dense path; the sparse kernels JIT beside Inductor), 32K checks no recompile
           timeout 500 minference-fx bench prefill --model $MODEL --lengths 4k,32k --variants eager,inductor,minference \
