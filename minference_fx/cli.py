@@ -302,6 +302,12 @@ def _eval_outputs(out: Optional[str], paths: list) -> list:
     return [Path(out).with_name(f"{Path(out).stem}_{stem}{Path(out).suffix}") for stem in stems]
 
 
+def _png_beside(out: Path) -> Path:
+    """The plot's path beside results file ``out``: its ``.json`` replaced, else ``.png`` added (a config's name
+    past the last dot, such as ``qwen2.5_...``, is no suffix to cut)."""
+    return out.with_name((out.name[: -len(".json")] if out.suffix == ".json" else out.name) + ".png")
+
+
 def _eval(args) -> int:
     if args.budgets and args.config:
         sys.exit("eval: give --config or --budgets, not both")
@@ -327,7 +333,7 @@ def _eval(args) -> int:
         if out:  # without --out nothing is written: the table above is the result
             results.save(out)
             print(f"wrote {out}")
-            png = evaluate.save_png(results, Path(out).with_suffix(".png"))
+            png = evaluate.save_png(results, _png_beside(Path(out)))
             print(f"wrote {png}" if png else "no PNG: matplotlib is not installed (pip install matplotlib)")
     return 0
 

@@ -236,7 +236,7 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
     if result.weak is not None:
         guard.record(result.weak, q.shape[0] * dense.split_plan(call.plan).n_listed)
     if result.route_next is not None and call.routable:
-        call.router.observe(call.route_site, result.route_next, q.shape[-2])
+        call.router.observe(call.route_site, result.route_next, q.shape[-2], dense.split_plan(call.plan).dense_heads)
     return result.out
 
 
@@ -265,6 +265,9 @@ def sparse_attention(
     if escalate_a < 0 or escalate_b < 0:
         raise ValueError(f"minference::sparse_attention: escalate_a and escalate_b must be >= 0 (0, 0: a weak head "
                          f"runs dense at once), got {escalate_a}, {escalate_b}")
+    if not 0.0 <= guard_threshold <= 1.0:  # NaN fails too; past 1, the paths would disagree on heads they do not estimate
+        raise ValueError(f"minference::sparse_attention: guard_threshold must be in [0, 1] (0: no guard), got "
+                         f"{guard_threshold!r}")
     growth = growth_of(grow_from, grow_exponent)
     if not is_budget_growth(growth):
         raise ValueError(f"minference::sparse_attention: grow_from must be >= 0 (0: budgets do not grow) and, when "

@@ -82,6 +82,9 @@ class SiteState:
     the next call's overwrote it does not count)"""
     probed: bool = False
     """whether the latest observed call was inside :meth:`Router.index_at_every_call`"""
+    plan_dense: tuple = ()
+    """the heads the site's plan runs dense at every call: never routed, yet with the routed ones they make a call
+    that skips its index (``dense.all_routed``), so the back-off counts them as routed"""
 
 
 def _capturing(device: torch.device) -> bool:
@@ -133,7 +136,7 @@ class Router:
         """Make ``routed`` the site's decision (once per observed call that the host reads) and count the streak
         of all-routed decisions; a probe's check may end the streak, never lengthen it."""
         state.routed, state.ready = routed, None
-        if len(routed) < state.heads:
+        if len(set(routed).union(state.plan_dense)) < state.heads:
             state.all_routed_streak = 0
         elif not state.probed:
             state.all_routed_streak += 1
@@ -176,10 +179,11 @@ class Router:
         finally:
             self._every_call.reset(token)
 
-    def observe(self, site: int, ran_dense: torch.Tensor, length: int) -> None:
+    def observe(self, site: int, ran_dense: torch.Tensor, length: int, plan_dense: tuple = ()) -> None:
         """Record ``ran_dense`` ([B, H] bool: the (batch, head) pairs this call's index or guard ran dense, and
         those the cost model marked, ``SparseResult.route_next``, at query ``length``) for the next call of
-        ``site``. On the GPU: an asynchronous copy, read when it has landed."""
+        ``site``, whose plan runs heads ``plan_dense`` dense. On the GPU: an asynchronous copy, read when it has
+        landed."""
         if site == NO_SITE or _capturing(ran_dense.device):
             return
         heads = ran_dense.shape[1]
@@ -191,6 +195,7 @@ class Router:
                 self.states.popitem(last=False)
         self.states.move_to_end(site)
         state.checked_len, state.skipped, state.probed = length, 0, self._every_call.get()
+        state.plan_dense = plan_dense
         if not ran_dense.is_cuda:
             self._adopt_decision(state, _heads(every_row))
             return

@@ -355,3 +355,31 @@ def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
     assert seen["config_name"] == "every head vertical-slash (200, 700), guard threshold 0.5"
     with pytest.raises(SystemExit, match="not both"):
         cli.main(["eval", "--budgets", "200", "700", "--config", "x.json"])
+
+
+def test_a_needle_prompt_has_one_bos_with_a_tokenizer_that_adds_one():
+    """A BOS-adding tokenizer (Llama's, Mistral's) put a BOS before the needle and one before the question too."""
+    class BosCharTokenizer:  # one id per character, id 1 a BOS it adds unless told not to
+        def __call__(self, text, add_special_tokens=True):
+            return types.SimpleNamespace(input_ids=[1] * add_special_tokens + [ord(c) for c in text])
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids if i != 1)
+
+    text = "Some prose goes here. " * 400
+    ids, passkey = evaluate.needle_prompt(BosCharTokenizer(), text, 600, 0.5, 0)
+    assert ids.shape == (1, 600)
+    assert (ids[0] == 1).nonzero().flatten().tolist() == [0]
+    assert passkey in "".join(chr(i) for i in ids[0, 1:].tolist())
+
+
+def test_each_configs_plot_goes_beside_its_own_results():
+    from pathlib import Path
+
+    from minference_fx import cli
+
+    configs = ["configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json", "configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json"]
+    for out in ("E", "E.json"):
+        pngs = [cli._png_beside(p) for p in cli._eval_outputs(out, configs)]
+        assert len(set(pngs)) == 2 and all(p.suffix == ".png" and "_yarn" in p.name for p in pngs), pngs
+    assert cli._png_beside(Path("r/e.json")) == Path("r/e.png")

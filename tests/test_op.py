@@ -180,6 +180,9 @@ def test_bad_inputs_are_named():
             OP(q, k, v, None, None, scale, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match=r"A-shape head's local window \(budget_b\) must be >= 1"):
         OP(q, k, v, None, None, 0.25, 0, 0, [1] * 4, [4] * 4, [0] * 4, 0)
+    for threshold in (-1.0, 1.5, float("nan")):  # NaN and below 0 turned the guard off; past 1 the paths disagreed
+        with pytest.raises(ValueError, match=r"guard_threshold must be in \[0, 1\]"):
+            OP(q, k, v, None, None, 0.25, 0, 0, *VS, 0, threshold)
 
 
 def test_a_document_table_longer_than_the_keys_and_no_keys_at_all():

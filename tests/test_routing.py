@@ -96,12 +96,14 @@ def test_each_check_that_routes_every_head_again_doubles_the_calls_to_the_next_u
     assert router.recheck_interval(site) == 2
 
 
-def test_op_backs_off_the_index_checks_of_a_site_that_stays_routed(monkeypatch):
-    """Through the op: every head near-dense at every check, so the checks come at calls 0, 2, 6 and 10 with
-    ``recheck_every`` 2 and ``recheck_max`` 4 (a check is a call that records a decision: ``skipped`` back at 0)."""
+@pytest.mark.parametrize("plan_dense", [0, 1], ids=["every head listed", "one head dense in the plan"])
+def test_op_backs_off_the_index_checks_of_a_site_that_stays_routed(monkeypatch, plan_dense):
+    """Through the op: every listed head near-dense at every check, so the checks come at calls 0, 2, 6 and 10 with
+    ``recheck_every`` 2 and ``recheck_max`` 4 (a check is a call that records a decision: ``skipped`` back at 0).
+    The plan's own dense heads are never routed, yet they back off alike: with the routed ones they are the layer."""
     monkeypatch.setattr(routing.ROUTER, "recheck_every", 2)
     monkeypatch.setattr(routing.ROUTER, "recheck_max", 4)
-    plan = LayerPlan((HeadPlan(Pattern.BLOCK_SPARSE, 8),) * 4)
+    plan = LayerPlan((HeadPlan(Pattern.DENSE),) * plan_dense + (HeadPlan(Pattern.BLOCK_SPARSE, 8),) * (4 - plan_dense))
     site = routing.new_site()
     q, k, v = _qkv(640)
     run = lambda: OP(q, k, v, None, None, 0.25, 0, 0, *plan.op_arguments(), 0, 0.0, site)  # noqa: E731

@@ -253,8 +253,9 @@ def haystack_prompt(tokenizer, text: str, length: int, needle: str, question: st
                     offset: int = 0) -> torch.Tensor:
     """``[1, length]`` ids: prose of ``text`` from character ``offset``, ``needle`` at ``depth`` (moved to a
     sentence start), then ``question``."""
-    needle_ids = tokenizer(needle).input_ids
-    question_ids = tokenizer(question).input_ids
+    # no special tokens: a tokenizer that adds a BOS would put one before the needle and one before the question
+    needle_ids = tokenizer(needle, add_special_tokens=False).input_ids
+    question_ids = tokenizer(question, add_special_tokens=False).input_ids
     n_hay = length - len(needle_ids) - len(question_ids)
     hay = tokenizer(text[offset : offset + n_hay * CHARS_PER_TOKEN_ROOM]).input_ids[:n_hay]
     if len(hay) < n_hay:
@@ -267,7 +268,8 @@ def needle_prompt(tokenizer, text: str, length: int, depth: float, seed: int) ->
     """(``[1, length]`` prompt ids, passkey): prose from the text's start, a needle at ``depth``, the question."""
     passkey = _passkey(length, depth, seed)
     needle = NEEDLE.format(passkey=passkey)
-    n_hay = length - len(tokenizer(needle).input_ids) - len(tokenizer(QUESTION).input_ids)
+    n_hay = (length - len(tokenizer(needle, add_special_tokens=False).input_ids)
+             - len(tokenizer(QUESTION, add_special_tokens=False).input_ids))
     # the haystack comes from the first three quarters (perplexity uses the rest); seeds move it along
     offset = (seed * 97_003) % max(1, int(len(text) * HELD_OUT_FROM) - n_hay * CHARS_PER_TOKEN_ROOM)
     return haystack_prompt(tokenizer, text, length, needle, QUESTION, depth, offset), passkey
