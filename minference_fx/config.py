@@ -317,7 +317,7 @@ class SemanticConfig:
 
     def with_budget_growth(self, growth: tuple) -> "SemanticConfig":
         """A copy whose budgets grow by ``growth`` (keys, exponent), or not at all for () (validated)."""
-        return self._with_default("budget_growth", [growth[0], growth[1]] if growth else None)
+        return self._with_default("budget_growth", list(growth) if growth else None)
 
     def _with_default(self, key: str, value) -> "SemanticConfig":
         copy = dataclasses.replace(self, defaults={**self.defaults, key: value})

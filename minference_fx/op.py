@@ -59,7 +59,8 @@ from .autotune.cache import TuneEntry
 from .call_masks import CallMasks
 from .cost import WalkCost
 from .kernels import guard
-from .plan import LayerPlan, escalated_plan, escalation_of, grown_plan, growth_of, is_budget_growth, layer_plan
+from .plan import (MAX_BUDGET, LayerPlan, escalated_plan, escalation_of, grown_plan, growth_of, is_budget_growth,
+                   is_escalation, layer_plan)
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
@@ -262,9 +263,10 @@ def sparse_attention(
     grow_exponent: float = 0.0,
 ) -> torch.Tensor:
     _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b)
-    if escalate_a < 0 or escalate_b < 0:
-        raise ValueError(f"minference::sparse_attention: escalate_a and escalate_b must be >= 0 (0, 0: a weak head "
-                         f"runs dense at once), got {escalate_a}, {escalate_b}")
+    escalation = escalation_of(escalate_a, escalate_b)
+    if not is_escalation(escalation):
+        raise ValueError(f"minference::sparse_attention: escalate_a and escalate_b must both be 0 (a weak head runs "
+                         f"dense at once) or both in [1, {MAX_BUDGET}], got {escalate_a}, {escalate_b}")
     if not 0.0 <= guard_threshold <= 1.0:  # NaN fails too; past 1, the paths would disagree on heads they do not estimate
         raise ValueError(f"minference::sparse_attention: guard_threshold must be in [0, 1] (0: no guard), got "
                          f"{guard_threshold!r}")
@@ -279,7 +281,7 @@ def sparse_attention(
     listed = layer_plan(tuple(patterns), tuple(budget_a), tuple(budget_b))
     call = plan_call(q, k, call_masks(q, k, key_mask, doc_ids, q_offset, window), scale,
                      grown_plan(listed, growth, k.shape[-2]), min_sparse_len, guard_threshold, route_site,
-                     escalation=escalation_of(escalate_a, escalate_b), listed=listed)
+                     escalation=escalation, listed=listed)
     return run_call(call, q, k, v)
 
 

@@ -171,3 +171,5 @@ def test_the_cli_gives_the_growth_to_bench_eval_and_search_and_reads_0_0_as_none
     assert config.with_budget_growth((8192, 1.0)).with_budget_growth(()).budget_growth == ()
     with pytest.raises(ConfigError, match="budget_growth"):
         config.with_budget_growth((8192, 2.0))
+    with pytest.raises(ConfigError, match="budget_growth"):  # a lone length was an IndexError
+        config.with_budget_growth((8192,))

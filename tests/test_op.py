@@ -180,6 +180,9 @@ def test_bad_inputs_are_named():
             OP(q, k, v, None, None, scale, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match=r"A-shape head's local window \(budget_b\) must be >= 1"):
         OP(q, k, v, None, None, 0.25, 0, 0, [1] * 4, [4] * 4, [0] * 4, 0)
+    for escalation in ((0, 6096), (-1, -1), (1000, 2**31)):  # half an escalation, or one the kernels cannot hold
+        with pytest.raises(ValueError, match=r"escalate_a and escalate_b must both be 0"):
+            OP(q, k, v, None, None, 0.25, 0, 0, *VS, 0, 0.5, -1, *escalation)
     for threshold in (-1.0, 1.5, float("nan")):  # NaN and below 0 turned the guard off; past 1 the paths disagreed
         with pytest.raises(ValueError, match=r"guard_threshold must be in \[0, 1\]"):
             OP(q, k, v, None, None, 0.25, 0, 0, *VS, 0, threshold)
