@@ -320,7 +320,8 @@ def search(
     identity = model_identity_from_hf(model.config)
     lengths = sorted({int(s.shape[-1]) for s in samples})
     candidates = candidates_for(max(lengths))
-    state = _load_state(state_path, identity.fingerprint, candidates, (last_rows, strata, seed))
+    state = _load_state(state_path, identity.fingerprint, candidates, (last_rows, strata, seed),
+                        _inputs_digest(model, samples))
     per_layer: dict[int, LayerScores] = {}
     for key, rec in state["done"].items():
         layer = int(key.split(":")[1])
@@ -383,14 +384,27 @@ def search(
     )
 
 
-def _state_id(fingerprint: str, candidates, sampling) -> str:
+def _inputs_digest(model, samples) -> str:
+    """What the scores were computed on besides the weights' identity: every sample's ids, in order, and the rope
+    scaling (which the model's fingerprint leaves out), so a rerun on other data, samples or YaRN starts afresh."""
+    digest = hashlib.sha256()
+    for ids in samples:
+        digest.update(str(tuple(ids.shape)).encode())
+        digest.update(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    config = model.config.to_dict()
+    digest.update(json.dumps([config.get("rope_scaling"), config.get("rope_parameters")], sort_keys=True,
+                             default=str).encode())
+    return digest.hexdigest()
+
+
+def _state_id(fingerprint: str, candidates, sampling, inputs: str) -> str:
     blob = json.dumps([fingerprint, [(c.pattern.value, c.budget_a, c.budget_b) for c in candidates], list(sampling),
-                       list(METRICS)])
+                       list(METRICS), inputs])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _load_state(path, fingerprint, candidates, sampling) -> dict:
-    state_id = _state_id(fingerprint, candidates, sampling)
+def _load_state(path, fingerprint, candidates, sampling, inputs: str) -> dict:
+    state_id = _state_id(fingerprint, candidates, sampling, inputs)
     if path is not None and Path(path).exists():
         state = json.loads(Path(path).read_text())
         if state.get("id") == state_id:

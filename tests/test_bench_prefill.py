@@ -1,5 +1,6 @@
 """``minference-fx bench prefill`` end to end on a tiny Llama (CPU), plus its bookkeeping and CLI wiring."""
 import json
+import types
 
 import pytest
 import torch
@@ -134,6 +135,17 @@ def test_append_refuses_results_with_another_attention_mask():
     with pytest.raises(ValueError, match="attention_mask"):
         bp._take_earlier(bp.PrefillResult(dict(meta, attention_mask="all ones (as generate passes)"), [], []),
                          earlier, ["eager"])
+
+
+def test_a_progress_file_an_earlier_job_left_is_not_taken_for_this_runs(tmp_path, monkeypatch):
+    """A child that dies before its first cell wrote nothing; the file beside --out was a killed job's."""
+    out = tmp_path / "prefill.json"
+    earlier = bp.PrefillResult({}, [bp.Cell(96, "eager", ttft_ms=1.0)], [bp.VariantSummary("eager")])
+    earlier.save(f"{out}.eager.part.json")
+    monkeypatch.setattr(bp.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=1))
+    part = bp._run_child("eager", {"lengths": [96]}, False, out)
+    assert [c.status for c in part.cells] == ["error: the variant's process exited with 1 before this length"]
+    assert part.variants[0].error == "the variant's process exited with 1"
 
 
 def test_own_processes_and_append(tmp_path):

@@ -49,6 +49,14 @@ def test_search_resumes_from_its_state(tmp_path):
     again = search(model, _samples(), data_name="x", state_path=state, progress=calls.append)
     assert calls == []  # nothing recomputed
     assert again.layers == first.layers
+    # fewer samples, other samples or another rope scaling: the saved scores are not theirs, so all is scored again
+    saved = state.read_text()
+    scaled = tiny_model("llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    for other_model, samples in ((model, _samples(1)), (model, _samples(seed=1)), (scaled, _samples())):
+        state.write_text(saved)
+        calls = []
+        search(other_model, samples, data_name="x", state_path=state, progress=calls.append)
+        assert len(calls) == 2 * len(samples)
 
 
 def test_a_tight_bound_keeps_dense_and_a_loose_one_picks_the_cheapest():

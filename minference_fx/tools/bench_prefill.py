@@ -891,6 +891,9 @@ def _run_child(name: str, spec: dict, cold_caches: bool, out) -> PrefillResult:
     with tempfile.TemporaryDirectory(prefix=f"bench-prefill-{name}-") as tmp:
         # beside --out, so that a job killed mid-variant still leaves that variant's finished cells
         spec_path, part_path = os.path.join(tmp, "spec.json"), f"{out}.{name}.part.json" if out else os.path.join(tmp, "r.json")
+        if os.path.exists(part_path):  # an earlier job's, killed mid-variant: this child's cells must not be its
+            os.remove(part_path)
+            print(f"--- {name}: removed {part_path}, an earlier run's unfinished cells", flush=True)
         with open(spec_path, "w") as fh:
             json.dump({**spec, "variants": [name], "out": part_path}, fh)
         env = dict(os.environ)
