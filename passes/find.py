@@ -16,6 +16,7 @@ Forms recognised:
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 from typing import Optional
@@ -341,8 +342,11 @@ def _unread_score_ops(m: _ManualChain) -> Optional[str]:
 
 
 def _narrow_softmax(m: _ManualChain) -> Optional[str]:
-    dtype = m.softmax.kwargs.get("dtype")
-    if dtype is not None and torch.finfo(dtype).bits < 32:
+    # dtype by keyword or at its place: F.softmax(input, dim, _stacklevel, dtype), torch.softmax(input, dim, dtype),
+    # Tensor.softmax(dim, dtype) (self is the method node's first argument)
+    functional = m.softmax.op == "call_function" and m.softmax.target is F.softmax
+    dtype = call_arg(m.softmax, 3 if functional else 2, "dtype")
+    if isinstance(dtype, torch.dtype) and torch.finfo(dtype).bits < 32:
         return f"the softmax is computed in {dtype} (the op computes it in fp32)"
     return None
 
@@ -382,8 +386,10 @@ def _manual_site(softmax: fx.Node) -> AttentionSite | None:
     m = _match_manual(softmax)
     if m is None:
         return None
-    training_dropouts = [step for step in m.weights.steps if _is_dropout(step) and _training(step)]
-    dropout_p = _dropout_p(call_arg(training_dropouts[-1], 1, "p", 0.5)) if training_dropouts else 0.0
+    # every training dropout on the way drops: the chain keeps a weight only where each of them does
+    kept = math.prod(1.0 - _dropout_p(call_arg(step, 1, "p", 0.5))
+                     for step in m.weights.steps if _is_dropout(step) and _training(step))
+    dropout_p = 1.0 - kept
     product = m.weights.product
     return AttentionSite(
         node=product,

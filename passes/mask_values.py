@@ -4,11 +4,12 @@ The symbolic reader (``masks.py``) reads a construction it knows term by term. T
 construction computes: where the mask depends on sizes alone (no tensor's data: no padding mask, no position
 ids passed in), its subgraph is run with every size symbol set to small values, and the mask it yields is
 compared entry by entry with the causal / sliding-window rule the reading gave. A reading the values
-contradict is refused. A construction the reader does not know is accepted where its values at every size
-tried are exactly the causal rule, or a window of one fixed width, with queries and keys aligned (query i at
-key i): what ``is_causal`` and the op's plain causal path compute. Anything else stays as the reader left it.
-
-A static-shape graph has no size to choose: its one size is checked where the mask is small enough.
+contradict is refused. In a static-shape graph, whose one size is checked where the mask is small enough, a
+construction the reader does not know is accepted where its values are exactly the causal rule, or a window of one
+fixed width, with queries and keys aligned (query i at key i): what ``is_causal`` and the op's plain causal path
+compute. Where the length varies it is not: a window wider than every size tried, or bounded by a number the
+sizes do not name (a float, an argument, a constant the graph computes), looks causal at small sizes. Anything
+else stays as the reader left it.
 """
 from __future__ import annotations
 
@@ -194,6 +195,12 @@ def evaluations(site: AttentionSite, info: MaskInfo, writes: list) -> Optional[l
     return found
 
 
+def _varies_in_size(site: AttentionSite) -> bool:
+    """Whether the site's graph has a size symbol in its mask or its query and key lengths (a dynamic-shape graph)."""
+    nodes = _slice(site.mask) or [site.mask]
+    return bool(_symbols(nodes + [site.query, site.key]))
+
+
 def agrees(info: MaskInfo, runs: list) -> bool:
     for run in runs:
         relative = _offset(info.q_offset, run.offsets) - _offset(info.k_offset, run.offsets)
@@ -226,6 +233,12 @@ def check(site: AttentionSite, info: MaskInfo, writes: list) -> MaskInfo:
     ``writes``: the graph's writing nodes (``site.writers``)."""
     if site.mask is None or info.kind not in (MaskKind.CAUSAL, MaskKind.SLIDING_WINDOW, MaskKind.UNKNOWN):
         return info
+    if info.kind == MaskKind.UNKNOWN and _varies_in_size(site):
+        # values at a few sizes cannot show a window wider than the sizes tried, nor one the sizes do not name
+        # (a float bound, an int argument, a constant computed in the graph): a varying size keeps it unread
+        return dataclasses.replace(info, reason=f"{info.reason}; not read from its values either, since the graph "
+                                                "serves every prompt length and its values at a few cannot prove a "
+                                                "rule at all of them")
     runs = evaluations(site, info if info.kind != MaskKind.UNKNOWN else MaskInfo(MaskKind.CAUSAL), writes)
     if not runs:
         return info

@@ -30,18 +30,54 @@ class DifferenceMask(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("window", [0, 24])
-def test_a_causal_mask_spelt_otherwise_is_read_from_its_values(dynamic, window):
+def test_a_causal_mask_spelt_otherwise_is_read_from_its_values(window):
     model = DifferenceMask(window)
     q, k, v = _qkv()
     torch._dynamo.reset()
-    out = torch.compile(model, backend="minference", dynamic=dynamic,
+    out = torch.compile(model, backend="minference", dynamic=False,
                         options={"inner": "eager", "min_sparse_len": 0, "verify": True})(q, k, v)
     (row,) = recent_reports()[-1].rows
     assert row.decision == "sparse", row.reason
     assert row.mask == (f"sliding_window({window})" if window else "causal")
     torch.testing.assert_close(out, model(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+class FloatWindow(torch.nn.Module):
+    def forward(self, q, k, v):
+        s = q.shape[-2]
+        gap = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < 24.0))
+
+
+class ArgumentWindow(torch.nn.Module):
+    def forward(self, q, k, v, window):
+        s = q.shape[-2]
+        gap = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < window))
+
+
+class ComputedWindow(torch.nn.Module):
+    def forward(self, q, k, v):
+        s = q.shape[-2]
+        gap = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < torch.tensor(2) ** 5))
+
+
+@pytest.mark.parametrize("model, window", [(DifferenceMask(), None), (DifferenceMask(24), None), (FloatWindow(), None),
+                                           (ArgumentWindow(), 12), (ComputedWindow(), None)],
+                         ids=["causal", "window-24", "float-bound", "argument-bound", "computed-bound"])
+def test_a_mask_read_only_from_its_values_stays_dense_where_the_length_varies(model, window):
+    """Values at a few small sizes were read as causal where the window was wider than every size tried (a float
+    bound, an argument, a constant computed in the graph); the op then attended past the window."""
+    q, k, v = _qkv(64)
+    extra = () if window is None else (window,)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="minference", dynamic=True,
+                        options={"inner": "eager", "min_sparse_len": 0})(q, k, v, *extra)
+    (row,) = recent_reports()[-1].rows
+    assert row.decision == "dense" and "not read from its values" in row.reason, row.reason
+    torch.testing.assert_close(out, model(q, k, v, *extra), rtol=1e-5, atol=1e-5)
 
 
 def test_a_shifted_mask_is_not_taken_for_causal():

@@ -288,6 +288,21 @@ def test_dropout_stays_dense_with_reason():
     assert row.decision == "dense" and "dropout" in row.reason
 
 
+def test_a_training_dropout_before_one_of_p_0_stays_dense():
+    """Only the last dropout's p was read: 0.0 here, so the 0.5 before it was dropped by the rewrite."""
+    class TwoDropouts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights_drop, self.no_drop = torch.nn.Dropout(0.5), torch.nn.Dropout(0.0)
+
+        def forward(self, q, k, v):
+            scores = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~_keep(q, k), float("-inf"))
+            return self.no_drop(self.weights_drop(scores.softmax(-1))) @ v
+
+    row = _only_row(inspect(TwoDropouts().train(), *_qkv(hq=2)))
+    assert row.decision == "dense" and "dropout" in row.reason, row.reason
+
+
 def test_bidirectional_stays_dense_with_reason():
     row = _only_row(inspect(Bidirectional(), *_qkv()))
     assert row.decision == "dense" and "bidirectional" in row.reason
@@ -1409,6 +1424,13 @@ ROUND_TRIPS_DENSE = {
     "key-written-through-mT": (_key_written_through_mT, "written in place"),
     "softmax-in-fp16": (lambda q, k, v: F.softmax(_manual_scores(q, k), dim=-1, dtype=torch.float16).float() @ v,
                         "the softmax is computed in torch.float16"),
+    # the dtype at its place, not by keyword, was not seen
+    "softmax-in-bf16-positional": (lambda q, k, v: torch.softmax(_manual_scores(q, k), -1, torch.bfloat16).float() @ v,
+                                   "the softmax is computed in torch.bfloat16"),
+    "method-softmax-in-fp16-positional": (lambda q, k, v: _manual_scores(q, k).softmax(-1, torch.float16).float() @ v,
+                                          "the softmax is computed in torch.float16"),
+    "functional-softmax-in-fp16-positional": (lambda q, k, v: F.softmax(_manual_scores(q, k), -1, 3, torch.float16).float()
+                                              @ v, "the softmax is computed in torch.float16"),
     "mask-wider-than-the-query": (_mask_wider_than_the_query, "differs from the query's"),
     "float64": (lambda q, k, v: F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True).float(),
                 "float64"),
