@@ -119,23 +119,29 @@ def _tensors(value) -> list:
     return [v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
+def _own_copies(inputs: list) -> list:
+    """``inputs`` with every tensor but the parameters cloned: a graph that writes an input (a cache's length, a
+    step counter) must find it, at the compiled run after both checks, as the caller left it."""
+    return [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x for x in inputs]
+
+
 def check(traced: fx.GraphModule, rewritten: fx.GraphModule, sites: list, inputs: list) -> None:
     """Run both copies on ``inputs``; raise :class:`VerifyError` at the first site (or output) that differs."""
     with torch.no_grad():
         want = _Recorder(traced, {s.traced for s in sites})
-        want_out = want.run(*inputs)
+        want_out = want.run(*_own_copies(inputs))
         got = _Recorder(rewritten, {s.rewritten for s in sites})
-        got_out = got.run(*inputs)
+        got_out = got.run(*_own_copies(inputs))
     every_row_read = True
     for site in sites:
         rows = rows_with_keys(got.op_args[site.rewritten]) if site.rewritten in got.op_args else None
         every_row_read = every_row_read and (rows is None or bool(rows.all()))
         if site.traced not in want.kept:
             continue  # a site a pass wrote before the rewrite (unfuse, einsum, bmm): checked at the outputs
-        got_out, want_out_site = got.kept[site.rewritten], want.kept[site.traced]
-        if rows is not None and got_out.shape == want_out_site.shape:
-            got_out, want_out_site = got_out.masked_fill(~rows, 0), want_out_site.masked_fill(~rows, 0)
-        why = mismatch(got_out, want_out_site)
+        got_site, want_site = got.kept[site.rewritten], want.kept[site.traced]
+        if rows is not None and got_site.shape == want_site.shape:
+            got_site, want_site = got_site.masked_fill(~rows, 0), want_site.masked_fill(~rows, 0)
+        why = mismatch(got_site, want_site)
         if why:
             raise VerifyError(f"minference verify: attention site {site.label} differs from the traced model: {why}. "
                               "The pass misread this site; compile without backend='minference' for this model "

@@ -45,6 +45,48 @@ def test_verify_catches_a_wrong_rewrite_of_a_plain_module(monkeypatch):
         _compiled(Causal())(q, k, v)
 
 
+def test_verify_checks_a_site_rewritten_by_an_earlier_pass_at_the_graph_outputs(monkeypatch):
+    """The einsum pass writes its site before the rewrite, so only the graph's outputs can show it wrong; the
+    output check compared the last checked site's attention output instead, never paired up and let it pass."""
+    class EinsumThenSdpa(torch.nn.Module):
+        def forward(self, q, k, v):
+            n = q.shape[-2]
+            scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            first = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
+            return (first + F.scaled_dot_product_attention(q, k, v, is_causal=True)).transpose(1, 2).flatten(2)
+
+    real, calls = rewrite._q_offset_arg, []
+
+    def first_site_reads_ahead(graph, info, keys):
+        calls.append(info)
+        return 5 if len(calls) == 1 else real(graph, info, keys)
+
+    monkeypatch.setattr(rewrite, "_q_offset_arg", first_site_reads_ahead)
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    with torch.no_grad(), pytest.raises(verify.VerifyError, match="graph output 0 differs"):
+        _compiled(EinsumThenSdpa())(q, k, v)
+
+
+def test_verify_leaves_an_input_the_graph_writes_as_the_caller_gave_it():
+    """Both checked copies ran on the caller's tensors, so a counter (or a cache's length) advanced three times."""
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, q, k, v):
+            self.calls.add_(1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True) * self.calls
+
+    model = Counted()
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    with torch.no_grad():
+        out = _compiled(model)(q, k, v)
+    assert model.calls.item() == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
 def test_verify_checks_only_the_first_call(monkeypatch):
     calls = []
     monkeypatch.setattr(verify, "check", lambda *args: calls.append(args))
