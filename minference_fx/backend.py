@@ -75,8 +75,9 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
     The config's fingerprint (``model_identity_from_hf``: model type, vocabulary, hidden size and the shape)
     is checked against the transformers model the graph's parameters come from, looked up through Dynamo's
     traced frame (``config.traced_model_identities``); a config made for another model is refused as
-    ``load_config(path, model=...)`` refuses it, in every graph (the fingerprint does not depend on which
-    layers a graph holds), and it is accepted when any transformers model on the parameters' path matches
+    ``load_config(path, model=...)`` refuses it, in every graph with a site to rewrite (the fingerprint does not
+    depend on which layers a graph holds; a graph without one, such as a vision tower's, takes nothing from the
+    config), and it is accepted when any transformers model on the parameters' path matches
     (a config searched on a multimodal model's language model). Where no such model is found (a plain module
     or function, no transformers, a Dynamo whose frame API moved) the graph's layer count, head counts, GQA
     group and head dim below are all that can be compared, and are.
@@ -85,6 +86,9 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
     the layers it holds at, not one per layer."""
     model = config.model
     problems = []
+    live = [s for s in sites if not s.blocker]
+    if not live:  # no site takes the config here (a multimodal model's vision tower, traced as a frame of its own)
+        return
     if model.fingerprint:
         traced = traced_model_identities(gm)
         if traced and model.fingerprint not in {t.fingerprint for t in traced}:
@@ -93,7 +97,6 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
                 f"config fingerprint {model.fingerprint} ({model.name or 'unnamed'}) differs from the model's "
                 f"{this.fingerprint} ({this.name or 'unnamed'}, {this.num_layers} layers, {this.num_q_heads}/"
                 f"{this.num_kv_heads} heads of {this.head_dim}): the config was made for another model"))
-    live = [s for s in sites if not s.blocker]
     layers = _model_layer_count(gm, sites)
     if live and layers and layers != model.num_layers:
         problems.append(Mismatch(f"config is for {model.num_layers} layers, the model has {layers}"))
@@ -113,6 +116,9 @@ def check_config_fits(config: SemanticConfig, gm: fx.GraphModule, sites, head_of
         elif head_offset is not None and head_offset + hq > model.num_q_heads:
             problems.append(Mismatch(f"query heads {head_offset}..{head_offset + hq - 1} exceed the config's "
                                      f"{model.num_q_heads}", **where))
+        elif head_offset is not None and hkv and head_offset % (hq // hkv):
+            problems.append(Mismatch(f"head_offset {head_offset} splits a GQA group of {hq // hkv} query heads: a "
+                                     "rank holding whole kv heads starts at a multiple of it", **where))
         if hq // hkv != model.num_q_heads // model.num_kv_heads:
             problems.append(Mismatch(f"GQA group {hq // hkv}, config has {model.num_q_heads // model.num_kv_heads}", **where))
         if dim != model.head_dim:

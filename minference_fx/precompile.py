@@ -165,9 +165,9 @@ def start(nodes) -> Optional[threading.Thread]:
     if not specs:
         return None
     thread = threading.Thread(target=_run, args=(specs,), name="minference-precompile", daemon=True)
-    with _lock:
+    with _lock:  # started before another thread's wait() can take it from the list and join it
+        thread.start()
         _threads.append(thread)
-    thread.start()
     return thread
 
 

@@ -331,3 +331,26 @@ def test_a_config_for_more_heads_is_refused_unless_a_head_offset_says_the_graph_
     rows = [r for rep in reports_since(before) for r in rep.rows]
     assert rows and all(r.decision == "sparse" for r in rows), rows
     assert torch.isfinite(share).all() and share.shape == dense.shape
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="head_offset 1 splits a GQA group of 2 query heads"):
+        _compile(model, wider, head_offset=1)(ids, use_cache=False)  # its heads would span two kv heads' groups
+
+
+def test_a_config_for_a_multimodal_models_language_model_is_taken_beside_its_vision_tower():
+    """The vision tower, traced as a graph of its own with no site to rewrite, refused the config as made for
+    another model (its own CLIP identity), and the whole compile failed."""
+    from minference_fx.config import default_config, model_identity_from_hf
+
+    text = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text, vision_config=vision, image_token_id=127, vision_feature_layer=-1)).eval()
+    config = default_config(model_identity_from_hf(model.config), min_sparse_len=0)
+    ids = torch.randint(0, 100, (1, 40))
+    ids[0, 1:5] = 127  # the image's 4 patches
+    with torch.no_grad():
+        rows = inspect(model, input_ids=ids, pixel_values=torch.randn(1, 3, 28, 28), options={"config": config}).rows
+    assert sorted(r.decision for r in rows) == ["dense", "dense", "sparse", "sparse"], rows

@@ -149,6 +149,34 @@ def test_wait_returns_after_the_background_compile(monkeypatch):
     precompile.wait()  # nothing pending: returns at once
 
 
+def test_a_wait_from_another_thread_never_joins_a_thread_not_yet_started(monkeypatch):
+    """The thread went into the list before it started: an op's wait() in that gap raised 'cannot join thread
+    before it is started' (the gap widened here by a slow start)."""
+    class SlowStart(threading.Thread):
+        def start(self):
+            time.sleep(0.2)
+            super().start()
+
+    monkeypatch.setattr(precompile, "spec_of", lambda node: _spec())
+    monkeypatch.setattr(precompile, "_run", lambda specs: None)
+    monkeypatch.setattr(precompile.threading, "Thread", SlowStart)
+    errors = []
+
+    def op_call():
+        time.sleep(0.05)
+        try:
+            precompile.wait()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    caller = threading.Thread(target=op_call)
+    caller.start()
+    precompile.start(["node"])
+    caller.join()
+    precompile.wait()
+    assert errors == []
+
+
 def test_a_failing_guess_is_logged_not_raised(monkeypatch, caplog):
     def broken(spec):
         raise RuntimeError("no such kernel variant")
