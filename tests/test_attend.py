@@ -4,7 +4,7 @@ import torch
 
 from minference_fx.autotune import workload
 from minference_fx.kernels import reference
-from minference_fx.kernels.attend import sparse_attention_triton
+from minference_fx.kernels.attend import rows_addressable, sparse_attention_triton
 from minference_fx.kernels.codegen import ptx_instructions
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
@@ -389,3 +389,15 @@ def test_a_one_row_padding_mask_applies_to_every_batch_row_of_a_direct_call():
     got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25, key_mask=one_row)
     want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, key_mask=one_row, index=index)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_view_whose_row_offsets_pass_int32_is_copied_contiguous():
+    """The kernel offsets rows in int32: HF's [B, S, H, D].transpose(1, 2) view (stride(2) = H x D) passed 2**31
+    from 2**31 / (H x D) rows on (512K at H x D = 4096), and the kernel read wrong rows."""
+    hf_view = torch.empty(1, 600_000, 32, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    fixed = rows_addressable(hf_view, "q")
+    assert fixed.is_contiguous() and fixed.shape == hf_view.shape
+    fits = torch.empty(1, 400_000, 32, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    assert rows_addressable(fits, "q") is fits  # under 2**31: no copy
+    with pytest.raises(ValueError, match="past 2\\*\\*31 elements a \\(batch, head\\)"):
+        rows_addressable(torch.empty(1, 1, 2**24 + 1, 128, device="meta"), "k")

@@ -324,3 +324,11 @@ def test_index_pair_against_the_reference():
     assert_as_reference(got, mass, q, k, plan, scale=1.0, key_mask=key_mask)
     assert_as_reference(got_up, mass_up, q, k, up, scale=1.0, key_mask=key_mask, mass_heads=[0, 2])
     torch.testing.assert_close(mass_up[:, [0, 2]], torch.ones(2, 2), rtol=0, atol=1e-5)  # every key listed
+
+
+@pytest.mark.parametrize("q_offset, sq, skv", [(-200, 64, 256), (-129, 64, 64), (-300, 130, 512)])
+def test_block_sparse_rows_that_all_sit_before_key_0_pick_nothing(q_offset, sq, skv):
+    """A score chunk whose every query row lies 65 or more positions before key 0 had no key tile to score and
+    raised (a negative slice width); the reference lists nothing for such rows."""
+    q, k = rand_qk(1, 2, 1, sq, skv, 16)
+    check_against_reference(q, k, plan_of((BS, 2), (VS, 30, 50)), scale=0.25, q_offset=q_offset)

@@ -430,6 +430,20 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1]) and block_d * size >= 16
 
 
+def rows_addressable(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """``t`` [B, H, S, D] as the kernel can address it: the kernel offsets a row within a (batch, head) by
+    row x stride(2) + column x stride(3) in int32, which a strided view (HF's [B, S, H, D].transpose(1, 2), stride(2)
+    = H x D) passes from about 2**31 / (H x D) rows on (512K for H x D = 4096); such a view is copied contiguous."""
+    last = (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
+    if last < 2**31:
+        return t
+    t = t.contiguous()
+    if (t.shape[2] - 1) * t.stride(2) + t.shape[3] - 1 >= 2**31:
+        raise ValueError(f"{name} has {t.shape[2]} rows of {t.shape[3]}: past 2**31 elements a (batch, head), more "
+                         "than the kernel's int32 row offsets address")
+    return t
+
+
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
     q_offset=0, window=0, force_dense=None, forced="here", out=None, num_warps=4, num_stages=2, block_m=BLOCK,
@@ -464,6 +478,7 @@ def sparse_attention_triton(
     """
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
+    q, k, v = (rows_addressable(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
     if forced not in FORCE_MODES or forced is None:
         raise ValueError(f"forced must be 'here', 'skip' or 'only', got {forced!r}")
     if out is None:

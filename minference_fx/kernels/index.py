@@ -596,6 +596,8 @@ def _bs_index(q, k, bs_heads, bs_plans, out: SparseIndex, *, q_offset, first_key
         # Key tiles past the chunk's last row are never allowed: leave them out of the scores
         # (halves the work of a causal prefill; the width depends on shapes only).
         n_lim = min(n_tiles, (q_offset + min(m1 * BLOCK, sq) - 1) // BLOCK + 1)
+        if n_lim <= 0:  # every row of the chunk sits before key 0: no picks, as the index was made
+            continue
         take = min(cap, n_lim)
         m = torch.arange(m0, m1, device=dev)
         lo = q_offset + m * BLOCK
