@@ -207,12 +207,16 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     if grid:
         crossover = find_crossover(grid, dense_ms, sparse_ms, margin=CROSSOVER_MARGIN)
         top = grid[-1]
-        if top == max(crossover_lengths):
+        whole = top == max(crossover_lengths)
+        if whole:
             # a cost from a shorter grid would replace the full one's with launch overhead (a user cache wins over
             # the shipped table): only the whole grid measures it
             cost = measure_cost(workload, top, results[top].best, timer, dense_ms=dense_ms[top],
                                 kernel_ms=results[top].best_ms)
-        cache.write(crossovers={measured_on: crossover}, costs={measured_on: cost} if cost else {}, path=path)
+        # a shorter grid that never saw sparse win says nothing past its end: its "never sparse" would replace
+        # the shipped crossover, and the op ran dense at 128K after a tune that stopped at 16K
+        crossovers = {measured_on: crossover} if whole or crossover is not None else {}
+        cache.write(crossovers=crossovers, costs={measured_on: cost} if cost else {}, path=path)
     return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks, cost)
 
 

@@ -435,6 +435,24 @@ def test_warm_up_with_fake_timings_writes_configs_and_crossover_and_leaves_the_s
     assert table.costs == {} and report.cost is None
 
 
+def test_a_tune_short_of_64k_that_never_saw_sparse_win_leaves_the_crossover_alone(cache_dir):
+    """It stored "never sparse", which the user cache puts before the shipped table: after `autotune --lengths
+    16k` the op ran dense at 128K too."""
+    def sparse_wins_from_32k(fn):
+        kind, n, *rest = fn()
+        if kind == "dense":
+            return 10.0 * (n / 32768) ** 2
+        if kind == "sparse":
+            return 10.0 * (n / 32768) / 1.6 if n >= 32768 else 20.0 * (n / 32768) ** 2
+        return fake_timer(fn)
+
+    report = tuner.warm_up([16384], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=sparse_wins_from_32k)
+    assert report.crossover is None  # what the grid to 16K saw, reported
+    assert Table.from_json(report.path.read_text()).crossovers == {}  # and not written
+    whole = tuner.warm_up([65536], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=sparse_wins_from_32k)
+    assert list(Table.from_json(whole.path.read_text()).crossovers.values()) == [32768] == [whole.crossover]
+
+
 def test_a_tune_up_to_64k_measures_the_cost_models_rates(cache_dir):
     report = tuner.warm_up([65536], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=fake_timer)
     table = Table.from_json(report.path.read_text())
