@@ -49,7 +49,8 @@ def _inspect(args) -> int:
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq))
     options = {"config": args.config} if args.config else {}
-    result = inspect(model, ids, use_cache=False, options=options)
+    with torch.no_grad():  # as a prefill runs: traced with autograd on, the sites would stay dense
+        result = inspect(model, ids, use_cache=False, options=options)
     print(result)
     if args.diff:
         print()
@@ -130,6 +131,8 @@ def _bench(args) -> int:
     if not torch.cuda.is_available():
         sys.exit("minference-fx bench needs a CUDA GPU")
     command = "minference-fx " + " ".join(sys.argv[1:])
+    if args.out:
+        _out_writable(args.out)
     if args.what == "prefill":
         result = bench_prefill.bench_prefill(
             parse_lengths(args.lengths), layers=args.layers, variants=tuple(args.variants.split(",")),
@@ -182,6 +185,7 @@ def _calibration_text(source: str) -> tuple[str, str]:
 
 def _search(args) -> int:
     lengths = parse_lengths(args.lengths)
+    _out_writable(args.out)
     yarn = args.yarn
     if args.model in assets.REAL_MODELS:
         real = assets.REAL_MODELS[args.model]
@@ -302,6 +306,26 @@ def _eval_outputs(out: Optional[str], paths: list) -> list:
     return [Path(out).with_name(f"{Path(out).stem}_{stem}{Path(out).suffix}") for stem in stems]
 
 
+def _out_writable(out, option: str = "--out") -> None:
+    """Exit at once, before any model loads, where ``out`` cannot be written: a run of hours wrote nothing at its end."""
+    path = Path(out)
+    if path.is_dir():
+        sys.exit(f"{option} {out}: a directory; give a file name")
+    if not path.parent.is_dir():
+        sys.exit(f"{option} {out}: its folder {path.parent} does not exist")
+
+
+def _depths(text: str) -> list:
+    """``--depths``: numbers in [0, 1] (a needle's place as a share of the haystack)."""
+    try:
+        depths = [float(d) for d in text.split(",")]
+    except ValueError:
+        sys.exit(f"--depths {text!r}: not a comma list of numbers")
+    if not all(0.0 <= d <= 1.0 for d in depths):
+        sys.exit(f"--depths {text!r}: each depth must be in [0, 1] (a share of the haystack)")
+    return depths
+
+
 def _png_beside(out: Path) -> Path:
     """The plot's path beside results file ``out``: its ``.json`` replaced, else ``.png`` added (a config's name
     past the last dot, such as ``qwen2.5_...``, is no suffix to cut)."""
@@ -313,17 +337,22 @@ def _eval(args) -> int:
         sys.exit("eval: give --config or --budgets, not both")
     lengths = parse_lengths(args.lengths)
     paths = args.config.split(",") if args.config else [None]
+    depths = _depths(args.depths)
     outputs = _eval_outputs(args.out, paths)  # before the model loads: a clash of names fails at once
+    for out in outputs:
+        if out is not None:
+            _out_writable(out)
     model, tok, name = evaluate.load_model(args.model, longest=max(lengths), device=args.device)
+    # every config read and checked against the model before the first one runs
+    configs = [_eval_config(args, model, path, max(lengths)) for path in paths]
     text = assets.austen_text(path=None if args.data == "austen" else args.data)
     # several configs share one process and one dense side: each prompt's dense answer and perplexity are
     # computed once, so the configs differ only by their sparse runs
     dense_memo = evaluate.DenseMemo() if len(paths) > 1 else None
-    for path, out in zip(paths, outputs):
-        config, config_name, escalation = _eval_config(args, model, path, max(lengths))
+    for (config, config_name, escalation), out in zip(configs, outputs):
         results = evaluate.run_eval(
             model, tok, text, lengths=lengths, tasks=tuple(args.tasks.split(",")), config=config,
-            config_name=config_name, model_name=name, depths=[float(d) for d in args.depths.split(",")],
+            config_name=config_name, model_name=name, depths=depths,
             seeds=range(args.seeds), inner=args.inner, window_seed=args.window_seed,
             ruler_tasks=tuple(args.ruler_tasks.split(",")), chat={"auto": None, "chat": True, "plain": False}[args.prompt],
             ppl_tokens=args.ppl_tokens, guard_escalation=escalation, dense_memo=dense_memo)

@@ -332,6 +332,15 @@ def test_eval_cli_compares_several_configs_on_one_dense_side(monkeypatch, tmp_pa
     assert calls == []
     assert cli.main(["eval", "--config", str(tmp_path / "a.json"), "--lengths", "1k"]) == 0
     assert calls[0]["dense_memo"] is None  # one config: nothing to share
+    # what cannot run or be written is named before any config runs (it was found after hours of the first)
+    calls.clear()
+    for argv, problem in ((["--config", f"{tmp_path / 'a.json'},{tmp_path / 'missing.json'}"], "missing.json"),
+                          (["--out", str(tmp_path / "no" / "e.json")], "does not exist"),
+                          (["--out", str(tmp_path / "other")], "a directory"),
+                          (["--depths", "0.5,1.5"], r"must be in \[0, 1\]"), (["--depths", "mid"], "not a comma list")):
+        with pytest.raises((SystemExit, ValueError), match=problem):
+            cli.main(["eval", "--lengths", "1k", *argv])
+    assert calls == []
 
 
 def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
@@ -383,3 +392,23 @@ def test_each_configs_plot_goes_beside_its_own_results():
         pngs = [cli._png_beside(p) for p in cli._eval_outputs(out, configs)]
         assert len(set(pngs)) == 2 and all(p.suffix == ".png" and "_yarn" in p.name for p in pngs), pngs
     assert cli._png_beside(Path("r/e.json")) == Path("r/e.png")
+
+
+def test_a_device_torch_does_not_know_or_cannot_reach_is_named():
+    from minference_fx.tools import pick_device
+
+    with pytest.raises(ValueError, match="not a device torch knows"):
+        pick_device("bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+            pick_device("cuda")
+    assert pick_device("cpu") == torch.device("cpu")
+
+
+def test_cli_inspect_does_not_say_its_own_trace_stays_dense(capsys):
+    """The CLI traced with autograd on, so every user read that the sites would stay dense."""
+    from minference_fx import cli
+
+    assert cli.main(["inspect", "--model", "llama"]) == 0
+    out = capsys.readouterr()
+    assert "rewritten" in out.out and "autograd on" not in out.out + out.err

@@ -9,4 +9,12 @@ import torch
 
 def pick_device(device=None) -> torch.device:
     """``device`` when given, else CUDA when there is one, else the CPU: where every tool runs when not told."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r}: not a device torch knows (cpu, cuda, cuda:N)") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA GPU")
+    return chosen

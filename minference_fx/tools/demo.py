@@ -218,7 +218,8 @@ def run_demo(length: Optional[int] = None, *, device: Optional[str] = None, conf
 
     progress(f"config: {config_name}\n")
     with _step(progress, "inspection", "(what the backend rewrites, traced on 128 tokens)"):
-        found = inspection.inspect(model, ids[:, :128], use_cache=False, options={**options, "inner": "eager"})
+        with torch.no_grad():  # as the prefills below run (with autograd on, the report warns the sites stay dense)
+            found = inspection.inspect(model, ids[:, :128], use_cache=False, options={**options, "inner": "eager"})
     table = str(found)
     progress(table + "\n")
     if not found.rewritten:  # before minutes of prefills that would compare the dense model with itself
