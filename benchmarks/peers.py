@@ -373,8 +373,8 @@ def format_peer_rows(rows) -> str:
     lines.append("times in ms; err = ||out - dense|| / ||dense|| on the same inputs (dense: cuDNN, else flash); "
                  "o/d = our index+kernel / dense, o/FI and o/MI = our kernel / the peer's run (below 1: ours faster); "
                  "FI plan = FlashInfer's planning, not in o/FI; MInf includes its block conversion of the same picks; "
-                 "+til% = aligned blocks FlashInfer reads beyond our walk (leftover columns, diagonal blocks' second tiles), "
-                 "over our tile steps")
+                 "+til% = aligned blocks FlashInfer reads beyond our index's listed tiles (for leftover columns, which our "
+                 "walk gathers 64 a step, and diagonal blocks' second tiles), over our tile steps")
     return "\n".join(lines)
 
 

@@ -152,9 +152,10 @@ def _bench(args) -> int:
             sys.exit(f"bench breakdown: one length (--lengths 128k) and --model {' or '.join(assets.REAL_MODELS)}")
         result = breakdown.breakdown(args.model, lengths[0], config_path=args.config, reps=args.reps,
                                      minference_options=_minference_options(args), command=command)
+        if args.out:  # first: a table that fails to print must not lose the run
+            result.save(args.out)
         print(result.table())
         if args.out:
-            result.save(args.out)
             print(f"wrote {args.out}")
         return 0
     if args.what == "kernels":

@@ -73,7 +73,8 @@ def test_a_call_whose_every_head_is_routed_is_timed_as_attention(monkeypatch):
                                  walk_launch=None)
     assert wrapper(call, q, q, q) is q
     assert len(rows) == 1 and rows[0].path_ms == rows[0].dense_heads_ms == 7.0 and rows[0].index_ms == 0.0
-    assert (rows[0].physical, rows[0].plan_dense_heads, rows[0].routed_heads, rows[0].ran_dense_pairs) == (1.0, 1, 1, 2)
+    # routed, not run dense by an index or guard (none ran)
+    assert (rows[0].physical, rows[0].plan_dense_heads, rows[0].routed_heads, rows[0].ran_dense_pairs) == (1.0, 1, 1, 0)
     assert rows[0].asked == pytest.approx(asked_density(plan, 1000)) and rows[0].walk_ms == 0.0
     # the dense paths, and the calls of other lengths, are left alone
     wrapper(types.SimpleNamespace(path=op.CallPath.DENSE_BY_LENGTH), q, q, q)
@@ -127,3 +128,37 @@ def test_a_sparse_call_times_the_index_the_path_builds_and_counts_the_escalated_
     mine = breakdown._density(q, k, SMALL, index, 0, SCALE, None)
     assert float(up.logical[0, 1]) == 1.0 and float(mine.logical[0, 1]) < 1.0
     assert row.logical == pytest.approx(float(up.logical[0, 0] + mine.logical[0, 1]) / 2)
+
+
+def test_routed_heads_of_a_sparse_call_count_whole(monkeypatch):
+    """Fused SDPA runs a routed head whole, but it was counted at its index's share (``ran_dense`` leaves the
+    routing out): every head routed read 0.27 physical where the same site's all-routed calls read 1.0."""
+    import torch
+
+    from minference_fx import op, sparse_path
+    from minference_fx.autotune.workload import family_qkv
+    from minference_fx.call_masks import CallMasks
+    from minference_fx.kernels import reference
+    from minference_fx.tools import breakdown
+
+    monkeypatch.setattr(breakdown, "event_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(sparse_path, "sparse_on_gpu", lambda q, k, v, plan, scale, masks, threshold, tuned, walk, routed=(),
+                        escalated=None, walk_cost=None: sparse_path.sparse_on_cpu(q, k, v, plan, scale, masks, threshold,
+                                                                                  routed, escalated))
+    monkeypatch.setattr(sparse_path, "guarded_index_on_gpu", lambda q, k, plan, scale, masks, threshold, escalated=None:
+                        sparse_path.GuardedIndex(reference.build_index(q, k, plan, scale=scale), None, None))
+    q, k, v = family_qkv("structured", 1024, num_q_heads=4, num_kv_heads=1, head_dim=32, dtype=torch.float32,
+                         device="cpu")
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 64, 128),) * 4)
+    rows = {}
+    for routed in ((), (0, 1, 2, 3)):
+        call = op.CallPlan(op.CallPath.SPARSE_GPU, CallMasks(), 32 ** -0.5, plan, 0, routable=bool(routed), routed=routed)
+        rows[routed] = breakdown._layer_row(call, q, k, v, 1024, 0)
+    assert rows[()].physical < 0.6
+    assert rows[(0, 1, 2, 3)].physical == rows[(0, 1, 2, 3)].logical == 1.0
+
+
+def test_a_length_with_no_sparse_call_prints_a_table():
+    """Below the crossover no call is taken apart, and the table raised on the missing densities."""
+    result = Breakdown({"model": "m", "length": 32768, "config": "c"}, eager_ms=350.0, compiled_ms=310.0, layers=[])
+    assert "no call took the sparse path" in result.table() and "1.13x eager" in result.table()

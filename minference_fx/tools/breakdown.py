@@ -113,6 +113,10 @@ class Breakdown:
     def table(self) -> str:
         t = self.totals()
         n = len(self.layers)
+        if not n:  # below the crossover every call runs dense SDPA: nothing to take apart
+            return (f"{self.meta['model']} at {self.meta['length']} tokens, {self.meta['config']}\n"
+                    f"no call took the sparse path (this length runs dense); compiled {self.compiled_ms:.1f} ms, "
+                    f"eager {self.eager_ms:.1f} ms, {self.eager_ms / self.compiled_ms:.2f}x eager")
         share = lambda ms: f"{100 * ms / self.compiled_ms:5.1f} %"  # noqa: E731
         lines = [
             f"{self.meta['model']} at {self.meta['length']} tokens, {self.meta['config']}",
@@ -170,7 +174,7 @@ def _layer_row(call, q, k, v, length: int, number: int) -> LayerRow:
     if call.path is op.CallPath.ALL_ROUTED:  # no index, no walk: the whole layer through fused SDPA
         path_ms = event_ms(lambda: dense.every_head_routed(q, k, v, masks, scale, call.walk_launch))
         return LayerRow(path_ms=path_ms, index_ms=0.0, dense_heads_ms=path_ms, physical=1.0, logical=1.0,
-                        ran_dense_pairs=q.shape[0] * q.shape[1], **common)
+                        ran_dense_pairs=0, **common)  # routed, counted in routed_heads: no index or guard ran
 
     def path():
         return sparse_path.sparse_on_gpu(q, k, v, plan, scale, masks, call.guard_threshold, call.sparse_launch,
@@ -189,9 +193,16 @@ def _layer_row(call, q, k, v, length: int, number: int) -> LayerRow:
         dense_heads_ms = event_ms(lambda: dense.dense_heads_by_sdpa(
             q, k, v, out, heads, dense.kv_heads_of(heads, q.shape[1] // k.shape[1]), scale, masks)) if heads else 0.0
     guarded = index()
-    density = _density(q, k, plan, guarded.index, masks.q_offset, scale, result.ran_dense)
+    # every pair the call ran dense counts whole: those its index or guard sent dense, and the routed heads,
+    # which fused SDPA ran (``ran_dense`` leaves them out: routing reads each head's own index)
+    dense_pairs = result.ran_dense
+    if call.routed:
+        routed = torch.zeros(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
+        routed[:, list(call.routed)] = True
+        dense_pairs = routed if dense_pairs is None else dense_pairs | routed
+    density = _density(q, k, plan, guarded.index, masks.q_offset, scale, dense_pairs)
     if guarded.escalated_pairs is not None:  # the pairs that took the escalated index keep its picks
-        up = _density(q, k, call.escalated, guarded.index, masks.q_offset, scale, result.ran_dense)
+        up = _density(q, k, call.escalated, guarded.index, masks.q_offset, scale, dense_pairs)
         took = guarded.escalated_pairs
         density = Density(torch.where(took, up.logical_keys, density.logical_keys), density.causal_keys,
                           torch.where(took, up.physical_tiles, density.physical_tiles), density.causal_tiles)
