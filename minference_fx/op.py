@@ -234,10 +234,11 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
     else:
         result = sparse_path.sparse_on_cpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
                                            call.routed, call.escalated, call.walk_cost)
+    split = dense.split_plan(call.plan)
     if result.weak is not None:
-        guard.record(result.weak, q.shape[0] * dense.split_plan(call.plan).n_listed)
+        guard.record(result.weak, q.shape[0] * split.n_listed)
     if result.route_next is not None and call.routable:
-        call.router.observe(call.route_site, result.route_next, q.shape[-2], dense.split_plan(call.plan).dense_heads)
+        call.router.observe(call.route_site, result.route_next, q.shape[-2], split.dense_heads)
     return result.out
 
 

@@ -144,7 +144,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config "$CONFIG" --reps 3 --out "$STATE/bench_prefill_qwen_searched.json" ;;
     prefill_shipped32k)  # TTFT 32K-128K, eager vs minference, the config shipped for prompts past 8K
           timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
-            --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --reps 3 \
+            --config $SHIPPED32K --reps 3 \
             --out "$STATE/bench_prefill_qwen_shipped32k.json" ;;
     sparse32k_shipped)  # the shipped config past 8K sparse from 32K (since its columns were raised): TTFT at 32K with and without
                         # CUDA graphs, then fidelity at 32K forced sparse on three seeds (with its columns as searched, frequent
@@ -159,10 +159,10 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config $SHIPPED32K --reps 1 --out "$STATE/bench_prefill_qwen_$1.json" ;;
     eval128_shipped32k)  # fidelity at 128K of the config shipped past 8K (forced sparse, as eval128)
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code,ppl,ppl-code,niah \
-            --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json --out "$STATE/$1_qwen.json" ;;
+            --ppl-tokens 1024 --config $SHIPPED32K --out "$STATE/$1_qwen.json" ;;
     fwe_layers32)  # which layers of the config shipped past 8K lose frequent-words extraction at 32K (forced sparse),
                    # on three prompts (seeds) instead of eval's one
-          timeout 580 python3 scripts/explore_task_layers.py configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+          timeout 580 python3 scripts/explore_task_layers.py $SHIPPED32K \
             --model $MODEL --length 32k --tasks freq_words --haystacks austen --depths 0.5 --seeds 0,1,2 \
             --out "$STATE/task_layers_fwe_32k.json" ;;
     candidate32k_noesc)  # candidate32k_fwe's config without the guard's escalation (weak heads to cuDNN): TTFT and fidelity at 32K
@@ -172,11 +172,11 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 400 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code,ppl,ppl-code,niah --seeds 3 \
             --ppl-tokens 1024 --config "$STATE/candidate32k_fwe.json" --guard-escalation 0 0 --out "$STATE/eval32_qwen_$1.json" ;;
     vt_code_layers128)  # which layers of the config shipped past 8K lose code variable tracking at 128K on the diagonal blocks
-          timeout 590 python3 scripts/explore_task_layers.py configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+          timeout 590 python3 scripts/explore_task_layers.py $SHIPPED32K \
             --model $MODEL --length 128k --tasks variable_tracking --haystacks code --out "$STATE/task_layers_vt_code_128k.json" ;;
     candidate128_links)  # the config shipped past 8K with the heads that carry variable tracking's links run dense (the top
                          # link heads of scripts/explore_estimate_rows.py on the CPU): TTFT at 64K/128K, fidelity at 128K
-          python3 -m minference_fx.tools.candidates dense-heads configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+          python3 -m minference_fx.tools.candidates dense-heads $SHIPPED32K \
             --probes results/explore_estimate_rows_qwen_cpu_2026-12-05_8k*.json --out "$STATE/$1.json" || return 1
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 64k,128k --variants eager,minference \
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
@@ -185,7 +185,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     vt_seeds128)  # variable tracking at 128K, prose and code, three seeds (45 strings a haystack, not 15): whether the
                   # shipped config's code VT loss (2 of 15 strings) is its own or one seed's
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code \
-            --ruler-tasks variable_tracking --seeds 3 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+            --ruler-tasks variable_tracking --seeds 3 --config $SHIPPED32K \
             --out "$STATE/$1_qwen.json" ;;
     search_prose_code32k)  # the 32K search calibrated on prose and code (one window each), with the shipped config's
                            # defaults; then code variable tracking at 128K on three seeds (the shipped config loses 9 of 45
@@ -204,7 +204,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --ppl-tokens 1024 --config configs/qwen2.5_coder_1.5b_instruct_8k_yarn.json --out "$STATE/$1_qwen.json" ;;
     candidate32k_fwe)  # that config sparse from 32K with the layers fwe_layers32 found run dense: TTFT at 32K with and
                        # without CUDA graphs, fidelity at 32K (forced sparse, three seeds)
-          python3 -m minference_fx.tools.candidates dense-layers configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+          python3 -m minference_fx.tools.candidates dense-layers $SHIPPED32K \
             --found "$STATE/task_layers_fwe_32k.json" --min-sparse-len 32768 --out "$STATE/$1.json" || return 1
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 32k,64k --variants eager,minference,minference-ro \
             --config "$STATE/$1.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
@@ -221,7 +221,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 400 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k --variants eager,minference \
             --config "$STATE/config_sparse4k.json" --reps 3 --out "$STATE/bench_prefill_qwen_sparse4k.json" ;;
     breakdown) timeout 400 minference-fx bench breakdown --model $MODEL --lengths 128k \
-                 --config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json \
+                 --config $SHIPPED32K \
                  --out "$STATE/breakdown_qwen_128k.json" ;;
     eval32|eval128) timeout 900 minference-fx eval --model $MODEL --lengths ${1#eval}k --tasks ruler,ruler-code,ppl,ppl-code,niah \
             --ppl-tokens 1024 --config "$CONFIG" --out "$STATE/$1_qwen.json" ;;

@@ -256,11 +256,13 @@ def test_configs_compared_in_one_process_share_one_dense_side(tok, austen, code,
     answer, ppl = evaluate.greedy_answer, evaluate.perplexity
 
     def counted_answer(model, ids, *, prefill=None, new_tokens=7):
-        dense_calls.append("answer") if prefill is None else None
+        if prefill is None:
+            dense_calls.append("answer")
         return answer(model, ids, prefill=prefill, new_tokens=new_tokens)
 
     def counted_perplexity(model, ids, *, compiled=None, scored=None):
-        dense_calls.append("ppl") if compiled is None else None
+        if compiled is None:
+            dense_calls.append("ppl")
         return ppl(model, ids, compiled=compiled, scored=scored)
 
     monkeypatch.setattr(evaluate, "greedy_answer", counted_answer)

@@ -197,8 +197,7 @@ def _layer_row(call, q, k, v, length: int, number: int) -> LayerRow:
     # which fused SDPA ran (``ran_dense`` leaves them out: routing reads each head's own index)
     dense_pairs = result.ran_dense
     if call.routed:
-        routed = torch.zeros(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
-        routed[:, list(call.routed)] = True
+        routed = dense.dense_pairs(call.routed, q)
         dense_pairs = routed if dense_pairs is None else dense_pairs | routed
     density = _density(q, k, plan, guarded.index, masks.q_offset, scale, dense_pairs)
     if guarded.escalated_pairs is not None:  # the pairs that took the escalated index keep its picks
