@@ -1,8 +1,8 @@
-"""The sm_90a PTX of every launch the shipped H200 table makes of the attention kernel, as sha256 fingerprints of
+"""The sm_90a PTX of every launch the shipped tables (``autotune/*.json``) make of the attention kernel, as sha256 fingerprints of
 its instructions (debug information left out).
 
 An edit of ``kernels/attend.py`` that leaves every launch's PTX byte-identical leaves the tuned launch configs valid:
-the table can then be re-keyed to the new source hash instead of tuned again (BENCHMARKS.md section 6). Run it
+the tables can then be re-keyed to the new source hash instead of tuned again (BENCHMARKS.md section 6). Run it
 before and after the edit, on each Triton version the project claims, and compare (CPU only, no GPU):
 
     TRITON_INTERPRET=0 python scripts/explore_ptx_identity.py > before.json   # ... edit ...
@@ -24,12 +24,12 @@ import triton
 
 from minference_fx.kernels.codegen import ptx_instructions, ptxas_report, sparse_walk_ptx
 
-TABLE = Path(__file__).resolve().parent.parent / "autotune" / "h200.json"
+TABLES = sorted((Path(__file__).resolve().parent.parent / "autotune").glob("*.json"))
 
 
-def shipped_launches(table: Path = TABLE) -> list[tuple]:
-    """(head_dim, BLOCK_M, BLOCK_N, num_warps, num_stages, dense_walk) of every entry of ``table``, once each."""
-    rows = json.loads(table.read_text())["configs"]
+def shipped_launches(tables: list[Path] = TABLES) -> list[tuple]:
+    """(head_dim, BLOCK_M, BLOCK_N, num_warps, num_stages, dense_walk) of every entry of ``tables``, once each."""
+    rows = [row for table in tables for row in json.loads(table.read_text())["configs"]]
     return sorted({(r["key"]["head_dim"], r["entry"]["BLOCK_M"], r["entry"]["BLOCK_N"], r["entry"]["num_warps"],
                     r["entry"]["num_stages"], r["key"]["kernel"] == "dense_walk") for r in rows})
 

@@ -169,12 +169,38 @@ def test_shipped_tables_are_valid():
         Table.from_json(p.read_text())  # raises when foreign or corrupt
 
 
-def test_the_shipped_h200_table_was_tuned_on_these_kernels():
-    """A kernel edit that can change speed voids the shipped table: re-tune on the H200 (scripts/gpu_session.sh
-    tune) and ship the new cache, or every lookup falls back to the untuned defaults."""
-    table = Table.from_json(next(p for p in cache.shipped_paths() if p.name == "h200.json").read_text())
-    hashes = {k.source_hash for k in table.configs} | {k.source_hash for k in table.crossovers}
-    assert hashes == {identity.kernel_source_hash()}, "autotune/h200.json is stale: re-tune it for these kernels"
+@pytest.mark.parametrize("name", ["h200.json", "h100.json"])
+def test_a_shipped_table_was_tuned_on_these_kernels(name):
+    """A kernel edit that can change speed voids the shipped tables: re-tune on that GPU (scripts/gpu_qwen.sh
+    retune) and ship the new cache, or every lookup there falls back to the untuned defaults."""
+    table = Table.from_json(next(p for p in cache.shipped_paths() if p.name == name).read_text())
+    hashes = ({k.source_hash for k in table.configs} | {k.source_hash for k in table.crossovers}
+              | {k.source_hash for k in table.costs})
+    assert hashes == {identity.kernel_source_hash()}, f"autotune/{name} is stale: re-tune it for these kernels"
+
+
+def test_each_gpu_reads_its_own_shipped_table(tmp_path, monkeypatch):
+    """Both tables hold Qwen2.5-Coder's d128 / GQA-6 shape; the device name picks the row, and neither shadows the other."""
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "empty"))
+    cache.forget()
+    current = identity.kernel_source_hash()
+    crossovers, walk_rates = {}, {}
+    for name in ("h200.json", "h100.json"):
+        table = Table.from_json(next(p for p in cache.shipped_paths() if p.name == name).read_text())
+        key = next(k for k in table.crossovers if (k.head_dim, k.group) == (128, 6))
+        crossovers[name] = cache.lookup_crossover(key)
+        walk_rates[name] = cache.lookup_cost(key).walk_rate
+        assert crossovers[name] == table.crossovers[key] and key.source_hash == current
+        assert cache.lookup_crossover(dataclasses.replace(key, gpu="NVIDIA A100-SXM4-80GB"), untuned=-7) == -7
+    assert walk_rates["h200.json"] != walk_rates["h100.json"]
+
+
+def test_each_shipped_table_holds_one_gpu():
+    """A table is named for the GPU it was tuned on, so that a re-tune replaces it whole."""
+    for path in cache.shipped_paths():
+        table = Table.from_json(path.read_text())
+        gpus = {k.gpu for k in table.configs} | {k.gpu for k in table.crossovers} | {k.gpu for k in table.costs}
+        assert len(gpus) == 1, (path.name, gpus)
 
 
 KERNEL_TEXT = '''"""Module docstring."""
