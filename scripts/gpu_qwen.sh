@@ -41,7 +41,8 @@
 # peers_512k (MInference at 512K, after step peers), vt_seeds128 (variable tracking at 128K, prose and code, three
 # seeds, the config shipped past 8K), search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT,
 # the fidelity table), compile_qwen (compile time at 4K against HF + Inductor's, one run), sparse32k_shipped (the shipped
-# config past 8K sparse from 32K: TTFT, fidelity at 32K on three seeds). The steps that compared column
+# config past 8K sparse from 32K: TTFT, fidelity at 32K on three seeds), sparse32k_guard (the same with the guard at 0.9
+# and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table). The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -155,6 +156,17 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             --config $SHIPPED32K --min-sparse-len 32768 --reps 3 --out "$STATE/bench_prefill_qwen_$1.json"
           timeout 500 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code,ppl,ppl-code,niah --seeds 3 \
             --ppl-tokens 1024 --config $SHIPPED32K --out "$STATE/eval32_qwen_$1.json" ;;
+    sparse32k_guard)  # sparse from 32K with a stricter guard (0.9, 0.95), since the raised columns left frequent words and code
+                      # variable tracking under dense at 0.8 (sparse32k_shipped): TTFT at 32K, then those two tasks on three
+                      # seeds, both guards in one eval process (one dense side)
+          for g in 0.9 0.95; do
+            derived_config $SHIPPED32K "$STATE/shipped32k_guard$g.json" $g 32768 || return 1
+            timeout 300 minference-fx bench prefill --model $MODEL --lengths 32k --variants eager,minference \
+              --config "$STATE/shipped32k_guard$g.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1_$g.json"
+          done
+          timeout 500 minference-fx eval --model $MODEL --lengths 32k --tasks ruler,ruler-code \
+            --ruler-tasks freq_words,variable_tracking --seeds 3 \
+            --config "$STATE/shipped32k_guard0.9.json,$STATE/shipped32k_guard0.95.json" --out "$STATE/eval32_qwen_$1.json" ;;
     compile_qwen)  # compile time against HF + Inductor's in one run: the first call at 4K compiles (the config shipped
                    # past 8K, whose 4K runs the dense path; the sparse kernels JIT beside Inductor), 32K checks no recompile
           timeout 500 minference-fx bench prefill --model $MODEL --lengths 4k,32k --variants eager,inductor,minference \
