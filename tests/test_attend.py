@@ -4,7 +4,7 @@ import torch
 
 from minference_fx.autotune import workload
 from minference_fx.kernels import reference
-from minference_fx.kernels.attend import rows_addressable, sparse_attention_triton
+from minference_fx.kernels.attend import rows_need_int64, sparse_attention_triton
 from minference_fx.kernels.codegen import ptx_instructions
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
@@ -391,13 +391,31 @@ def test_a_one_row_padding_mask_applies_to_every_batch_row_of_a_direct_call():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_a_view_whose_row_offsets_pass_int32_is_copied_contiguous():
-    """The kernel offsets rows in int32: HF's [B, S, H, D].transpose(1, 2) view (stride(2) = H x D) passed 2**31
-    from 2**31 / (H x D) rows on (512K at H x D = 4096), and the kernel read wrong rows."""
-    hf_view = torch.empty(1, 600_000, 32, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
-    fixed = rows_addressable(hf_view, "q")
-    assert fixed.is_contiguous() and fixed.shape == hf_view.shape
-    fits = torch.empty(1, 400_000, 32, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
-    assert rows_addressable(fits, "q") is fits  # under 2**31: no copy
-    with pytest.raises(ValueError, match="past 2\\*\\*31 elements a \\(batch, head\\)"):
-        rows_addressable(torch.empty(1, 1, 2**24 + 1, 128, device="meta"), "k")
+def test_views_whose_row_offsets_pass_int32_are_addressed_in_int64():
+    """HF's [B, S, H, D].transpose(1, 2) view (stride(2) = H x D) passes 2**31 from 2**31 / (H x D) rows on (512K
+    at H x D = 4096): int32 row offsets read wrong rows there. Such launches address rows in int64 instead of
+    copying the view contiguous (a data-sized allocation inside the op); the decision reads shapes only."""
+    view = lambda rows: torch.empty(1, rows, 32, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)  # noqa: E731
+    assert rows_need_int64(view(600_000)) and not rows_need_int64(view(400_000))
+    assert rows_need_int64(view(400_000), view(600_000))  # any one of q, k, v and out
+    assert not rows_need_int64(torch.empty(1, 32, 600_000, 128, device="meta"))  # contiguous: 2**26 a head
+    assert rows_need_int64(torch.empty(1, 1, 2**24 + 1, 128, device="meta"))  # past 2**31 even contiguous
+    assert not rows_need_int64(view(0))
+
+
+@pytest.mark.parametrize("kv_desc", [False, True], ids=["pointers", "tma"])
+def test_int64_row_addresses_give_the_int32_result(kv_desc):
+    """The same launch with rows addressed in int64 (forced, on shapes that need no such thing) writes the same
+    bits, on HF-style strided views of q, k and v, a padding mask and every pattern."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 130, h, 16, generator=g).transpose(1, 2) for h in (4, 2, 2))
+    plan = _plan(4)
+    key_mask = torch.ones(2, 130, dtype=torch.bool)
+    key_mask[1, :40] = False
+    index = reference.build_index(q, k, plan, scale=0.25, key_mask=key_mask)
+    run = lambda wide: sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25,  # noqa: E731
+                                               key_mask=key_mask, kv_desc=kv_desc, int64_rows=wide)
+    wide, narrow = run(True), run(False)
+    assert torch.equal(wide, narrow)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, key_mask=key_mask, index=index)
+    torch.testing.assert_close(wide, want, atol=1e-5, rtol=0)

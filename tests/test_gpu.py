@@ -654,6 +654,27 @@ def test_einsum_attention_and_a_view_of_the_sdpa_output_through_inductor_match_e
         assert _rel(a, b) < 2e-2
 
 
+def test_a_strided_view_past_2_31_row_elements_reads_what_a_contiguous_copy_reads():
+    """HF hands the op [B, S, H, D].transpose(1, 2) views: with 32 heads of 128 a row's offset passes 2**31 elements
+    past 524,288 tokens, where int32 row arithmetic read wrong rows. The kernel then addresses rows in int64 (no copy);
+    on q, k and v alike (MHA, so K/V's rows pass it too) it must write what the contiguous copies' int32 launch writes."""
+    from minference_fx.kernels.attend import rows_need_int64
+    from minference_fx.kernels.index import build_index_gpu
+
+    S, H, D = 2**19 + 4096, 32, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for _ in range(3))
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 64, 128), HeadPlan(Pattern.A_SHAPE, 64, 256)) * (H // 2))
+    index = build_index_gpu(q, k, plan, scale=D ** -0.5)
+    assert rows_need_int64(q) and rows_need_int64(k)
+    wide = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=D ** -0.5)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    assert not rows_need_int64(q, k, v)
+    narrow = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=D ** -0.5)
+    assert torch.isfinite(wide).all() and torch.equal(wide, narrow)
+
+
 @pytest.mark.parametrize("int64_indexing", [True, False])
 def test_a_prompt_past_2_31_activation_elements_recompiles_only_without_int64_indexing(int64_indexing):
     """Inductor indexes with int32 while the first prompt's sizes fit and guards on it; an MLP 2**20 wide passes

@@ -253,7 +253,7 @@ def _sparse_attn_fwd(
     num_heads, group, seq_q, seq_k, q_offset, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr,
+    FORCE_MODE: tl.constexpr, KV_DESC: tl.constexpr, RETURN_LSE: tl.constexpr, ROWS_I64: tl.constexpr = False,
 ):
     """One program a query tile (BLOCK_M rows) and (batch, head) pair. ``Index``: the tables ``(BlockCount,
     BlockStart, ColCount, ColIndex)``, [B*H, M] and [B*H, M, cap]; ``Plan``: the per-head tables ``(Patterns, BudgetA,
@@ -306,9 +306,17 @@ def _sparse_attn_fwd(
     if HAS_KEY_MASK:
         first_key = tl.load(FirstKey + b)
     sees_keys = pos_hi >= first_key
+    # A row's offset in its (batch, head) is row x stride(2) in int32 unless ROWS_I64: HF's [B, S, H, D].transpose(1, 2)
+    # views (stride(2) = H x D) pass 2**31 from 2**31 / (H x D) rows on, 512K tokens for H x D = 4096. Only such
+    # launches pay for int64 addresses; K/V's rows follow from their widened stride in the walk's steps
+    row_at = rows
+    if ROWS_I64:
+        row_at = rows.to(tl.int64)
+        stride_k = (stride_k[0], stride_k[1], stride_k[2].to(tl.int64), stride_k[3])
+        stride_v = (stride_v[0], stride_v[1], stride_v[2].to(tl.int64), stride_v[3])
     # load q: it stays in SRAM throughout (a skipped program reads and writes nothing). A scalar condition joins a
     # vector mask through tl.where: Triton 3.9's interpreter turns `vector & scalar` into an int32 mask and refuses it
-    q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + rows[:, None] * stride_q[2] + d[None, :] * stride_q[3],
+    q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + row_at[:, None] * stride_q[2] + d[None, :] * stride_q[3],
                 mask=tl.where(runs, row_ok, False)[:, None] & d_ok[None, :], other=0.0)
     k_base = K + b * stride_k[0] + hk * stride_k[1]
     # the query rows' documents hold for the whole program; rows past the queries read no id
@@ -402,7 +410,7 @@ def _sparse_attn_fwd(
 
     # epilogue: rows that saw no key are 0, not 0/0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + b * stride_o[0] + h * stride_o[1] + rows[:, None] * stride_o[2] + d[None, :] * stride_o[3],
+    tl.store(Out + b * stride_o[0] + h * stride_o[1] + row_at[:, None] * stride_o[2] + d[None, :] * stride_o[3],
              out.to(Out.dtype.element_ty), mask=tl.where(runs, row_ok, False)[:, None] & d_ok[None, :])
     if RETURN_LSE:
         # m and l live in base 2 with the scale folded in: ln sum exp(scale * s) = ln2 * (m + log2 l)
@@ -430,24 +438,16 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1]) and block_d * size >= 16
 
 
-def rows_addressable(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-    """``t`` [B, H, S, D] as the kernel can address it: the kernel offsets a row within a (batch, head) by
-    row x stride(2) + column x stride(3) in int32, which a strided view (HF's [B, S, H, D].transpose(1, 2), stride(2)
-    = H x D) passes from about 2**31 / (H x D) rows on (512K for H x D = 4096); such a view is copied contiguous."""
-    last = (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
-    if last < 2**31:
-        return t
-    t = t.contiguous()
-    if (t.shape[2] - 1) * t.stride(2) + t.shape[3] - 1 >= 2**31:
-        raise ValueError(f"{name} has {t.shape[2]} rows of {t.shape[3]}: past 2**31 elements a (batch, head), more "
-                         "than the kernel's int32 row offsets address")
-    return t
+def rows_need_int64(*tensors: torch.Tensor) -> bool:
+    """Whether a row's offset within a (batch, head), row x stride(2) + column x stride(3), reaches 2**31 in any of
+    ``tensors`` ([B, H, S, D]), past what the kernel's default int32 row arithmetic addresses. Shapes only: no copy."""
+    return any((t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2**31 for t in tensors if t.numel())
 
 
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
     q_offset=0, window=0, force_dense=None, forced="here", out=None, num_warps=4, num_stages=2, block_m=BLOCK,
-    block_n=BLOCK, kv_desc=True, return_lse=False,
+    block_n=BLOCK, kv_desc=True, return_lse=False, int64_rows=None,
 ):
     """Run the sparse kernel over ``index`` (dense and A-shape heads need no entries in it).
 
@@ -471,6 +471,8 @@ def sparse_attention_triton(
         falls back to pointer loads where the layout does not allow it.
     return_lse : also return the natural-log sum of exp(scale * q·k) over the keys each row read,
         fp32 ``[B, Hq, Sq]`` (``-inf`` for a row that read none), e.g. to merge with other attention.
+    int64_rows : address rows in int64; ``None``: where q, k, v or ``out`` needs it (:func:`rows_need_int64`), as
+        HF's transposed views do past about 2**31 / (heads x head dim) rows. Speed only, never the result.
 
     Returns
     -------
@@ -478,7 +480,6 @@ def sparse_attention_triton(
     """
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
-    q, k, v = (rows_addressable(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
     if forced not in FORCE_MODES or forced is None:
         raise ValueError(f"forced must be 'here', 'skip' or 'only', got {forced!r}")
     if out is None:
@@ -528,6 +529,7 @@ def sparse_attention_triton(
         HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FORCE_MODE=FORCE_MODES[forced if force_dense is not None else None],
         KV_DESC=use_desc, RETURN_LSE=return_lse,
+        ROWS_I64=rows_need_int64(q, k, v, out) if int64_rows is None else bool(int64_rows),
         num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out
