@@ -160,7 +160,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
                       # variable tracking under dense at 0.8 (sparse32k_shipped): TTFT at 32K, then those two tasks on three
                       # seeds, both guards in one eval process (one dense side)
           for g in 0.9 0.95; do
-            derived_config $SHIPPED32K "$STATE/shipped32k_guard$g.json" $g 32768 || return 1
+            derived_config $SHIPPED32K "$STATE/shipped32k_guard$g.json" $g 32768 1 32768,0.5 || return 1  # its growth kept
             timeout 300 minference-fx bench prefill --model $MODEL --lengths 32k --variants eager,minference \
               --config "$STATE/shipped32k_guard$g.json" --reps 3 --out "$STATE/bench_prefill_qwen_$1_$g.json"
           done
