@@ -8,13 +8,14 @@ import json
 import math
 import random
 import types
+import warnings
 
 import pytest
 import torch
 
 from minference_fx.tools import evaluate
 from minference_fx.plan import Pattern
-from tiny_models import covering_config, small_budget_config
+from tiny_models import covering_config, small_budget_config, tiny_model
 
 # 512 tokens: 8 key tiles of 64, past the vertical-slash estimate's 64 last rows, its 30 forced columns and 100 forced
 # diagonals, so the covering index still has to list every causal key of several tiles, and the perplexity of real
@@ -210,7 +211,6 @@ def test_eval_results_round_trip_through_json(tmp_path):
 def test_shipped_config_is_the_one_calibrated_for_the_length(tmp_path, monkeypatch):
     from minference_fx import configs
     from minference_fx.config import default_config, model_identity_from_hf
-    from tiny_models import tiny_model
 
     model = tiny_model("llama")
     for length in (8192, 16384):
@@ -412,3 +412,16 @@ def test_cli_inspect_does_not_say_its_own_trace_stays_dense(capsys):
     assert cli.main(["inspect", "--model", "llama"]) == 0
     out = capsys.readouterr()
     assert "rewritten" in out.out and "autograd on" not in out.out + out.err
+
+
+def test_greedy_decode_hands_the_cache_under_the_name_this_transformers_takes():
+    """transformers 5.25 renamed forward's past_key_values to cache (the old name warns, and goes in 5.40): the
+    eval's decode steps use whichever name the installed release takes, and match generate's greedy tokens."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        tokens = evaluate.decode_greedy(model, model(ids, use_cache=True), 4)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert tokens == want[0, 20:].tolist()

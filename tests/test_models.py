@@ -6,6 +6,7 @@ import transformers
 from minference_fx import ConfigMismatchError, inspect
 from minference_fx.backend import recent_reports
 from minference_fx.plan import Pattern
+from minference_fx.tools import cache_kwargs
 from tiny_models import (covering_config, reports_since, sliding_cache_chunks, small_budget_config, tiny_model,
                          wrong_config)
 
@@ -113,7 +114,7 @@ def test_chunked_prefill_through_the_cache_equals_one_pass():
     with torch.no_grad():
         whole = model(ids, use_cache=False).logits
         cache = DynamicCache(config=model.config)
-        chunks = [compiled(ids[:, a:b], past_key_values=cache, use_cache=True).logits
+        chunks = [compiled(ids[:, a:b], **cache_kwargs(model, cache), use_cache=True).logits
                   for a, b in ((0, 120), (120, 170), (170, 230))]
     later = [r for rep in recent_reports()[-2:] for r in rep.rows]
     assert later and all(r.decision == "sparse" and "q_offset" in r.mask for r in later), later

@@ -34,6 +34,7 @@ def sliding_cache_chunks(model, compiled, length: int, pad: int, bounds: tuple, 
     import torch
     from transformers import DynamicCache
     from minference_fx.backend import recent_reports
+    from minference_fx.tools import cache_kwargs
 
     ids = torch.randint(0, 128, (2, length), device=device)
     mask = torch.ones(2, length, dtype=torch.long, device=device)
@@ -41,7 +42,7 @@ def sliding_cache_chunks(model, compiled, length: int, pad: int, bounds: tuple, 
 
     def chunks(fn):
         cache = DynamicCache(config=model.config)
-        return [fn(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
+        return [fn(ids[:, a:b], attention_mask=mask[:, :b], **cache_kwargs(model, cache), use_cache=True).logits
                 for a, b in bounds]
 
     before = recent_reports()

@@ -4,6 +4,8 @@ random-weight models and the attention-mass measurement.
 The core (backend, options, passes, op, plan, config, kernels, autotune, search, inspection) never imports this
 package (tests/test_layout.py); the CLI (``minference_fx.cli``), the scripts and the tests do.
 """
+import inspect
+
 import torch
 
 
@@ -18,3 +20,15 @@ def pick_device(device=None) -> torch.device:
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: torch sees no CUDA GPU")
     return chosen
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The forward keyword that hands ``model`` a KV cache: ``cache`` from transformers 5.25 on, ``past_key_values``
+    before (5.25 still takes the old name, with a deprecation warning, until 5.40)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
+def returned_cache(output):
+    """The KV cache a transformers forward returned, under either name (``cache`` from 5.25 on)."""
+    return output["cache"] if "cache" in output else output.past_key_values

@@ -51,7 +51,7 @@ from ..kernels import guard, reference
 from ..kernels.index import build_index_gpu
 from ..plan import LISTED_PATTERNS, LayerPlan, Pattern
 from ..search import physical_density
-from . import assets, pick_device, ruler, stdlib_code
+from . import assets, cache_kwargs, pick_device, returned_cache, ruler, stdlib_code
 
 NEEDLE = " The secret passcode for the vault is {passkey}. "
 QUESTION = "\n\nQuestion: What is the secret passcode for the vault?\nAnswer: The secret passcode for the vault is"
@@ -289,13 +289,13 @@ def greedy_answer(model, ids: torch.Tensor, *, prefill=None, new_tokens: int = 7
 
 def decode_greedy(model, out, new_tokens: int) -> list[int]:
     """Continue greedily from a prefill's output (its last logits and its KV cache) on ``model``."""
-    tokens, cache = [], out.past_key_values
+    tokens, cache = [], returned_cache(out)
     with torch.no_grad():
         for _ in range(new_tokens):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(token))
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(token, **cache_kwargs(model, cache), use_cache=True)
+            cache = returned_cache(out)
     return tokens
 
 
