@@ -306,17 +306,18 @@ def _sparse_attn_fwd(
     if HAS_KEY_MASK:
         first_key = tl.load(FirstKey + b)
     sees_keys = pos_hi >= first_key
-    # A row's offset in its (batch, head) is row x stride(2) in int32 unless ROWS_I64: HF's [B, S, H, D].transpose(1, 2)
-    # views (stride(2) = H x D) pass 2**31 from 2**31 / (H x D) rows on, 512K tokens for H x D = 4096. Only such
-    # launches pay for int64 addresses; K/V's rows follow from their widened stride in the walk's steps
-    row_at = rows
+    # A row's offset in its (batch, head), row x stride(2) + column x stride(3), is int32 unless ROWS_I64: HF's
+    # [B, S, H, D].transpose(1, 2) views (stride(2) = H x D) pass 2**31 from 2**31 / (H x D) rows on, 512K tokens for
+    # H x D = 4096. Only such launches pay for int64 addresses, which follow from the widened strides (tl.cast, since a
+    # stride of 1 arrives as a constant)
     if ROWS_I64:
-        row_at = rows.to(tl.int64)
-        stride_k = (stride_k[0], stride_k[1], stride_k[2].to(tl.int64), stride_k[3])
-        stride_v = (stride_v[0], stride_v[1], stride_v[2].to(tl.int64), stride_v[3])
+        stride_q = (stride_q[0], stride_q[1], tl.cast(stride_q[2], tl.int64), tl.cast(stride_q[3], tl.int64))
+        stride_k = (stride_k[0], stride_k[1], tl.cast(stride_k[2], tl.int64), tl.cast(stride_k[3], tl.int64))
+        stride_v = (stride_v[0], stride_v[1], tl.cast(stride_v[2], tl.int64), tl.cast(stride_v[3], tl.int64))
+        stride_o = (stride_o[0], stride_o[1], tl.cast(stride_o[2], tl.int64), tl.cast(stride_o[3], tl.int64))
     # load q: it stays in SRAM throughout (a skipped program reads and writes nothing). A scalar condition joins a
     # vector mask through tl.where: Triton 3.9's interpreter turns `vector & scalar` into an int32 mask and refuses it
-    q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + row_at[:, None] * stride_q[2] + d[None, :] * stride_q[3],
+    q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + rows[:, None] * stride_q[2] + d[None, :] * stride_q[3],
                 mask=tl.where(runs, row_ok, False)[:, None] & d_ok[None, :], other=0.0)
     k_base = K + b * stride_k[0] + hk * stride_k[1]
     # the query rows' documents hold for the whole program; rows past the queries read no id
@@ -410,7 +411,7 @@ def _sparse_attn_fwd(
 
     # epilogue: rows that saw no key are 0, not 0/0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + b * stride_o[0] + h * stride_o[1] + row_at[:, None] * stride_o[2] + d[None, :] * stride_o[3],
+    tl.store(Out + b * stride_o[0] + h * stride_o[1] + rows[:, None] * stride_o[2] + d[None, :] * stride_o[3],
              out.to(Out.dtype.element_ty), mask=tl.where(runs, row_ok, False)[:, None] & d_ok[None, :])
     if RETURN_LSE:
         # m and l live in base 2 with the scale folded in: ln sum exp(scale * s) = ln2 * (m + log2 l)
