@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from minference_fx.tools import evaluate
+from minference_fx.tools import cache_kwargs, evaluate
 from minference_fx.plan import Pattern
 from tiny_models import covering_config, small_budget_config, tiny_model
 
@@ -425,3 +425,4 @@ def test_greedy_decode_hands_the_cache_under_the_name_this_transformers_takes():
     assert not [w for w in caught if "past_key_values" in str(w.message)]
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert tokens == want[0, 20:].tolist()
+    assert cache_kwargs(torch.compile(model), None).keys() == cache_kwargs(model, None).keys()

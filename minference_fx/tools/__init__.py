@@ -25,7 +25,8 @@ def pick_device(device=None) -> torch.device:
 def cache_kwargs(model, cache) -> dict:
     """The forward keyword that hands ``model`` a KV cache: ``cache`` from transformers 5.25 on, ``past_key_values``
     before (5.25 still takes the old name, with a deprecation warning, until 5.40)."""
-    params = inspect.signature(model.forward).parameters
+    # a torch.compile wrapper's forward takes (*args, **kwargs): read the wrapped model's
+    params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
