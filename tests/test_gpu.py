@@ -9,7 +9,8 @@ from minference_fx import cost, routing
 from minference_fx.autotune import dispatch
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
-from minference_fx.kernels.attend import sparse_attention_triton
+from minference_fx.kernels.attend import rows_need_int64, sparse_attention_triton
+from minference_fx.kernels.index import build_index_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
 from routing_helpers import calls_that_checked
@@ -148,7 +149,6 @@ def test_fuzz_op_against_reference_on_1000_shapes():
         v = torch.randn(b, hkv, skv, d, device="cuda", generator=g).to(dtype)
         plan = _random_plan(rng, hq)
         scale = d ** -0.5
-        from minference_fx.kernels.index import build_index_gpu
 
         index = build_index_gpu(q, k, plan, scale=scale, **masks.kwargs())
         # every launch config the tuner may pick: TMA copies (the default) for bf16; pointer loads or
@@ -422,7 +422,6 @@ def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
 
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
-    from minference_fx.kernels.index import build_index_gpu
 
     n, scale = 16384, 128 ** -0.5
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
@@ -463,7 +462,6 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
 
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
-    from minference_fx.kernels.index import build_index_gpu
 
     n, scale = 16384, 128 ** -0.5
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
@@ -515,7 +513,6 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
     from minference_fx.cost import WalkCost
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
-    from minference_fx.kernels.index import build_index_gpu
 
     n, scale = 16384, 128 ** -0.5
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * 8)
@@ -658,9 +655,6 @@ def test_a_strided_view_past_2_31_row_elements_reads_what_a_contiguous_copy_read
     """HF hands the op [B, S, H, D].transpose(1, 2) views: with 32 heads of 128 a row's offset passes 2**31 elements
     past 524,288 tokens, where int32 row arithmetic read wrong rows. The kernel then addresses rows in int64 (no copy);
     on q, k and v alike (MHA, so K/V's rows pass it too) it must write what the contiguous copies' int32 launch writes."""
-    from minference_fx.kernels.attend import rows_need_int64
-    from minference_fx.kernels.index import build_index_gpu
-
     S, H, D = 2**19 + 4096, 32, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)

@@ -22,12 +22,18 @@ def pick_device(device=None) -> torch.device:
     return chosen
 
 
+def forward_kwarg(model, names: tuple, value) -> dict:
+    """``{name: value}`` for the first of ``names`` that ``model``'s forward takes, else ``{}``: transformers renames
+    forward arguments across releases. A torch.compile wrapper's forward takes (*args, **kwargs), so the wrapped
+    model's is read."""
+    params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
+    return next(({name: value} for name in names if name in params), {})
+
+
 def cache_kwargs(model, cache) -> dict:
     """The forward keyword that hands ``model`` a KV cache: ``cache`` from transformers 5.25 on, ``past_key_values``
     before (5.25 still takes the old name, with a deprecation warning, until 5.40)."""
-    # a torch.compile wrapper's forward takes (*args, **kwargs): read the wrapped model's
-    params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
+    return forward_kwarg(model, ("cache", "past_key_values"), cache) or {"past_key_values": cache}
 
 
 def returned_cache(output):

@@ -51,7 +51,6 @@ import sys
 import tempfile
 import time
 import contextlib
-import inspect
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -68,7 +67,7 @@ from ..config import default_config, model_identity_from_hf
 from ..kernels import guard
 from ..dense import NEAR_DENSE_STATS
 from ..plan import HeadPlan, LayerPlan, Pattern
-from . import assets, bench, pick_device
+from . import assets, bench, forward_kwarg, pick_device
 from .evaluate import CHARS_PER_TOKEN_ROOM, text_window_ids
 
 LLAMA3_8B = dict(
@@ -102,11 +101,8 @@ def build_model(config, device, dtype: torch.dtype, seed: int = 0):
 
 
 def _last_logits_kwarg(model) -> dict:
-    params = inspect.signature(model.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            return {name: 1}
-    return {}  # an old transformers: every position's logits (large at long prompts)
+    # {} on an old transformers: every position's logits (large at long prompts)
+    return forward_kwarg(model, ("logits_to_keep", "num_logits_to_keep"), 1)
 
 
 def prompt_ids(length: int, vocab: int, seed: int, device) -> torch.Tensor:
