@@ -1,10 +1,19 @@
 """``bench breakdown``'s arithmetic on CPU: the density a config asks for and the table's totals and bounds."""
 import json
+import types
 
 import pytest
+import torch
 
-from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx import op, sparse_path
+from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
+from minference_fx.autotune.workload import family_qkv
+from minference_fx.call_masks import CallMasks
+from minference_fx.kernels import reference
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalated_plan
+from minference_fx.tools import breakdown
 from minference_fx.tools.breakdown import Breakdown, LayerRow, asked_density
+from test_guard_escalation import ESCALATION, SCALE, SMALL, _hot_columns_qkv
 
 
 def test_asked_density_known_answers():
@@ -53,14 +62,6 @@ def test_totals_and_bounds(tmp_path):
 def test_a_call_whose_every_head_is_routed_is_timed_as_attention(monkeypatch):
     """Such a call skips the sparse path; taken apart at the op's run_call, it is counted (before, its layer's
     attention was left in the non-attention remainder)."""
-    import types
-
-    import torch
-
-    from minference_fx import op
-    from minference_fx.call_masks import CallMasks
-    from minference_fx.tools import breakdown
-
     monkeypatch.setattr(op, "run_call", lambda call, q, k, v: q)
     monkeypatch.setattr(breakdown, "event_ms", lambda fn: (fn(), 7.0)[1])
     monkeypatch.setattr(breakdown.dense, "dense_attention", lambda *a: None)
@@ -86,17 +87,6 @@ def test_a_sparse_call_times_the_index_the_path_builds_and_counts_the_escalated_
     """The index it times carries the guard's estimate and the escalation's index (before, the plain index alone,
     so their cost was put on the walk), and its densities count the escalated index's keys for a head that took
     it. The Triton path runs under the interpreter here."""
-    import types
-
-    import torch
-
-    from minference_fx import op, sparse_path
-    from minference_fx.autotune.cache import DEFAULT_ENTRIES, DEFAULT_ENTRY
-    from minference_fx.call_masks import CallMasks
-    from minference_fx.plan import escalated_plan
-    from minference_fx.tools import breakdown
-    from test_guard_escalation import ESCALATION, SCALE, SMALL, _hot_columns_qkv
-
     q, k, v = _hot_columns_qkv()
     escalated = escalated_plan(SMALL, ESCALATION)
     timed, real = [], sparse_path.guarded_index_on_gpu
@@ -133,14 +123,6 @@ def test_a_sparse_call_times_the_index_the_path_builds_and_counts_the_escalated_
 def test_routed_heads_of_a_sparse_call_count_whole(monkeypatch):
     """Fused SDPA runs a routed head whole, but it was counted at its index's share (``ran_dense`` leaves the
     routing out): every head routed read 0.27 physical where the same site's all-routed calls read 1.0."""
-    import torch
-
-    from minference_fx import op, sparse_path
-    from minference_fx.autotune.workload import family_qkv
-    from minference_fx.call_masks import CallMasks
-    from minference_fx.kernels import reference
-    from minference_fx.tools import breakdown
-
     monkeypatch.setattr(breakdown, "event_ms", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(sparse_path, "sparse_on_gpu", lambda q, k, v, plan, scale, masks, threshold, tuned, walk, routed=(),
                         escalated=None, walk_cost=None: sparse_path.sparse_on_cpu(q, k, v, plan, scale, masks, threshold,
