@@ -447,6 +447,26 @@ def lookup_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
     return None
 
 
+def cautious_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
+    """For a GPU with no cost measured at ``key``: the slowest walk rate and the dearest index measured for the same
+    dtype, head dim and group on any GPU or kernel hash in the tables, or None (none measured, or a CPU key).
+
+    Every (GPU, shape) measured so far walks at 0.70-0.82 of the fused SDPA's rate per tile (BENCHMARKS.md section
+    6), so the near-dense rule alone (:data:`~minference_fx.cost.UNTUNED_COST`) left heads keeping 70-90 % of their
+    tiles on the slower walk: on an H100 whose table lacked Llama-3-8B's shape the op ran 0.83x cuDNN on the
+    scattered family at 32K, 1.04x once tuned. Guessing the slowest rate routes a few heads that a faster GPU would
+    have walked a little faster; a routed head's output is dense attention's, so only speed is at stake."""
+    if key.capability == "none":
+        return None
+    same_shape = lambda k: (k.dtype, k.head_dim, k.group) == (key.dtype, key.head_dim, key.group)  # noqa: E731
+    measured = [c for table in _tables(path) for k, c in table.costs.items() if same_shape(k) and c.measured_at > 0]
+    if not measured:
+        return None
+    dearest_index = max(measured, key=lambda c: c.index_share * c.measured_at)
+    return WalkCost(walk_rate=min(c.walk_rate for c in measured), index_share=dearest_index.index_share,
+                    measured_at=dearest_index.measured_at)
+
+
 def describe(path=None) -> str:
     """The user cache and the shipped tables as text, one record a line (a table ignored says why)."""
     path = Path(path) if path is not None else cache_path()

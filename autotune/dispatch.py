@@ -119,7 +119,20 @@ def launch_config(q: torch.Tensor, k: torch.Tensor, kernel: str = "sparse_attent
 
 
 def walk_cost(q: torch.Tensor, k: torch.Tensor) -> WalkCost:
-    """The measured :class:`~minference_fx.cost.WalkCost` of this shape on this device (``cost.UNTUNED_COST`` where none was)."""
+    """The measured :class:`~minference_fx.cost.WalkCost` of this shape on this device; where none was, the most
+    cautious one measured for the shape on other GPUs (:func:`cache.cautious_cost`), else ``cost.UNTUNED_COST``."""
     shape = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
-    return cache.remembered(("cost", _where(), *shape),
-                            lambda: cache.lookup_cost(crossover_key(*shape)) or UNTUNED_COST)
+    return cache.remembered(("cost", _where(), *shape), lambda: _measured_or_cautious(crossover_key(*shape)))
+
+
+def _measured_or_cautious(key: cache.CrossoverKey) -> WalkCost:
+    measured = cache.lookup_cost(key)
+    if measured is not None:
+        return measured
+    cautious = cache.cautious_cost(key)
+    if cautious is None:
+        return UNTUNED_COST
+    log.warning("no measured sparse-walk cost for %s; weighing heads by the slowest measured for this shape on other "
+                "GPUs (walk rate %.3f, index %.4f of a dense layer at %d keys; run `minference-fx autotune` on this "
+                "GPU)", key, cautious.walk_rate, cautious.index_share, cautious.measured_at)
+    return cautious

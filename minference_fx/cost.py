@@ -17,7 +17,9 @@ such rows are never marked for cost, only by the rules that ran them dense.
 
 The decision is the previous call's (the host reads it without a sync), so it holds for prompts whose
 density changes slowly; a head routed for cost only gains keys, so the model changes speed, never accuracy.
-Where no cost was measured, :data:`UNTUNED_COST` reproduces the near-dense rule alone.
+Where this GPU measured no cost for the shape, the slowest one measured for it on other GPUs is used
+(``autotune.cache.cautious_cost``); where none was measured anywhere, :data:`UNTUNED_COST` reproduces the near-dense
+rule alone.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class WalkCost:
 
 
 UNTUNED_COST = WalkCost(walk_rate=NEAR_DENSE_SHARE, index_share=0.0, measured_at=0)
-"""Where no cost was measured a head is weighed as before the model existed: the walk at the near-dense share's
+"""Where no GPU measured a cost for the shape, a head is weighed as before the model existed: the walk at the near-dense share's
 rate and a free index, so only a near-dense head is costly and no layer is routed whole for its cost."""
 
 

@@ -147,3 +147,42 @@ def test_dispatch_reads_the_measured_cost_of_this_device_and_shape(tmp_path, mon
         assert dispatch.walk_cost(q, torch.empty(1, 4, 64, 16)) == cost.UNTUNED_COST  # another group: not measured
     finally:
         cache.forget()
+
+
+def _cost_key(gpu: str, capability: str = "9.0", group: int = 4, source_hash: str = "h") -> cache.CrossoverKey:
+    return cache.CrossoverKey(source_hash, gpu, capability, "3.6.0", "bfloat16", 128, group)
+
+
+def test_a_gpu_with_no_measured_cost_weighs_heads_by_the_slowest_rate_and_dearest_index_measured_elsewhere(
+        tmp_path, monkeypatch):
+    """An untuned GPU borrows the most cautious cost of its shape from other GPUs' records (and other kernel hashes'):
+    the lowest walk rate, the index dearest at a given key count. Another group's records, a CPU key and a shape no
+    GPU measured get nothing, so the near-dense rule alone applies there; the GPU's own measurement wins."""
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path))
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(Table(costs={
+        _cost_key("GPU A"): WalkCost(0.72, 0.03, 65536),
+        _cost_key("GPU B", source_hash="old"): WalkCost(0.70, 0.08, 32768),  # dearer than A's: 0.08 x 32K > 0.03 x 64K
+        _cost_key("GPU C"): WalkCost(0.82, 0.02, 65536),
+        _cost_key("GPU A", group=6): WalkCost(0.50, 0.90, 65536),  # another shape: not borrowed
+    }).to_json())
+    monkeypatch.setattr(cache, "shipped_paths", lambda: [shipped])
+    cache.forget()
+    try:
+        untuned = _cost_key("GPU D")
+        assert cache.lookup_cost(untuned) is None
+        assert cache.cautious_cost(untuned) == WalkCost(0.70, 0.08, 32768)
+        assert dispatch._measured_or_cautious(untuned) == WalkCost(0.70, 0.08, 32768)
+        assert dispatch._measured_or_cautious(_cost_key("GPU C")) == WalkCost(0.82, 0.02, 65536)  # its own
+        assert cache.cautious_cost(_cost_key("cpu", capability="none")) is None
+        assert dispatch._measured_or_cautious(_cost_key("GPU D", group=8)) == cost.UNTUNED_COST
+    finally:
+        cache.forget()
+
+
+def test_the_borrowed_rate_routes_heads_the_near_dense_rule_alone_leaves_on_the_slower_walk():
+    """The scattered family's heads at 32K keep 73-99 % of their tiles: with the near-dense rule alone the 80 %
+    head stayed on the walk (0.83x cuDNN on an untuned H100); at a borrowed rate of 0.70 it routes."""
+    shares = [0.80, 0.75, 0.95, 0.30]
+    assert _route(shares, walk_cost=cost.UNTUNED_COST) == [False, False, False, False]
+    assert _route(shares, walk_cost=WalkCost(0.70, 0.0, 0)) == [True, True, True, False]
