@@ -144,3 +144,79 @@ def test_a_length_with_no_sparse_call_prints_a_table():
     """Below the crossover no call is taken apart, and the table raised on the missing densities."""
     result = Breakdown({"model": "m", "length": 32768, "config": "c"}, eager_ms=350.0, compiled_ms=310.0, layers=[])
     assert "no call took the sparse path" in result.table() and "1.13x eager" in result.table()
+
+
+class _Clock:
+    """Events that read a clock the test advances: a stand-in for CUDA events on the stream."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def advance(self, ms: float) -> None:
+        self.now += ms
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.t = clock.now
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        return Event()
+
+
+def test_timeline_parts_count_their_own_time_and_add_up_to_the_wall():
+    """A stage that calls another counts only its own time (outer 1 + 2, inner 4, twice 4 + 4 over two calls);
+    what no stage covers is the rest; the stages' modules get their functions back afterwards."""
+    clock = _Clock()
+    stages_module = types.SimpleNamespace()
+    stages_module.inner = lambda ms: clock.advance(ms)
+
+    def outer():
+        clock.advance(1)
+        stages_module.inner(4)  # by attribute, as the op's modules call their stages
+        clock.advance(2)
+
+    stages_module.outer = outer
+    original_inner = stages_module.inner
+    stages = (("outer", stages_module, "outer"), ("inner", stages_module, "inner"))
+
+    def forward():
+        clock.advance(5)
+        stages_module.outer()
+        clock.advance(3)
+        stages_module.inner(4)
+        clock.advance(0.5)
+
+    got = breakdown.timeline(forward, stages, clock.event, sync=lambda: None)
+    assert got.wall_ms == pytest.approx(19.5)
+    assert got.parts_ms == {"outer": pytest.approx(3.0), "inner": pytest.approx(8.0)}
+    assert got.rest_ms() == pytest.approx(8.5) and got.attention_ms() == pytest.approx(11.0)
+    assert stages_module.outer is outer and stages_module.inner is original_inner
+
+
+def test_a_stage_that_raises_still_closes_its_span_and_restores_the_module():
+    clock = _Clock()
+    stages_module = types.SimpleNamespace(fail=lambda: 1 / 0)
+    original = stages_module.fail
+    recorder = breakdown.SpanRecorder(clock.event)
+    with pytest.raises(ZeroDivisionError), breakdown.recording((("fail", stages_module, "fail"),), recorder):
+        stages_module.fail()
+    assert stages_module.fail is original and recorder.own_ms() == {"fail": 0.0}
+
+
+def test_the_bounds_use_the_forwards_on_the_device_clock_when_they_ran():
+    """With both timelines, non-attention is the compiled forward's rest and dense attention eager's fused SDPA, not
+    the calls re-timed alone (which disagreed with bench prefill)."""
+    rows = [_row(0, 10.0, 2.0, 3.0, 40.0, 0.25), _row(1, 20.0, 2.0, 3.0, 40.0, 0.5)]
+    compiled = breakdown.Timeline(90.0, {"index": 5.0, "walk": 20.0})
+    eager = breakdown.Timeline(210.0, {"fused SDPA": 100.0})
+    result = Breakdown({"model": "m", "length": 1024, "config": "c"}, eager_ms=200.0, compiled_ms=100.0, layers=rows,
+                       compiled_timeline=compiled, eager_timeline=eager)
+    t = result.totals()
+    assert t["bound_physical_ms"] == pytest.approx(65.0 + 0.375 * 100.0)
+    table = result.table()
+    assert "wall (this forward)" in table and "2.33x eager" in table and f"{breakdown.REST:<52}" in table

@@ -15,6 +15,12 @@ One model, one prompt length, the same process and inputs for every number:
    the config asks (:func:`asked_density`).
 3. **The rest.** Non-attention work is the compiled forward's wall time less its attention paths; eager's is its
    wall time less the layers' dense attention.
+4. **One forward on the device's clock** (:class:`Timeline`). Steps 2 and 3 re-time each call alone, and their sum
+   has disagreed with the forward bench prefill times (BENCHMARKS.md, section 2b). So one more compiled forward, and
+   one eager one, run with CUDA events recorded on the stream at the entry and exit of the op's stages (the index, the
+   Triton walk, fused SDPA, the copies around the SDPA heads, the op's own glue; eager: fused SDPA). Nested stages
+   count their own time only, so the parts and the non-attention rest add up to that forward's wall time on the
+   device, whatever the host did. The events sync nothing until the forward ends.
 
 The arithmetic bounds put the compiled model's non-attention time beside dense attention scaled by a density:
 the physical one (what the walk computes, at cuDNN's rate per tile) and the one the config asks. A measurement
@@ -22,16 +28,18 @@ tool: the wrapper syncs the device, which the op itself never does.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
 import json
 import statistics
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import dense, op, precompile, sparse_path
+from ..kernels import attend
 from ..kernels.density import Density, index_density, selection_of
 from ..plan import LayerPlan, Pattern
 from . import assets
@@ -84,11 +92,120 @@ class LayerRow:
 
 
 @dataclasses.dataclass
+class Span:
+    """One stage's call, between two events recorded on the stream, with the stages it called inside it."""
+
+    part: str
+    start: object
+    end: object
+    inner: list["Span"] = dataclasses.field(default_factory=list)
+
+    def ms(self) -> float:
+        return self.start.elapsed_time(self.end)
+
+
+class SpanRecorder:
+    """Wraps stage functions so that each call records an event pair on the current stream, nested as the calls
+    nest. ``new_event`` makes an event with ``record()`` and ``elapsed_time(other)`` (``torch.cuda.Event`` with
+    timing on the GPU)."""
+
+    def __init__(self, new_event: Callable[[], object]):
+        self.new_event = new_event
+        self.spans: list[Span] = []
+        self._open: list[Span] = []
+
+    def wrap(self, part: str, fn: Callable) -> Callable:
+        def stage(*args, **kwargs):
+            span = Span(part, self.new_event(), self.new_event())
+            (self._open[-1].inner if self._open else self.spans).append(span)
+            self._open.append(span)
+            span.start.record()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                span.end.record()
+                self._open.pop()
+        return stage
+
+    def own_ms(self) -> dict[str, float]:
+        """Each part's time less the time of the stages it called: the parts add up to the outer spans' time."""
+        totals: collections.Counter = collections.Counter()
+        pending = list(self.spans)
+        while pending:
+            span = pending.pop()
+            totals[span.part] += span.ms() - sum(inner.ms() for inner in span.inner)
+            pending.extend(span.inner)
+        return dict(totals)
+
+
+# The op's stages as its modules call them (each by module attribute, so a wrapper set on the module is the one
+# called). The order is the table's.
+COMPILED_STAGES = (
+    ("index (estimate, picks, guard mass)", sparse_path, "guarded_index_on_gpu"),
+    ("Triton walk (sparse tiles, pairs forced dense)", attend, "sparse_attention_triton"),
+    ("fused SDPA (plan-dense, routed, dense-path heads)", dense, "dense_attention"),
+    ("copies around the SDPA heads", dense, "dense_heads_by_sdpa"),
+    ("copies around the SDPA heads", dense, "every_head_routed"),
+    ("op glue (shares, routing, guard counters)", op, "run_call"),
+)
+EAGER_STAGES = (("fused SDPA", torch.nn.functional, "scaled_dot_product_attention"),)
+REST = "non-attention (the rest of the forward)"
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One forward on the device's clock: its wall time and each stage's own time (ms); the rest is
+    :meth:`rest_ms`."""
+
+    wall_ms: float
+    parts_ms: dict[str, float]
+
+    def rest_ms(self) -> float:
+        return self.wall_ms - sum(self.parts_ms.values())
+
+    def attention_ms(self) -> float:
+        return sum(self.parts_ms.values())
+
+
+@contextlib.contextmanager
+def recording(stages, recorder: SpanRecorder):
+    """``stages`` (part, module, function name) wrapped by ``recorder`` while the block runs."""
+    originals = [(module, name, getattr(module, name)) for _, module, name in stages]
+    try:
+        for (part, module, name), (_, _, fn) in zip(stages, originals):
+            setattr(module, name, recorder.wrap(part, fn))
+        yield recorder
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+
+
+def timeline(forward: Callable[[], object], stages, new_event: Callable[[], object], sync: Callable[[], None]) -> Timeline:
+    """Run ``forward`` once with ``stages`` recorded; its wall time is between two events around it."""
+    recorder = SpanRecorder(new_event)
+    begin, end = new_event(), new_event()
+    sync()
+    with recording(stages, recorder):
+        begin.record()
+        forward()
+        end.record()
+    sync()
+    parts = recorder.own_ms()
+    return Timeline(begin.elapsed_time(end), {part: parts.get(part, 0.0) for part, _, _ in stages})
+
+
+def _cuda_event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+@dataclasses.dataclass
 class Breakdown:
     meta: dict
     eager_ms: float
     compiled_ms: float
     layers: list[LayerRow]
+    compiled_timeline: Optional[Timeline] = None
+    eager_timeline: Optional[Timeline] = None
 
     def totals(self) -> dict:
         rows = self.layers
@@ -98,6 +215,10 @@ class Breakdown:
         weight = dense_attention or 1.0
         physical = sum(r.physical * r.dense_layer_ms for r in rows) / weight
         asked = sum(r.asked * r.dense_layer_ms for r in rows) / weight
+        if self.compiled_timeline is not None and self.eager_timeline is not None:
+            # the bounds from the forwards on the device's clock, whose parts add up (module docstring, step 4)
+            non_attention = self.compiled_timeline.rest_ms()
+            dense_attention = self.eager_timeline.attention_ms()
         return dict(
             index_ms=sum(r.index_ms for r in rows), walk_ms=sum(r.walk_ms for r in rows),
             dense_heads_ms=sum(r.dense_heads_ms for r in rows), attention_ms=attention,
@@ -137,15 +258,35 @@ class Breakdown:
             f"({self.eager_ms / t['bound_physical_ms']:.2f}x eager), asked {t['bound_asked_ms']:.1f} ms "
             f"({self.eager_ms / t['bound_asked_ms']:.2f}x eager)",
         ]
+        lines += self._timeline_lines()
         if self.meta.get("compiled_alloc_retries"):
             lines.append(f"warning: the allocator freed its cache {self.meta['compiled_alloc_retries']} time(s) while the "
                          "compiled forward was timed; its time is not the steady state")
         return "\n".join(lines)
 
+    def _timeline_lines(self) -> list[str]:
+        compiled, eager = self.compiled_timeline, self.eager_timeline
+        if compiled is None or eager is None:
+            return []
+        lines = [f"one forward each on the device's clock (each part its own time; they add up to the wall):",
+                 f"{'part':<52}{'compiled ms':>12}{'eager ms':>10}"]
+        for part, ms in compiled.parts_ms.items():
+            lines.append(f"{part:<52}{ms:>12.1f}{'':>10}")
+        for part, ms in eager.parts_ms.items():
+            lines.append(f"{'eager: ' + part:<52}{'':>12}{ms:>10.1f}")
+        lines.append(f"{REST:<52}{compiled.rest_ms():>12.1f}{eager.rest_ms():>10.1f}")
+        lines.append(f"{'wall (this forward)':<52}{compiled.wall_ms:>12.1f}{eager.wall_ms:>10.1f}  "
+                     f"{eager.wall_ms / compiled.wall_ms:.2f}x eager")
+        return lines
+
     def save(self, path: str) -> None:
+        timelines = {name: None if t is None else {**dataclasses.asdict(t), "rest_ms": t.rest_ms()}
+                     for name, t in (("compiled_timeline", self.compiled_timeline),
+                                     ("eager_timeline", self.eager_timeline))}
         with open(path, "w") as f:
             json.dump({"meta": self.meta, "eager_ms": self.eager_ms, "compiled_ms": self.compiled_ms,
-                       "totals": self.totals(), "layers": [dataclasses.asdict(r) for r in self.layers]}, f, indent=1)
+                       "totals": self.totals(), "layers": [dataclasses.asdict(r) for r in self.layers], **timelines},
+                      f, indent=1)
 
 
 def _take_apart(length: int, rows: list[LayerRow]):
@@ -240,11 +381,14 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
     model, tokenizer = build_real(model_name, length, device, torch.bfloat16)
     ids = text_prompt_ids(tokenizer, length, 0, device)
 
-    def wall_ms(fn, variant: str) -> float:
-        def step():
+    def forward(fn, variant: str):
+        def run():
             with torch.inference_mode(), _sdpa_context(variant, device):
                 fn(input_ids=ids, logits_to_keep=1)
-        return event_ms(step, reps)
+        return run
+
+    def wall_ms(fn, variant: str) -> float:
+        return event_ms(forward(fn, variant), reps)
 
     eager_ms = wall_ms(model, "eager")
     # eager's cached blocks would be carved up for the compiled graph's other sizes: bench prefill times each
@@ -262,6 +406,9 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
     compiled_ms = wall_ms(compiled, "minference")
     # each retry frees the allocator's cache and syncs: a timing with any is not the steady state bench prefill sees
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
+    compiled_timeline = timeline(forward(compiled, "minference"), COMPILED_STAGES, _cuda_event, torch.cuda.synchronize)
+    eager_timeline = timeline(forward(model, "eager"), EAGER_STAGES, _cuda_event, torch.cuda.synchronize)
+    torch.cuda.empty_cache()
     rows: list[LayerRow] = []
     with _wrapped(length, rows), torch.inference_mode():
         compiled(input_ids=ids, logits_to_keep=1)
@@ -272,4 +419,4 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
             "config": config_path or "the backend's default semantic config", "options": options, "reps": reps,
             "attention_calls": len(rows), "layers": real.layers,
             "compiled_alloc_retries": retries}
-    return Breakdown(meta, eager_ms, compiled_ms, rows)
+    return Breakdown(meta, eager_ms, compiled_ms, rows, compiled_timeline, eager_timeline)
