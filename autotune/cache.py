@@ -380,6 +380,29 @@ def _tables(path) -> list[Table]:
     return _memo[memo_key]
 
 
+def _release(version: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else -1 for part in version.split("+")[0].split("."))
+
+
+def _other_triton(key, records: dict) -> list:
+    """What ``records`` holds for ``key`` as measured under another triton release, on the same GPU with the same
+    kernel sources and shape: the newest release first.
+
+    A launch config, a crossover and a cost change speed only, and the kernels compile alike across releases: the
+    sm_90a PTX of every shipped launch is byte-identical under triton 3.6 and 3.9 (BENCHMARKS.md section 6). So a
+    user on today's triton runs the GPU's table tuned under the oldest release rather than untuned defaults."""
+    found = [(k.triton, value) for k, value in records.items()
+             if k.triton != key.triton and dataclasses.replace(k, triton=key.triton) == key]
+    return sorted(found, key=lambda kv: _release(kv[0]), reverse=True)
+
+
+def _borrowed(key, what: str, release: str) -> None:
+    if (what, key) not in _missed:
+        _missed.add((what, key))
+        log.warning("no %s tuned under triton %s for %s; using the one tuned on this GPU under triton %s (run "
+                    "`minference-fx autotune` to tune this release)", what, key.triton, key, release)
+
+
 def find(key: TuneKey, path=None) -> Optional[TuneEntry]:
     """The stored entry for ``key`` (user cache first, then shipped tables), or None."""
     for table in _tables(path):
@@ -390,7 +413,8 @@ def find(key: TuneKey, path=None) -> Optional[TuneEntry]:
 
 def resolve(key: TuneKey, path=None) -> tuple[TuneEntry, Optional[int]]:
     """The config for ``key`` and the bucket it was tuned at: its own bucket's; else the nearest tuned bucket
-    (log scale, the larger on a tie) of the same kernel and shape; else ``(the kernel's default, None)``.
+    (log scale, the larger on a tie) of the same kernel and shape; else the same from the buckets the newest other
+    triton release tuned on this GPU and kernels (:func:`_other_triton`); else ``(the kernel's default, None)``.
 
     A launch config changes speed only, and a neighbour's is the better guess: on the H200 the tuned
     configs of 32K, 64K and 128K agree, so a 256K prompt runs the 128K config rather than the untuned one."""
@@ -401,6 +425,13 @@ def resolve(key: TuneKey, path=None) -> tuple[TuneEntry, Optional[int]]:
     tuned = {}
     for table in reversed(_tables(path)):  # the user cache last, so it wins
         tuned.update({k.bucket: e for k, e in table.configs.items() if dataclasses.replace(k, bucket=0) == shape})
+    if not tuned:  # no bucket of the shape under this release: the newest other release's, same GPU and kernels
+        borrowed = [(k.triton, k.bucket, e) for table in reversed(_tables(path)) for k, e in table.configs.items()
+                    if k.triton != key.triton and dataclasses.replace(k, bucket=0, triton=key.triton) == shape]
+        if borrowed:
+            release = max((r for r, _, _ in borrowed), key=_release)
+            tuned = {b: e for r, b, e in borrowed if r == release}  # the user cache came last, so it wins
+            _borrowed(shape, f"{key.kernel} launch config", release)
     if not tuned:
         return DEFAULT_ENTRIES.get(key.kernel, DEFAULT_ENTRY), None
     distance = lambda b: (abs(b.bit_length() - key.bucket.bit_length()), -b)  # noqa: E731 (buckets are powers of 2)
@@ -432,6 +463,12 @@ def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SP
         if key in table.crossovers:
             length = table.crossovers[key]
             return DENSE_ALWAYS if length is None else length
+    for table in _tables(path):
+        other = _other_triton(key, table.crossovers)
+        if other:
+            release, length = other[0]
+            _borrowed(key, "crossover", release)
+            return DENSE_ALWAYS if length is None else length
     if (key, untuned) not in _missed:
         _missed.add((key, untuned))
         log.warning("no tuned dense/sparse crossover for %s; sparse from %d tokens "
@@ -444,6 +481,10 @@ def lookup_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
     for table in _tables(path):
         if key in table.costs:
             return table.costs[key]
+    for table in _tables(path):
+        other = _other_triton(key, table.costs)
+        if other:
+            return other[0][1]
     return None
 
 

@@ -143,6 +143,34 @@ def test_an_untuned_bucket_runs_the_nearest_tuned_bucket_of_its_shape_and_logs_o
     assert len(logged) == 1 and "tuned for the 131072-token bucket" in logged[0]
 
 
+def test_a_triton_release_with_no_table_runs_the_newest_other_release_s_table_of_the_same_gpu_and_kernels(
+        cache_dir, caplog):
+    """Today's triton on an H200 reads the table tuned under 3.6 (launch configs, crossover, cost), the newest of the
+    releases tuned, and says so once; a bucket its own release tuned wins over any other release's; another GPU's or
+    another kernel hash's entries are never borrowed."""
+    caplog.set_level(logging.WARNING, LOGGER)
+    old, older, own = TuneEntry(64, 64, 4, 3), TuneEntry(32, 32, 2, 1), TuneEntry(64, 128, 8, 2)
+    cost_36 = WalkCost(0.72, 0.05, 65536)
+    cache.write(configs={_key(bucket=32768): old, _key(bucket=131072, triton="3.5.0"): older,
+                         _key(bucket=8192, gpu="NVIDIA H100 80GB HBM3", triton="3.9.0"): own,
+                         _key(bucket=8192, source_hash="stale", triton="3.6.0", head_dim=64): own},
+                crossovers={_xkey(): 32768, _xkey(triton="3.5.0"): 65536})
+    cache.write(costs={_xkey(): cost_36})
+    today = dict(triton="3.9.0")
+    assert cache.resolve(_key(bucket=32768, **today)) == (old, 32768)
+    assert cache.resolve(_key(bucket=131072, **today)) == (old, 32768)  # 3.6's buckets, not 3.5's nearer one
+    assert cache.lookup_crossover(_xkey(**today)) == 32768
+    assert cache.lookup_cost(_xkey(**today)) == cost_36
+    assert cache.resolve(_key(bucket=8192, gpu="NVIDIA H100 80GB HBM3", **today)) == (own, 8192)
+    assert cache.resolve(_key(bucket=8192, head_dim=64, **today)) == (cache.DEFAULT_ENTRY, None)  # other kernels
+    assert cache.lookup_crossover(_xkey(gpu="NVIDIA A100", **today)) == cache.DEFAULT_MIN_SPARSE_LEN
+    cache.write(configs={_key(bucket=131072, **today): own})
+    cache.forget()
+    assert cache.resolve(_key(bucket=32768, **today)) == (own, 131072)  # its own release's bucket wins
+    borrowed = [r.getMessage() for r in _warnings(caplog) if "under triton 3.6.0" in r.getMessage()]
+    assert len(borrowed) == 2 and "launch config" in borrowed[0] and "crossover" in borrowed[1]
+
+
 def test_the_user_cache_wins_for_the_nearest_bucket_too(cache_dir, tmp_path, monkeypatch):
     shipped = tmp_path / "shipped.json"
     shipped.write_text(Table({_key(bucket=65536): TuneEntry(64, 64, 8, 3)}).to_json())
