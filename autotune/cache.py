@@ -384,16 +384,23 @@ def _release(version: str) -> tuple:
     return tuple(int(part) if part.isdigit() else -1 for part in version.split("+")[0].split("."))
 
 
-def _other_triton(key, records: dict) -> list:
-    """What ``records`` holds for ``key`` as measured under another triton release, on the same GPU with the same
-    kernel sources and shape: the newest release first.
+def _other_triton(key, records_of, path=None) -> Optional[tuple]:
+    """``(release, value)``: what the tables hold for ``key`` as measured under the newest other triton release, on
+    the same GPU with the same kernel sources and shape (the user cache wins within a release), or None.
+    ``records_of(table)`` is the mapping to read (``table.crossovers``, ``table.costs``).
 
-    A launch config, a crossover and a cost change speed only, and the kernels compile alike across releases: the
-    sm_90a PTX of every shipped launch is byte-identical under triton 3.6 and 3.9 (BENCHMARKS.md section 6). So a
-    user on today's triton runs the GPU's table tuned under the oldest release rather than untuned defaults."""
-    found = [(k.triton, value) for k, value in records.items()
-             if k.triton != key.triton and dataclasses.replace(k, triton=key.triton) == key]
-    return sorted(found, key=lambda kv: _release(kv[0]), reverse=True)
+    A crossover and a cost change speed only, as a launch config does, and the kernels compile alike across
+    releases: the sm_90a PTX of every shipped launch is byte-identical under triton 3.6 and 3.9 (BENCHMARKS.md
+    section 6). So a user on today's triton runs the GPU's table tuned under an older release rather than untuned
+    defaults."""
+    found = {}
+    for table in reversed(_tables(path)):  # the user cache last, so it wins within a release
+        found.update({k.triton: value for k, value in records_of(table).items()
+                      if k.triton != key.triton and dataclasses.replace(k, triton=key.triton) == key})
+    if not found:
+        return None
+    newest = max(found, key=_release)
+    return newest, found[newest]
 
 
 def _borrowed(key, what: str, release: str) -> None:
@@ -458,17 +465,17 @@ def has_crossover(key: CrossoverKey, path=None) -> bool:
 
 
 def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SPARSE_LEN) -> int:
-    """Prompt length from which the sparse path runs: tuned, :data:`DENSE_ALWAYS`, or ``untuned`` (logged once)."""
+    """Prompt length from which the sparse path runs: tuned (else tuned on this GPU under the newest other triton
+    release, :func:`_other_triton`), :data:`DENSE_ALWAYS`, or ``untuned`` (each fallback logged once)."""
     for table in _tables(path):
         if key in table.crossovers:
             length = table.crossovers[key]
             return DENSE_ALWAYS if length is None else length
-    for table in _tables(path):
-        other = _other_triton(key, table.crossovers)
-        if other:
-            release, length = other[0]
-            _borrowed(key, "crossover", release)
-            return DENSE_ALWAYS if length is None else length
+    other = _other_triton(key, lambda table: table.crossovers, path)
+    if other is not None:
+        release, length = other
+        _borrowed(key, "crossover", release)
+        return DENSE_ALWAYS if length is None else length
     if (key, untuned) not in _missed:
         _missed.add((key, untuned))
         log.warning("no tuned dense/sparse crossover for %s; sparse from %d tokens "
@@ -477,15 +484,13 @@ def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SP
 
 
 def lookup_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
-    """The measured :class:`WalkCost` for ``key`` (user cache first, then shipped tables), or None."""
+    """The measured :class:`WalkCost` for ``key`` (user cache first, then shipped tables; else the newest other
+    triton release's on this GPU, :func:`_other_triton`), or None."""
     for table in _tables(path):
         if key in table.costs:
             return table.costs[key]
-    for table in _tables(path):
-        other = _other_triton(key, table.costs)
-        if other:
-            return other[0][1]
-    return None
+    other = _other_triton(key, lambda table: table.costs, path)
+    return None if other is None else other[1]
 
 
 def cautious_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:

@@ -132,7 +132,8 @@ def _measured_or_cautious(key: cache.CrossoverKey) -> WalkCost:
     cautious = cache.cautious_cost(key)
     if cautious is None:
         return UNTUNED_COST
-    log.warning("no measured sparse-walk cost for %s; weighing heads by the slowest measured for this shape on other "
-                "GPUs (walk rate %.3f, index %.4f of a dense layer at %d keys; run `minference-fx autotune` on this "
-                "GPU)", key, cautious.walk_rate, cautious.index_share, cautious.measured_at)
+    log.warning("no measured sparse-walk cost for %s; weighing heads by the slowest measured for this shape on any GPU "
+                "or kernel version in the tables (walk rate %.3f, index %.4f of a dense layer at %d keys; run "
+                "`minference-fx autotune` on this GPU)", key, cautious.walk_rate, cautious.index_share,
+                cautious.measured_at)
     return cautious

@@ -124,7 +124,7 @@ def launch_configs(spec: KernelSpec, q: torch.Tensor, k: torch.Tensor) -> list:
         return []
     configs = set()
     for bits in range(max(min_len, 1).bit_length() - 1, 22):  # buckets up to 2M tokens
-        # what the op's lookups will answer, without their log lines
+        # what the op's lookups will answer (a fallback's log line may come from this thread first)
         configs.add(tuple(cache.resolve(dispatch.tune_key(kernel, q.device, q.dtype, spec.head_dim, group, 1 << bits))[0]
                           for kernel in ("sparse_attention", "dense_walk")))
     return sorted(configs)

@@ -171,6 +171,24 @@ def test_a_triton_release_with_no_table_runs_the_newest_other_release_s_table_of
     assert len(borrowed) == 2 and "launch config" in borrowed[0] and "crossover" in borrowed[1]
 
 
+def test_the_newest_release_is_borrowed_whichever_table_holds_it(cache_dir, tmp_path, monkeypatch):
+    """A user cache tuned under an older release than the shipped table does not shadow the shipped table's newer
+    crossover and cost: launch configs, crossover and cost all come from the newest release tuned."""
+    shipped = tmp_path / "shipped.json"
+    newer_cost, older_cost = WalkCost(0.72, 0.05, 65536), WalkCost(0.9, 0.2, 65536)
+    shipped.write_text(Table({_key(): TuneEntry(64, 64, 4, 3)}, {_xkey(): 32768}, {_xkey(): newer_cost}).to_json())
+    monkeypatch.setattr(cache, "shipped_paths", lambda: [shipped])
+    cache.write(configs={_key(triton="3.4.0"): TuneEntry(32, 32, 2, 1)}, crossovers={_xkey(triton="3.4.0"): 131072},
+                costs={_xkey(triton="3.4.0"): older_cost})
+    today = dict(triton="3.9.0")
+    assert cache.resolve(_key(**today)) == (TuneEntry(64, 64, 4, 3), 32768)
+    assert cache.lookup_crossover(_xkey(**today)) == 32768
+    assert cache.lookup_cost(_xkey(**today)) == newer_cost
+    cache.write(crossovers={_xkey(): 16384})  # the user cache wins within the newest release
+    cache.forget()
+    assert cache.lookup_crossover(_xkey(**today)) == 16384
+
+
 def test_the_user_cache_wins_for_the_nearest_bucket_too(cache_dir, tmp_path, monkeypatch):
     shipped = tmp_path / "shipped.json"
     shipped.write_text(Table({_key(bucket=65536): TuneEntry(64, 64, 8, 3)}).to_json())

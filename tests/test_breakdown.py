@@ -1,4 +1,5 @@
 """``bench breakdown``'s arithmetic on CPU: the density a config asks for and the table's totals and bounds."""
+import collections
 import json
 import types
 
@@ -208,15 +209,54 @@ def test_a_stage_that_raises_still_closes_its_span_and_restores_the_module():
     assert stages_module.fail is original and recorder.own_ms() == {"fail": 0.0}
 
 
-def test_the_bounds_use_the_forwards_on_the_device_clock_when_they_ran():
-    """With both timelines, non-attention is the compiled forward's rest and dense attention eager's fused SDPA, not
-    the calls re-timed alone (which disagreed with bench prefill)."""
+def test_with_the_timelines_every_time_is_theirs_and_the_compiled_parts_add_up_to_its_wall():
+    """With both timelines, the parts, non-attention and the bounds are the forwards on the device clock, not the
+    calls re-timed alone (which disagreed with bench prefill); densities stay the calls' own."""
     rows = [_row(0, 10.0, 2.0, 3.0, 40.0, 0.25), _row(1, 20.0, 2.0, 3.0, 40.0, 0.5)]
-    compiled = breakdown.Timeline(90.0, {"index": 5.0, "walk": 20.0})
+    parts = {breakdown.INDEX: 5.0, breakdown.WALK: 20.0, breakdown.SDPA: 3.0, breakdown.COPIES: 1.0, breakdown.GLUE: 1.0}
+    compiled = breakdown.Timeline(90.0, parts, op_calls=2)
     eager = breakdown.Timeline(210.0, {"fused SDPA": 100.0})
-    result = Breakdown({"model": "m", "length": 1024, "config": "c"}, eager_ms=200.0, compiled_ms=100.0, layers=rows,
-                       compiled_timeline=compiled, eager_timeline=eager)
+    result = Breakdown({"model": "m", "length": 1024, "config": "c", "reps": 3}, eager_ms=200.0, compiled_ms=100.0,
+                       layers=rows, compiled_timeline=compiled, eager_timeline=eager)
     t = result.totals()
-    assert t["bound_physical_ms"] == pytest.approx(65.0 + 0.375 * 100.0)
+    assert (t["index_ms"], t["walk_ms"], t["dense_heads_ms"], t["glue_ms"]) == (5.0, 20.0, 4.0, 1.0)
+    assert t["index_ms"] + t["walk_ms"] + t["dense_heads_ms"] + t["glue_ms"] + t["non_attention_ms"] == 90.0
+    assert t["eager_attention_ms"] == 100.0 and t["eager_non_attention_ms"] == 110.0
+    assert t["bound_physical_ms"] == pytest.approx(60.0 + 0.375 * 100.0)
     table = result.table()
-    assert "wall (this forward)" in table and "2.33x eager" in table and f"{breakdown.REST:<52}" in table
+    assert "wall (this forward)" in table and "2.33x eager" in table and "re-timed" not in table
+    assert f"{breakdown.REST:<52}{60.0:>12.1f}" in table and "2 op calls" in table
+    assert "CUDA graph" not in table
+    no_calls = Breakdown(result.meta, 200.0, 100.0, rows, breakdown.Timeline(90.0, parts), eager)
+    assert "CUDA graph replay" in no_calls.table()
+
+
+def test_the_op_calls_its_stages_through_their_modules_so_the_timeline_sees_them():
+    """The GPU path under the interpreter, with a dense head (SDPA through the copies) and two listed ones: each
+    stage of COMPILED_STAGES but the all-routed one is seen, nested in the op's call. A stage imported by name
+    instead of called through its module would read 0 on the GPU."""
+    clock = _Clock()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 256, 16, generator=g) for _ in range(3))
+    plan = LayerPlan((HeadPlan(Pattern.DENSE),) + (HeadPlan(Pattern.VERTICAL_SLASH, 64, 64),) * 3)
+    call = types.SimpleNamespace(path=op.CallPath.SPARSE_GPU, plan=plan, scale=0.25, masks=CallMasks(),
+                                 guard_threshold=0.0, sparse_launch=DEFAULT_ENTRY,
+                                 walk_launch=DEFAULT_ENTRIES["dense_walk"], routed=(), escalated=None, walk_cost=None,
+                                 routable=False, router=None, route_site=-1)
+    seen = collections.Counter()
+
+    def counting(part, fn):
+        def stage(*args, **kwargs):
+            seen[part] += 1
+            return fn(*args, **kwargs)
+        return recorder_wrap(part, stage)
+
+    recorder = breakdown.SpanRecorder(clock.event)
+    recorder_wrap = recorder.wrap
+    recorder.wrap = counting
+    with breakdown.recording(breakdown.COMPILED_STAGES, recorder):
+        out = op.run_call(call, q, k, v)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    # two walk launches into one output: the sparse tiles skipping the pairs forced dense, the dense walk only those
+    assert seen == {breakdown.GLUE: 1, breakdown.INDEX: 1, breakdown.WALK: 2, breakdown.COPIES: 1, breakdown.SDPA: 1}
+    assert len(recorder.spans) == 1 and recorder.spans[0].part == breakdown.GLUE

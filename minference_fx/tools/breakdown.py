@@ -140,13 +140,18 @@ class SpanRecorder:
 
 # The op's stages as its modules call them (each by module attribute, so a wrapper set on the module is the one
 # called). The order is the table's.
+INDEX = "index (estimate, picks, guard mass)"
+WALK = "Triton walk (sparse tiles, pairs forced dense)"
+SDPA = "fused SDPA (plan-dense, routed, dense-path heads)"
+COPIES = "copies around the SDPA heads"
+GLUE = "op glue (shares, routing, guard counters)"
 COMPILED_STAGES = (
-    ("index (estimate, picks, guard mass)", sparse_path, "guarded_index_on_gpu"),
-    ("Triton walk (sparse tiles, pairs forced dense)", attend, "sparse_attention_triton"),
-    ("fused SDPA (plan-dense, routed, dense-path heads)", dense, "dense_attention"),
-    ("copies around the SDPA heads", dense, "dense_heads_by_sdpa"),
-    ("copies around the SDPA heads", dense, "every_head_routed"),
-    ("op glue (shares, routing, guard counters)", op, "run_call"),
+    (INDEX, sparse_path, "guarded_index_on_gpu"),
+    (WALK, attend, "sparse_attention_triton"),
+    (SDPA, dense, "dense_attention"),
+    (COPIES, dense, "dense_heads_by_sdpa"),
+    (COPIES, dense, "every_head_routed"),
+    (GLUE, op, "run_call"),
 )
 EAGER_STAGES = (("fused SDPA", torch.nn.functional, "scaled_dot_product_attention"),)
 REST = "non-attention (the rest of the forward)"
@@ -159,6 +164,8 @@ class Timeline:
 
     wall_ms: float
     parts_ms: dict[str, float]
+    op_calls: int = 0
+    """the outermost stage calls seen (for the compiled forward, the op's calls)"""
 
     def rest_ms(self) -> float:
         return self.wall_ms - sum(self.parts_ms.values())
@@ -191,7 +198,8 @@ def timeline(forward: Callable[[], object], stages, new_event: Callable[[], obje
         end.record()
     sync()
     parts = recorder.own_ms()
-    return Timeline(begin.elapsed_time(end), {part: parts.get(part, 0.0) for part, _, _ in stages})
+    return Timeline(begin.elapsed_time(end), {part: parts.get(part, 0.0) for part, _, _ in stages},
+                    len(recorder.spans))
 
 
 def _cuda_event():
@@ -208,27 +216,35 @@ class Breakdown:
     eager_timeline: Optional[Timeline] = None
 
     def totals(self) -> dict:
+        """One accounting: with the timelines, every time is theirs (their parts add up to their walls: the module
+        docstring, step 4); without them, the calls re-timed alone. Densities are the calls' own either way, weighted
+        by each call's dense attention time."""
         rows = self.layers
-        attention = sum(r.path_ms for r in rows)
-        dense_attention = sum(r.dense_layer_ms for r in rows)
-        non_attention = self.compiled_ms - attention
-        weight = dense_attention or 1.0
+        weight = sum(r.dense_layer_ms for r in rows) or 1.0
         physical = sum(r.physical * r.dense_layer_ms for r in rows) / weight
         asked = sum(r.asked * r.dense_layer_ms for r in rows) / weight
-        if self.compiled_timeline is not None and self.eager_timeline is not None:
-            # the bounds from the forwards on the device's clock, whose parts add up (module docstring, step 4)
-            non_attention = self.compiled_timeline.rest_ms()
-            dense_attention = self.eager_timeline.attention_ms()
+        compiled, eager = self.compiled_timeline, self.eager_timeline
+        if compiled is not None and eager is not None:
+            parts = compiled.parts_ms
+            times = dict(index_ms=parts[INDEX], walk_ms=parts[WALK], dense_heads_ms=parts[SDPA] + parts[COPIES],
+                         glue_ms=parts[GLUE], attention_ms=compiled.attention_ms(), non_attention_ms=compiled.rest_ms(),
+                         compiled_wall_ms=compiled.wall_ms, eager_attention_ms=eager.attention_ms(),
+                         eager_non_attention_ms=eager.rest_ms(), eager_wall_ms=eager.wall_ms)
+        else:
+            attention = sum(r.path_ms for r in rows)
+            dense_attention = sum(r.dense_layer_ms for r in rows)
+            times = dict(index_ms=sum(r.index_ms for r in rows), walk_ms=sum(r.walk_ms for r in rows),
+                         dense_heads_ms=sum(r.dense_heads_ms for r in rows), glue_ms=0.0, attention_ms=attention,
+                         non_attention_ms=self.compiled_ms - attention, compiled_wall_ms=self.compiled_ms,
+                         eager_attention_ms=dense_attention, eager_non_attention_ms=self.eager_ms - dense_attention,
+                         eager_wall_ms=self.eager_ms)
         return dict(
-            index_ms=sum(r.index_ms for r in rows), walk_ms=sum(r.walk_ms for r in rows),
-            dense_heads_ms=sum(r.dense_heads_ms for r in rows), attention_ms=attention,
-            non_attention_ms=non_attention, eager_attention_ms=dense_attention,
-            eager_non_attention_ms=self.eager_ms - dense_attention,
+            **times,
             physical_density=statistics.fmean(r.physical for r in rows) if rows else None,
             logical_density=statistics.fmean(r.logical for r in rows) if rows else None,
             asked_density=statistics.fmean(r.asked for r in rows) if rows else None,
-            bound_physical_ms=non_attention + physical * dense_attention,
-            bound_asked_ms=non_attention + asked * dense_attention,
+            bound_physical_ms=times["non_attention_ms"] + physical * times["eager_attention_ms"],
+            bound_asked_ms=times["non_attention_ms"] + asked * times["eager_attention_ms"],
         )
 
     def table(self) -> str:
@@ -238,11 +254,36 @@ class Breakdown:
             return (f"{self.meta['model']} at {self.meta['length']} tokens, {self.meta['config']}\n"
                     f"no call took the sparse path (this length runs dense); compiled {self.compiled_ms:.1f} ms, "
                     f"eager {self.eager_ms:.1f} ms, {self.eager_ms / self.compiled_ms:.2f}x eager")
+        lines = [f"{self.meta['model']} at {self.meta['length']} tokens, {self.meta['config']}"]
+        lines += self._timeline_lines() or self._retimed_lines(t)
+        eager_wall = t["eager_wall_ms"]
+        lines += [
+            f"median of {self.meta.get('reps', '?')} timed forwards: compiled {self.compiled_ms:.1f} ms, eager "
+            f"{self.eager_ms:.1f} ms, {self.eager_ms / self.compiled_ms:.2f}x eager",
+            f"density, mean over calls: asked by the config {t['asked_density']:.4f}, index logical "
+            f"{t['logical_density']:.4f}, physical {t['physical_density']:.4f}",
+            f"plan-dense heads {sum(r.plan_dense_heads for r in self.layers)}, pairs run dense by index or guard "
+            f"{sum(r.ran_dense_pairs for r in self.layers)}, routed heads {sum(r.routed_heads for r in self.layers)}",
+            f"bound (compiled non-attention + dense attention x density): physical {t['bound_physical_ms']:.1f} ms "
+            f"({eager_wall / t['bound_physical_ms']:.2f}x eager), asked {t['bound_asked_ms']:.1f} ms "
+            f"({eager_wall / t['bound_asked_ms']:.2f}x eager)",
+        ]
+        if self.compiled_timeline is not None and not self.compiled_timeline.op_calls:
+            lines.append("warning: the compiled forward ran none of the op's stages in Python (a CUDA graph replay?); "
+                         "its parts read 0 and the rest holds its attention")
+        for what, retries in (("compiled forward was timed", self.meta.get("compiled_alloc_retries")),
+                              ("timelines ran", self.meta.get("timeline_alloc_retries"))):
+            if retries:
+                lines.append(f"warning: the allocator freed its cache {retries} time(s) while the {what}; those times "
+                             "are not the steady state")
+        return "\n".join(lines)
+
+    def _retimed_lines(self, t: dict) -> list[str]:
         share = lambda ms: f"{100 * ms / self.compiled_ms:5.1f} %"  # noqa: E731
-        lines = [
-            f"{self.meta['model']} at {self.meta['length']} tokens, {self.meta['config']}",
+        return [
+            "each call re-timed alone (the parts need not add up to the forward):",
             f"{'part':<44}{'ms':>10}  share of compiled",
-            f"{'index (' + str(n) + ' calls)':<44}{t['index_ms']:>10.1f}  {share(t['index_ms'])}",
+            f"{'index (' + str(len(self.layers)) + ' calls)':<44}{t['index_ms']:>10.1f}  {share(t['index_ms'])}",
             f"{'sparse walk (and pairs forced dense)':<44}{t['walk_ms']:>10.1f}  {share(t['walk_ms'])}",
             f"{'plan-dense and routed heads (fused SDPA)':<44}{t['dense_heads_ms']:>10.1f}  {share(t['dense_heads_ms'])}",
             f"{'non-attention (compiled)':<44}{t['non_attention_ms']:>10.1f}  {share(t['non_attention_ms'])}",
@@ -250,32 +291,22 @@ class Breakdown:
             f"{'eager total (wall)':<44}{self.eager_ms:>10.1f}",
             f"{'  of which dense attention (fused SDPA)':<44}{t['eager_attention_ms']:>10.1f}",
             f"{'  non-attention (eager)':<44}{t['eager_non_attention_ms']:>10.1f}",
-            f"density, mean over calls: asked by the config {t['asked_density']:.4f}, index logical "
-            f"{t['logical_density']:.4f}, physical {t['physical_density']:.4f}",
-            f"plan-dense heads {sum(r.plan_dense_heads for r in self.layers)}, pairs run dense by index or guard "
-            f"{sum(r.ran_dense_pairs for r in self.layers)}, routed heads {sum(r.routed_heads for r in self.layers)}",
-            f"bound (compiled non-attention + dense attention x density): physical {t['bound_physical_ms']:.1f} ms "
-            f"({self.eager_ms / t['bound_physical_ms']:.2f}x eager), asked {t['bound_asked_ms']:.1f} ms "
-            f"({self.eager_ms / t['bound_asked_ms']:.2f}x eager)",
         ]
-        lines += self._timeline_lines()
-        if self.meta.get("compiled_alloc_retries"):
-            lines.append(f"warning: the allocator freed its cache {self.meta['compiled_alloc_retries']} time(s) while the "
-                         "compiled forward was timed; its time is not the steady state")
-        return "\n".join(lines)
 
     def _timeline_lines(self) -> list[str]:
         compiled, eager = self.compiled_timeline, self.eager_timeline
         if compiled is None or eager is None:
             return []
-        lines = [f"one forward each on the device's clock (each part its own time; they add up to the wall):",
-                 f"{'part':<52}{'compiled ms':>12}{'eager ms':>10}"]
+        share = lambda ms: f"{100 * ms / compiled.wall_ms:6.1f} %"  # noqa: E731
+        lines = [f"one forward each on the device's clock, {compiled.op_calls} op calls (each part its own time; they "
+                 "add up to the wall):",
+                 f"{'part':<52}{'compiled ms':>12}{'share':>9}{'eager ms':>10}"]
         for part, ms in compiled.parts_ms.items():
-            lines.append(f"{part:<52}{ms:>12.1f}{'':>10}")
+            lines.append(f"{part:<52}{ms:>12.1f}{share(ms)}")
         for part, ms in eager.parts_ms.items():
-            lines.append(f"{'eager: ' + part:<52}{'':>12}{ms:>10.1f}")
-        lines.append(f"{REST:<52}{compiled.rest_ms():>12.1f}{eager.rest_ms():>10.1f}")
-        lines.append(f"{'wall (this forward)':<52}{compiled.wall_ms:>12.1f}{eager.wall_ms:>10.1f}  "
+            lines.append(f"{'eager: ' + part:<52}{'':>21}{ms:>10.1f}")
+        lines.append(f"{REST:<52}{compiled.rest_ms():>12.1f}{share(compiled.rest_ms())}{eager.rest_ms():>10.1f}")
+        lines.append(f"{'wall (this forward)':<52}{compiled.wall_ms:>12.1f}{'':>9}{eager.wall_ms:>10.1f}  "
                      f"{eager.wall_ms / compiled.wall_ms:.2f}x eager")
         return lines
 
@@ -406,8 +437,11 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
     compiled_ms = wall_ms(compiled, "minference")
     # each retry frees the allocator's cache and syncs: a timing with any is not the steady state bench prefill sees
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
+    timeline_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     compiled_timeline = timeline(forward(compiled, "minference"), COMPILED_STAGES, _cuda_event, torch.cuda.synchronize)
+    torch.cuda.empty_cache()  # as between eager's timing and the compile: neither carves up the other's blocks
     eager_timeline = timeline(forward(model, "eager"), EAGER_STAGES, _cuda_event, torch.cuda.synchronize)
+    timeline_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - timeline_retries
     torch.cuda.empty_cache()
     rows: list[LayerRow] = []
     with _wrapped(length, rows), torch.inference_mode():
@@ -418,5 +452,5 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
             "model": real.title, "model_name": model_name, "length": length, "yarn_factor": real.yarn_factor(length),
             "config": config_path or "the backend's default semantic config", "options": options, "reps": reps,
             "attention_calls": len(rows), "layers": real.layers,
-            "compiled_alloc_retries": retries}
+            "compiled_alloc_retries": retries, "timeline_alloc_retries": timeline_retries}
     return Breakdown(meta, eager_ms, compiled_ms, rows, compiled_timeline, eager_timeline)
