@@ -20,7 +20,9 @@ One model, one prompt length, the same process and inputs for every number:
    one eager one, run with CUDA events recorded on the stream at the entry and exit of the op's stages (the index, the
    Triton walk, fused SDPA, the copies around the SDPA heads, the op's own glue; eager: fused SDPA). Nested stages
    count their own time only, so the parts and the non-attention rest add up to that forward's wall time on the
-   device, whatever the host did. The events sync nothing until the forward ends.
+   device, whatever the host did. The events sync nothing until the forward ends. The table's times and the
+   bounds come from these two forwards; step 2's re-timings stay in the JSON, call by call, and its densities
+   weight the bounds.
 
 The arithmetic bounds put the compiled model's non-attention time beside dense attention scaled by a density:
 the physical one (what the walk computes, at cuDNN's rate per tile) and the one the config asks. A measurement
