@@ -31,6 +31,11 @@ Timer = Callable[[Callable[[], object]], float]
 # eager in the model (git show 6fb579a:results/bench_prefill_smollm2_h200_2026-12-01_v15_table_v14.txt), so sparse must
 # be this much faster (a fraction of its own time) before the crossover leaves dense.
 CROSSOVER_MARGIN = 0.5
+# The input families (``workload.FAMILIES``) the sparse walk's launch configs are chosen against: the structured
+# one, whose slashes cluster, and the scattered one, whose lone far diagonals each cost a block. The crossover and
+# the cost model's rates come from the first alone: the crossover's margin already stands for what real heads add
+# (above), and a head the scattered family would make slower than dense is the cost model's to route at run time.
+TUNE_FAMILIES = ("structured", "scattered")
 # Lengths the crossover is measured at. Dense SDPA past 64K costs seconds per call and is
 # never the faster one there, so longer prompts are tuned for launch configs only.
 CROSSOVER_LENGTHS = tuple(1 << p for p in range(10, 17))  # 1K .. 64K
@@ -57,20 +62,29 @@ class TuneResult:
 
 
 def tune(kernel: str, candidates: Iterable[TuneEntry], run_candidate: Callable[[TuneEntry], object],
-         timer: Optional[Timer] = None, *, on_timed: Optional[Callable[[TuneEntry], None]] = None) -> TuneResult:
-    """Time ``run_candidate(config)`` for every candidate and keep the fastest (the first among equals)."""
+         timer: Optional[Timer] = None, *, on_timed: Optional[Callable[[TuneEntry], None]] = None,
+         also: Sequence[Callable[[TuneEntry], object]] = ()) -> TuneResult:
+    """Time ``run_candidate(config)`` for every candidate and keep the fastest (the first among equals).
+
+    ``also``: more ways to run a candidate (the same kernel on other input families). Then the winner is the
+    candidate whose times, each over its way's fastest, sum lowest: a config fast on one family and slow on another
+    loses to one near the best on every family. ``timings`` and ``best_ms`` stay the first way's."""
     timer = timer or do_bench
-    timings, failures = {}, {}
+    runs = (run_candidate, *also)
+    per_way, failures = {}, {}
     for config in candidates:
         try:
-            timings[config] = float(timer(lambda config=config: run_candidate(config)))
+            per_way[config] = [float(timer(lambda config=config, run=run: run(config))) for run in runs]
         except Exception as e:  # a config the compiler or the GPU refuses is just not a winner
             failures[config] = f"{type(e).__name__}: {e}"
         if on_timed is not None:
             on_timed(config)
-    if not timings:
+    if not per_way:
         raise RuntimeError(f"{kernel}: every candidate failed: " + "; ".join(f"{c}: {m}" for c, m in failures.items()))
-    best = min(timings, key=timings.__getitem__)
+    fastest = [min(times[way] for times in per_way.values()) for way in range(len(runs))]
+    slowdown = lambda config: sum(t / f for t, f in zip(per_way[config], fastest))  # noqa: E731
+    best = min(per_way, key=slowdown)
+    timings = {config: times[0] for config, times in per_way.items()}
     return TuneResult(kernel, best, timings[best], timings, failures)
 
 
@@ -120,9 +134,13 @@ class WarmUpReport:
     """the dense walk's tuning, at the lengths asked for"""
     cost: Optional[WalkCost] = None
     """the cost model's rates, at the longest crossover length"""
+    families: tuple = ("structured",)
+    """the input families the sparse walk's launch configs were chosen against (its times are the first's)"""
 
     def __str__(self) -> str:
-        lines = [f"{'length':>8} {'config (M, N, warps, stages)':>29} {'kernel ms':>10} {'default ms':>10} {'tuned gain':>10} "
+        lines = [f"launch configs chosen against the input families {', '.join(self.families)}; times on "
+                 f"{self.families[0]}",
+                 f"{'length':>8} {'config (M, N, warps, stages)':>29} {'kernel ms':>10} {'default ms':>10} {'tuned gain':>10} "
                  f"{'sparse ms':>10} {'dense ms':>10}"]
         for length, r in sorted(self.results.items()):
             sp, de = self.sparse_ms.get(length), self.dense_ms.get(length)
@@ -158,18 +176,25 @@ def as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 
 def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, torch.dtype] = torch.bfloat16,
             progress: bool = True, *, num_kv_heads: int = 8, crossover_lengths: Sequence[int] = CROSSOVER_LENGTHS,
-            workload: Optional[Workload] = None, timer: Optional[Timer] = None, path=None) -> WarmUpReport:
+            workload: Optional[Workload] = None, timer: Optional[Timer] = None, path=None,
+            families: Sequence[str] = TUNE_FAMILIES, also: Optional[Sequence[Workload]] = None) -> WarmUpReport:
     """Tune the sparse attention kernel at ``lengths``, its dense walk there, and the crossover; write them to the cache.
 
     Every length of ``crossover_lengths`` up to the longest of ``lengths`` is tuned too,
     since the crossover times the sparse path with its tuned config. Entries are
     written after each length, so an interrupted run keeps what it measured.
-    Needs CUDA unless a ``workload`` is given.
+    At the lengths asked for, the sparse walk's launch config is chosen against every input family of
+    ``families`` (:func:`tune`'s ``also``); the crossover grid's other lengths, the crossover and the cost are the
+    first family's (:data:`TUNE_FAMILIES` says why).
+    Needs CUDA unless a ``workload`` (the first family's) and ``also`` (the others') are given.
     """
     dtype = as_dtype(dtype)
     timer = timer or do_bench
     if workload is None:
-        workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads)
+        workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads, family=families[0])
+        if also is None:
+            also = [CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads, family=f) for f in families[1:]]
+    also = list(also or ())
     path = Path(path) if path is not None else cache.cache_path()
     kernel = "sparse_attention"
     candidates = {kernel: space.candidates(kernel, head_dim, dtype.itemsize, workload.smem_limit),
@@ -189,10 +214,15 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     try:
         for length in todo:
             for name in (DENSE_WALK, kernel) if length in walk_todo else (kernel,):
+                # the other families at the lengths asked for: the grid's shorter ones, mostly under the crossover,
+                # would double the tune's time for configs that run dense; and the dense walk computes every tile of
+                # the heads it runs, whatever the inputs, so one family times it
+                others = ([lambda c, n=length, w=w: w.kernel(n, c)() for w in also]
+                          if name == kernel and length in walk_todo else [])
                 result = tune(name, candidates[name], lambda c, n=length, run=thunks[name]: run(n, c)(), timer,
                               on_timed=lambda c, n=length, name=name: bar.step(
                                   f"{name} @ {n}: BLOCK_M {c.BLOCK_M} BLOCK_N {c.BLOCK_N} warps {c.num_warps} "
-                                  f"stages {c.num_stages}"))
+                                  f"stages {c.num_stages}"), also=others)
                 (results if name == kernel else walks)[length] = result
                 cache.write(configs={TuneKey.of(name, measured_on, length): result.best}, path=path)
             if length in grid:
@@ -217,7 +247,8 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
         # the shipped crossover, and the op ran dense at 128K after a tune that stopped at 16K
         crossovers = {measured_on: crossover} if whole or crossover is not None else {}
         cache.write(crossovers=crossovers, costs={measured_on: cost} if cost else {}, path=path)
-    return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks, cost)
+    return WarmUpReport(path, results, dense_ms, sparse_ms, crossover, walks, cost,
+                        tuple(getattr(w, "family", "given") for w in (workload, *also)))
 
 
 def _measured_on(workload: Workload, dtype: torch.dtype, head_dim: int, gqa: int) -> CrossoverKey:

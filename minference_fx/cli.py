@@ -256,11 +256,15 @@ def _autotune(args) -> int:
         sys.exit(f"minference-fx autotune: cannot write the autotune cache {cache.cache_path()}: {problem} "
                  f"(point {cache.ENV_DIR} at a writable directory)")
     try:
+        families = bench.parse_families(args.families)
+    except ValueError as e:
+        sys.exit(f"minference-fx autotune --families: {e}")
+    try:
         if args.costs_only:
             print(tuner.describe_cost(tuner.measure_costs(head_dim, gqa, args.dtype, num_kv_heads=kv_heads or 8)))
             return 0
         report = tuner.warm_up(parse_lengths(args.lengths), head_dim, gqa, args.dtype, progress=not args.quiet,
-                         num_kv_heads=kv_heads or 8)
+                               num_kv_heads=kv_heads or 8, families=families)
     except RuntimeError as e:
         sys.exit(f"minference-fx autotune: {e}")
     print(report)
@@ -526,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--costs-only", action="store_true",
                    help="measure only the cost model's rates (sparse walk and index against SDPA), at 64K whatever "
                         "--lengths says, with the launch configs already tuned; a tune that reaches 64K measures them too")
+    t.add_argument("--families", default=",".join(tuner.TUNE_FAMILIES),
+                   help="input families the sparse walk's launch configs are chosen against (the first one's also "
+                        "give the crossover and the cost model's rates)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(run=_autotune)
     _add_asset_commands(sub)

@@ -77,12 +77,12 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           minference-fx autotune --show ;;
     retune)  # after an edit of a Triton kernel: the three shipped shapes from scratch (launch configs, crossovers, costs),
              # then the table as the shipped autotune/h200.json would hold it (collect copies the user cache)
-          timeout 330 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
-          timeout 330 minference-fx autotune --lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3 --dtype bf16 --quiet
-          timeout 330 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet
+          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
+          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3 --dtype bf16 --quiet
+          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet
           minference-fx autotune --show ;;
     tune_qwen)  # Qwen's shape alone, as retune tunes it: on a GPU with no shipped table, before its TTFT is measured
-          timeout 330 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet ;;
+          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet ;;
     fuzz) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider \
              --import-mode=importlib tests/test_gpu.py -k fuzz ;;
     costs)  # the cost model's rates (sparse walk and index against cuDNN) of the three tuned shapes, at 64K, with the

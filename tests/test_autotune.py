@@ -445,6 +445,7 @@ class FakeWorkload:
 
     identity = DeviceIdentity("Fake GPU", "9.0")
     smem_limit = space.SM90_SMEM_BYTES
+    family = "structured"
 
     def kernel(self, n, config):
         return lambda: ("kernel", n, config)
@@ -526,6 +527,59 @@ def test_a_tune_short_of_64k_that_never_saw_sparse_win_leaves_the_crossover_alon
     assert Table.from_json(report.path.read_text()).crossovers == {}  # and not written
     whole = tuner.warm_up([65536], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=sparse_wins_from_32k)
     assert list(Table.from_json(whole.path.read_text()).crossovers.values()) == [32768] == [whole.crossover]
+
+
+class ScatteredFake(FakeWorkload):
+    """The second family: its kernel says so, and the fake timers make the structured family's winner slow there."""
+
+    family = "scattered"
+
+    def kernel(self, n, config):
+        return lambda: ("kernel-scattered", n, config)
+
+
+def timer_with_a_scattered_family(fn):
+    """On the scattered family 8 warps (the structured winner) cost 40 % more, 4 warps with 3 stages the least."""
+    kind, n, *config = fn()
+    if kind != "kernel-scattered":
+        return fake_timer(fn)
+    c = config[0]
+    return n / 1024 * (1 + 0.1 * abs(c.num_stages - 3) + (0.4 if c.num_warps == 8 else 0.0)
+                       + (0.0 if (c.BLOCK_M, c.BLOCK_N) == (64, 64) else 0.01))
+
+
+def test_the_walk_is_tuned_against_both_families_and_keeps_the_first_family_s_times():
+    """Alone, the structured family picks 8 warps (5 % ahead of 4); with the scattered family, where 8 warps cost
+    40 % more, the config near the best on both wins. ``best_ms`` and the timings stay the first family's."""
+    candidates = [TuneEntry(64, 64, 8, 3), TuneEntry(64, 64, 4, 3), TuneEntry(64, 64, 4, 2)]
+    structured, scattered = FakeWorkload(), ScatteredFake()
+    alone = tuner.tune("sparse_attention", candidates, lambda c: structured.kernel(8192, c)(), timer_with_a_scattered_family)
+    assert alone.best == TuneEntry(64, 64, 8, 3)
+    both = tuner.tune("sparse_attention", candidates, lambda c: structured.kernel(8192, c)(), timer_with_a_scattered_family,
+                      also=[lambda c: scattered.kernel(8192, c)()])
+    assert both.best == TuneEntry(64, 64, 4, 3)
+    assert both.timings == alone.timings and both.best_ms == alone.timings[TuneEntry(64, 64, 4, 3)] == pytest.approx(8 * 1.05)
+
+
+def test_warm_up_chooses_launch_configs_against_every_family_and_the_crossover_from_the_first(cache_dir):
+    """At the lengths asked for; the crossover grid's shorter lengths, the crossover and the cost come from the first."""
+    one = tuner.warm_up([8192], 128, 4, "bf16", progress=False, workload=FakeWorkload(), also=[],
+                        timer=timer_with_a_scattered_family)
+    both = tuner.warm_up([8192], 128, 4, "bf16", progress=False, workload=FakeWorkload(), also=[ScatteredFake()],
+                         timer=timer_with_a_scattered_family)
+    assert one.results[8192].best == TuneEntry(64, 64, 8, 3) and both.results[8192].best == TuneEntry(64, 64, 4, 3)
+    assert both.results[4096].best == TuneEntry(64, 64, 8, 3)  # a crossover-grid length alone: the first family's
+    assert both.dense_walk[8192].best == one.dense_walk[8192].best  # the dense walk on one family
+    assert both.crossover == one.crossover
+    assert "chosen against the input families structured, scattered; times on structured" in str(both)
+    assert both.families == ("structured", "scattered") and one.families == ("structured",)
+
+
+def test_cli_autotune_names_an_unknown_family(cache_dir):
+    from minference_fx.cli import main
+
+    with pytest.raises(SystemExit, match="--families: unknown input family"):
+        main(["autotune", "--lengths", "8k", "--head-dim", "128", "--gqa", "4", "--families", "structured,bogus"])
 
 
 def test_a_tune_up_to_64k_measures_the_cost_models_rates(cache_dir):
