@@ -1,0 +1,77 @@
+"""Kernel launches on views whose element offsets pass 2**31, each run in a child process.
+
+Where int32 offsets wrap, the interpreter reads outside the buffer and dies of a segmentation fault; in the test's
+own process that would end the whole run without a report. The cases live here, in a module the child can import
+by name (the tests run under ``--import-mode=importlib``, whose test modules it cannot).
+"""
+import multiprocessing
+
+import pytest
+import torch
+
+from minference_fx.kernels import reference
+from minference_fx.kernels.attend import rows_need_int64, sparse_attention_triton
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+CHILD_SKIPPED = 77
+"""the child's exit code when it could not reserve the address space"""
+
+
+def sparse_view(shape, strides, dtype=torch.float16):
+    """A view whose last element lies past 2**31 elements, over a buffer that is mostly never touched (the OS commits
+    only the pages the view's elements fill): offsets that int32 arithmetic wraps, on a CPU."""
+    span = sum((n - 1) * st for n, st in zip(shape, strides)) + 1
+    try:
+        return torch.empty(span, dtype=dtype).as_strided(shape, strides)
+    except RuntimeError as e:  # no room to reserve the address range
+        pytest.skip(f"cannot reserve {span * 2 / 2**30:.1f} GiB of address space: {e}")
+
+
+def packed_views_case(launch: dict, plan: LayerPlan) -> None:
+    """Packed HF-style q, k, v views whose rows from 300 on lie past 2**31 elements: the launch equals the contiguous
+    copies' bit for bit."""
+    S, Hq, Hkv, D, row_stride = 310, 4, 2, 16, 7_158_288  # 300 x row_stride > 2**31
+    packed = sparse_view((1, S, Hq + 2 * Hkv, D), ((S - 1) * row_stride + (Hq + 2 * Hkv) * D, row_stride, D, 1))
+    packed.copy_(torch.randn(1, S, Hq + 2 * Hkv, D, generator=torch.Generator().manual_seed(0)))
+    qkv = packed.transpose(1, 2)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+    assert rows_need_int64(q) and rows_need_int64(k) and rows_need_int64(v)
+    contiguous = [t.contiguous() for t in (q, k, v)]
+    index = reference.build_index(*contiguous[:2], plan, scale=0.25)
+    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25, **launch)
+    want = sparse_attention_triton(*contiguous, index, *plan.op_arguments(), scale=0.25, **launch)
+    assert torch.equal(got, want)
+
+
+def head_dim_stride_case() -> None:
+    """A q whose head-dim stride is 2**28 puts its columns past 2**31 elements."""
+    S, D = 130, 16
+    q = sparse_view((1, 1, S, D), (1, 1, 16, 2**28))
+    g = torch.Generator().manual_seed(0)
+    q.copy_(torch.randn(1, 1, S, D, generator=g))
+    k, v = (torch.randn(1, 1, S, D, generator=g).half() for _ in range(2))
+    assert rows_need_int64(q)
+    plan = LayerPlan((HeadPlan(Pattern.DENSE),))
+    index = reference.build_index(q.contiguous(), k, plan, scale=0.25)
+    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25)
+    assert torch.equal(got, sparse_attention_triton(q.contiguous(), k, v, index, *plan.op_arguments(), scale=0.25))
+
+
+def _child(case, args) -> None:
+    try:
+        case(*args)
+    except pytest.skip.Exception as e:
+        print(e, flush=True)
+        raise SystemExit(CHILD_SKIPPED)
+
+
+def run_in_a_child(case, *args) -> None:
+    """``case(*args)`` in a fresh process; fails with its exit code (-11 for a segmentation fault), skips where the
+    child could not reserve the address space."""
+    child = multiprocessing.get_context("spawn").Process(target=_child, args=(case, args))
+    child.start()
+    child.join()
+    if child.exitcode == CHILD_SKIPPED:
+        pytest.skip("the child process could not reserve the address space (its message is above)")
+    assert child.exitcode == 0, (f"{case.__name__}{args} ended with exit code {child.exitcode} (a negative code is the "
+                                 "signal: -11, a segmentation fault, is what int32 offsets past 2**31 give)")
