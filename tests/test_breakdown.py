@@ -196,6 +196,7 @@ def test_timeline_parts_count_their_own_time_and_add_up_to_the_wall():
     assert got.wall_ms == pytest.approx(19.5)
     assert got.parts_ms == {"outer": pytest.approx(3.0), "inner": pytest.approx(8.0)}
     assert got.rest_ms() == pytest.approx(8.5) and got.attention_ms() == pytest.approx(11.0)
+    assert got.calls_ms == [pytest.approx(7.0), pytest.approx(4.0)] and got.op_calls == 2  # outer, then inner alone
     assert stages_module.outer is outer and stages_module.inner is original_inner
 
 
@@ -214,8 +215,8 @@ def test_with_the_timelines_every_time_is_theirs_and_the_compiled_parts_add_up_t
     calls re-timed alone (which disagreed with bench prefill); densities stay the calls' own."""
     rows = [_row(0, 10.0, 2.0, 3.0, 40.0, 0.25), _row(1, 20.0, 2.0, 3.0, 40.0, 0.5)]
     parts = {breakdown.INDEX: 5.0, breakdown.WALK: 20.0, breakdown.SDPA: 3.0, breakdown.COPIES: 1.0, breakdown.GLUE: 1.0}
-    compiled = breakdown.Timeline(90.0, parts, op_calls=2)
-    eager = breakdown.Timeline(210.0, {"fused SDPA": 100.0})
+    compiled = breakdown.Timeline(90.0, parts, calls_ms=[12.0, 18.0])
+    eager = breakdown.Timeline(210.0, {"fused SDPA": 100.0}, calls_ms=[40.0, 45.0])
     result = Breakdown({"model": "m", "length": 1024, "config": "c", "reps": 3}, eager_ms=200.0, compiled_ms=100.0,
                        layers=rows, compiled_timeline=compiled, eager_timeline=eager)
     t = result.totals()
@@ -227,6 +228,7 @@ def test_with_the_timelines_every_time_is_theirs_and_the_compiled_parts_add_up_t
     assert "wall (this forward)" in table and "2.33x eager" in table and "re-timed" not in table
     assert f"{breakdown.REST:<52}{60.0:>12.1f}" in table and "2 op calls" in table
     assert "CUDA graph" not in table
+    assert "(compiled / eager ms): 1: 18.0 / 45.0, 0: 12.0 / 40.0" in table  # layer 1 kept 40 %, layer 0 30 %
     no_calls = Breakdown(result.meta, 200.0, 100.0, rows, breakdown.Timeline(90.0, parts), eager)
     assert "CUDA graph replay" in no_calls.table()
 

@@ -166,8 +166,13 @@ class Timeline:
 
     wall_ms: float
     parts_ms: dict[str, float]
-    op_calls: int = 0
-    """the outermost stage calls seen (for the compiled forward, the op's calls)"""
+    calls_ms: list[float] = dataclasses.field(default_factory=list)
+    """each outermost stage call's time, in order: the compiled forward's op calls (a layer's attention each), or
+    eager's SDPA calls"""
+
+    @property
+    def op_calls(self) -> int:
+        return len(self.calls_ms)
 
     def rest_ms(self) -> float:
         return self.wall_ms - sum(self.parts_ms.values())
@@ -201,7 +206,7 @@ def timeline(forward: Callable[[], object], stages, new_event: Callable[[], obje
     sync()
     parts = recorder.own_ms()
     return Timeline(begin.elapsed_time(end), {part: parts.get(part, 0.0) for part, _, _ in stages},
-                    len(recorder.spans))
+                    [span.ms() for span in recorder.spans])
 
 
 def _cuda_event():
@@ -308,6 +313,11 @@ class Breakdown:
         for part, ms in eager.parts_ms.items():
             lines.append(f"{'eager: ' + part:<52}{'':>21}{ms:>10.1f}")
         lines.append(f"{REST:<52}{compiled.rest_ms():>12.1f}{share(compiled.rest_ms())}{eager.rest_ms():>10.1f}")
+        if compiled.op_calls == eager.op_calls > 0:  # one op call and one SDPA call a layer: compare them
+            ratios = sorted(((c / e if e > 0 else float("inf"), layer, c, e) for layer, (c, e)
+                             in enumerate(zip(compiled.calls_ms, eager.calls_ms))), reverse=True)
+            lines.append("layers whose attention kept most of eager's time (compiled / eager ms): " + ", ".join(
+                f"{layer}: {c:.1f} / {e:.1f}" for _, layer, c, e in ratios[:3]))
         lines.append(f"{'wall (this forward)':<52}{compiled.wall_ms:>12.1f}{'':>9}{eager.wall_ms:>10.1f}  "
                      f"{eager.wall_ms / compiled.wall_ms:.2f}x eager")
         return lines
