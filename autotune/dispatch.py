@@ -52,7 +52,9 @@ def _tune_now(q: torch.Tensor, k: torch.Tensor, length: int) -> None:
         log.warning("autotune on-miss: tuning head_dim=%d group=%d %s at %d tokens on %s (once per process)",
                     shape[2], shape[3], q.dtype, length, q.device)
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            tuner.warm_up([length], shape[2], shape[3], q.dtype, progress=False, num_kv_heads=k.shape[1])
+            # inside a forward: the first family alone, half the stall and one set of inputs in memory
+            tuner.warm_up([length], shape[2], shape[3], q.dtype, progress=False, num_kv_heads=k.shape[1],
+                          families=tuner.TUNE_FAMILIES[:1])
         cache.forget()
 
 

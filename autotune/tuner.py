@@ -20,7 +20,7 @@ from . import cache, space
 from .cache import CrossoverKey, TuneEntry, TuneKey
 from .identity import DeviceIdentity, dtype_name, kernel_source_hash, triton_version
 from .progress import ProgressBar
-from .workload import CudaWorkload
+from .workload import MIN_HEAD_DIM, CudaWorkload
 
 Timer = Callable[[Callable[[], object]], float]
 """Milliseconds one call of the thunk takes."""
@@ -81,7 +81,8 @@ def tune(kernel: str, candidates: Iterable[TuneEntry], run_candidate: Callable[[
             on_timed(config)
     if not per_way:
         raise RuntimeError(f"{kernel}: every candidate failed: " + "; ".join(f"{c}: {m}" for c, m in failures.items()))
-    fastest = [min(times[way] for times in per_way.values()) for way in range(len(runs))]
+    # a zero time (a fake timer's) must not divide: the floor keeps the ordering of the others
+    fastest = [max(min(times[way] for times in per_way.values()), 1e-9) for way in range(len(runs))]
     slowdown = lambda config: sum(t / f for t, f in zip(per_way[config], fastest))  # noqa: E731
     best = min(per_way, key=slowdown)
     timings = {config: times[0] for config, times in per_way.items()}
@@ -159,6 +160,11 @@ class WarmUpReport:
         if self.dense_ms:
             shown = "never (dense at every measured length)" if self.crossover is None else f"sparse from {self.crossover}"
             lines.append(f"crossover: {shown}")
+        failed = {(r.kernel, config): message for r in (*self.results.values(), *self.dense_walk.values())
+                  for config, message in r.failures.items()}
+        if failed:  # on any family: a config that fails on one is no winner
+            (kernel, config), message = next(iter(failed.items()))
+            lines.append(f"{len(failed)} candidate launch(es) failed and were left out, e.g. {kernel} {config}: {message}")
         if self.cost is not None:
             lines.append(describe_cost(self.cost))
         lines.append(f"written to {self.path}")
@@ -183,17 +189,18 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     Every length of ``crossover_lengths`` up to the longest of ``lengths`` is tuned too,
     since the crossover times the sparse path with its tuned config. Entries are
     written after each length, so an interrupted run keeps what it measured.
-    At the lengths asked for, the sparse walk's launch config is chosen against every input family of
-    ``families`` (:func:`tune`'s ``also``); the crossover grid's other lengths, the crossover and the cost are the
-    first family's (:data:`TUNE_FAMILIES` says why).
+    From the shortest length asked for up, the sparse walk's launch config is chosen against every input family
+    of ``families`` that can build ``head_dim`` (:func:`tune`'s ``also``); the crossover grid's shorter lengths,
+    the crossover and the cost are the first family's (:data:`TUNE_FAMILIES` says why).
     Needs CUDA unless a ``workload`` (the first family's) and ``also`` (the others') are given.
     """
     dtype = as_dtype(dtype)
     timer = timer or do_bench
     if workload is None:
         workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads, family=families[0])
-        if also is None:
-            also = [CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads, family=f) for f in families[1:]]
+        if also is None:  # a family that cannot build this head dim is left out; the report lists those timed
+            also = [CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads, family=f) for f in families[1:]
+                    if head_dim >= MIN_HEAD_DIM.get(f, 0)]
     also = list(also or ())
     path = Path(path) if path is not None else cache.cache_path()
     kernel = "sparse_attention"
@@ -214,11 +221,12 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
     try:
         for length in todo:
             for name in (DENSE_WALK, kernel) if length in walk_todo else (kernel,):
-                # the other families at the lengths asked for: the grid's shorter ones, mostly under the crossover,
-                # would double the tune's time for configs that run dense; and the dense walk computes every tile of
-                # the heads it runs, whatever the inputs, so one family times it
+                # the other families from the shortest length asked for up (the grid's lengths between the asked
+                # ones run sparse too, 64K among them); the grid's shorter ones, mostly under the crossover, would
+                # double the tune's time for configs that run dense; and the dense walk computes every tile of the
+                # heads it runs, whatever the inputs, so one family times it
                 others = ([lambda c, n=length, w=w: w.kernel(n, c)() for w in also]
-                          if name == kernel and length in walk_todo else [])
+                          if name == kernel and length >= min(lengths) else [])
                 result = tune(name, candidates[name], lambda c, n=length, run=thunks[name]: run(n, c)(), timer,
                               on_timed=lambda c, n=length, name=name: bar.step(
                                   f"{name} @ {n}: BLOCK_M {c.BLOCK_M} BLOCK_N {c.BLOCK_N} warps {c.num_warps} "
@@ -280,6 +288,7 @@ def describe_cost(cost: WalkCost) -> str:
 
 
 def measure_costs(head_dim: int, gqa: int, dtype: Union[str, torch.dtype] = torch.bfloat16, *, num_kv_heads: int = 8,
+                  family: str = TUNE_FAMILIES[0],
                   length: int = max(CROSSOVER_LENGTHS), workload: Optional[Workload] = None,
                   timer: Optional[Timer] = None, path=None) -> WalkCost:
     """Measure the cost model's rates alone (:func:`measure_cost`), with the launch config the cache holds for
@@ -287,7 +296,7 @@ def measure_costs(head_dim: int, gqa: int, dtype: Union[str, torch.dtype] = torc
     dtype = as_dtype(dtype)
     timer = timer or do_bench
     if workload is None:
-        workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads)
+        workload = CudaWorkload(head_dim, gqa, dtype, num_kv_heads=num_kv_heads, family=family)
     measured_on = _measured_on(workload, dtype, head_dim, gqa)
     config = cache.lookup(TuneKey.of("sparse_attention", measured_on, length), path=path)
     cost = measure_cost(workload, length, config, timer)

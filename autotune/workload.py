@@ -267,8 +267,8 @@ def scattered_qkv(seq: int, *, batch=1, num_q_heads=32, num_kv_heads=8, head_dim
     The head dim is split into the hot direction (1 dim), the drift (3/8), the repeat code (1/4), the
     period code (1/8) and noise only (the rest), so ``head_dim`` must be at least 16.
     """
-    if head_dim < 16:
-        raise ValueError(f"head_dim must be at least 16 for the scattered family, got {head_dim}")
+    if head_dim < MIN_HEAD_DIM["scattered"]:
+        raise ValueError(f"head_dim must be at least {MIN_HEAD_DIM['scattered']} for the scattered family, got {head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if seq < 0 or sinks < 0 or hot_columns < 0 or slash_offsets < 0:
@@ -348,6 +348,9 @@ FAMILIES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor
     "scattered": scattered_qkv,
 }
 """The input families by name: ``family_qkv(name, seq, ...)``, ``bench kernels --families``."""
+
+MIN_HEAD_DIM = {"scattered": 16}
+"""the smallest head dim a family builds (the scattered family splits it into its codes); the kernels take 9 and up"""
 
 
 def family_qkv(family: str, seq: int, **kwargs):

@@ -261,7 +261,8 @@ def _autotune(args) -> int:
         sys.exit(f"minference-fx autotune --families: {e}")
     try:
         if args.costs_only:
-            print(tuner.describe_cost(tuner.measure_costs(head_dim, gqa, args.dtype, num_kv_heads=kv_heads or 8)))
+            print(tuner.describe_cost(tuner.measure_costs(head_dim, gqa, args.dtype, num_kv_heads=kv_heads or 8,
+                                                          family=families[0])))
             return 0
         report = tuner.warm_up(parse_lengths(args.lengths), head_dim, gqa, args.dtype, progress=not args.quiet,
                                num_kv_heads=kv_heads or 8, families=families)

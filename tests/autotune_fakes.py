@@ -9,7 +9,7 @@ def fake_tuning(monkeypatch, calls: list, crossover: int) -> None:
     """Make ``tuner.warm_up`` write one launch config and ``crossover`` as the real one writes after timing (the same
     ``cache.write``), record the lengths it was asked for in ``calls``, and let the dispatcher tune on the CPU."""
 
-    def fake_warm_up(lengths, head_dim, group, dtype, progress=True, num_kv_heads=8):
+    def fake_warm_up(lengths, head_dim, group, dtype, progress=True, num_kv_heads=8, families=tuner.TUNE_FAMILIES):
         calls.append(tuple(lengths))
         device = torch.device("cpu")
         cache.write(configs={dispatch.tune_key("sparse_attention", device, dtype, head_dim, group, lengths[0]):

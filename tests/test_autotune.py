@@ -530,17 +530,34 @@ def test_a_tune_short_of_64k_that_never_saw_sparse_win_leaves_the_crossover_alon
 
 
 class ScatteredFake(FakeWorkload):
-    """The second family: its kernel says so, and the fake timers make the structured family's winner slow there."""
+    """The second family: every thunk says so, and the fake timers make the structured family's winner slow there
+    (and would move the dense walk's pick and the crossover, were those timed on it)."""
 
     family = "scattered"
 
     def kernel(self, n, config):
         return lambda: ("kernel-scattered", n, config)
 
+    def dense_walk(self, n, config):
+        return lambda: ("walk-scattered", n, config)
+
+    def sparse(self, n, config, dense_walk):
+        return lambda: ("sparse-scattered", n, config, dense_walk)
+
+    def dense(self, n):
+        return lambda: ("dense-scattered", n)
+
 
 def timer_with_a_scattered_family(fn):
-    """On the scattered family 8 warps (the structured winner) cost 40 % more, 4 warps with 3 stages the least."""
+    """On the scattered family 8 warps (the structured winner) cost 40 % more, 4 warps with 3 stages the least; its
+    dense walk prefers 2 warps and its sparse path never beats dense."""
     kind, n, *config = fn()
+    if kind == "walk-scattered":
+        return n / 512 * (1 + (0.0 if config[0].num_warps == 2 else 0.5))
+    if kind == "sparse-scattered":
+        return (n / 1024) ** 2 * 10
+    if kind == "dense-scattered":
+        return (n / 1024) ** 2
     if kind != "kernel-scattered":
         return fake_timer(fn)
     c = config[0]
@@ -562,17 +579,52 @@ def test_the_walk_is_tuned_against_both_families_and_keeps_the_first_family_s_ti
 
 
 def test_warm_up_chooses_launch_configs_against_every_family_and_the_crossover_from_the_first(cache_dir):
-    """At the lengths asked for; the crossover grid's shorter lengths, the crossover and the cost come from the first."""
-    one = tuner.warm_up([8192], 128, 4, "bf16", progress=False, workload=FakeWorkload(), also=[],
+    """From the shortest length asked for up, grid lengths between the asked ones included; the grid's shorter
+    lengths, the dense walk, the crossover and the cost come from the first family."""
+    one = tuner.warm_up([8192, 32768], 128, 4, "bf16", progress=False, workload=FakeWorkload(), also=[],
                         timer=timer_with_a_scattered_family)
-    both = tuner.warm_up([8192], 128, 4, "bf16", progress=False, workload=FakeWorkload(), also=[ScatteredFake()],
+    both = tuner.warm_up([8192, 32768], 128, 4, "bf16", progress=False, workload=FakeWorkload(), also=[ScatteredFake()],
                          timer=timer_with_a_scattered_family)
-    assert one.results[8192].best == TuneEntry(64, 64, 8, 3) and both.results[8192].best == TuneEntry(64, 64, 4, 3)
-    assert both.results[4096].best == TuneEntry(64, 64, 8, 3)  # a crossover-grid length alone: the first family's
+    for length in (8192, 16384, 32768):  # 16K lies between the asked lengths: prompts there run its config
+        assert one.results[length].best == TuneEntry(64, 64, 8, 3) and both.results[length].best == TuneEntry(64, 64, 4, 3)
+    assert both.results[4096].best == TuneEntry(64, 64, 8, 3)  # under the shortest asked: the first family's
     assert both.dense_walk[8192].best == one.dense_walk[8192].best  # the dense walk on one family
     assert both.crossover == one.crossover
     assert "chosen against the input families structured, scattered; times on structured" in str(both)
     assert both.families == ("structured", "scattered") and one.families == ("structured",)
+
+
+def test_a_family_that_cannot_build_the_head_dim_is_left_out_and_a_failure_is_reported(cache_dir, monkeypatch):
+    """The scattered family needs a head dim of 16 (the kernels take 9 and up): a head dim of 12 times the first family
+    alone instead of failing every candidate. A candidate that fails on one family is left out, and the report says
+    so; a zero time divides nothing."""
+    def fake_cuda_workload(head_dim, gqa, dtype, *, num_kv_heads=8, family="structured"):
+        return ScatteredFake() if family == "scattered" else FakeWorkload()
+
+    monkeypatch.setattr(tuner, "CudaWorkload", fake_cuda_workload)
+    small = tuner.warm_up([2048], 12, 4, "bf16", progress=False, timer=timer_with_a_scattered_family)
+    usual = tuner.warm_up([2048], 16, 4, "bf16", progress=False, timer=timer_with_a_scattered_family)
+    assert small.families == ("structured",) and usual.families == ("structured", "scattered")
+
+    def fails_on_scattered_with_8_warps(fn):
+        kind, n, *config = fn()
+        if kind == "kernel-scattered" and config[0].num_warps == 8:
+            raise RuntimeError("out of resources")
+        return fake_timer(fn)
+
+    report = tuner.warm_up([2048], 16, 4, "bf16", progress=False, timer=fails_on_scattered_with_8_warps)
+    assert report.results[2048].best.num_warps == 4 and "failed and were left out" in str(report)
+    zero = tuner.tune("sparse_attention", [TuneEntry(64, 64, 8, 3), TuneEntry(64, 64, 4, 3)], lambda c: None,
+                      lambda fn: 0.0, also=[lambda c: None])
+    assert zero.best == TuneEntry(64, 64, 8, 3)
+
+
+def test_an_on_miss_tune_inside_a_forward_times_the_first_family_alone(monkeypatch):
+    asked = []
+    monkeypatch.setattr(tuner, "warm_up", lambda *args, **kwargs: asked.append(kwargs.get("families")))
+    monkeypatch.setattr(dispatch, "_tuned_here", set())
+    dispatch._tune_now(torch.empty(1, 4, 8, 64), torch.empty(1, 2, 8, 64), 1024)
+    assert asked == [tuner.TUNE_FAMILIES[:1]]
 
 
 def test_cli_autotune_names_an_unknown_family(cache_dir):
