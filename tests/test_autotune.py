@@ -441,23 +441,25 @@ def test_crossover_ignores_a_noisy_early_win():
 
 
 class FakeWorkload:
-    """Thunks that say what they would run; the fake timer turns that into milliseconds."""
+    """Thunks that say what they would run (on another family, their kind carries its ``tag``); the fake timer turns
+    that into milliseconds."""
 
     identity = DeviceIdentity("Fake GPU", "9.0")
     smem_limit = space.SM90_SMEM_BYTES
     family = "structured"
+    tag = ""
 
     def kernel(self, n, config):
-        return lambda: ("kernel", n, config)
+        return lambda: ("kernel" + self.tag, n, config)
 
     def dense_walk(self, n, config):
-        return lambda: ("walk", n, config)
+        return lambda: ("walk" + self.tag, n, config)
 
     def sparse(self, n, config, dense_walk):
-        return lambda: ("sparse", n, config, dense_walk)
+        return lambda: ("sparse" + self.tag, n, config, dense_walk)
 
     def dense(self, n):
-        return lambda: ("dense", n)
+        return lambda: ("dense" + self.tag, n)
 
     def index(self, n):
         return lambda: ("index", n)
@@ -534,18 +536,7 @@ class ScatteredFake(FakeWorkload):
     (and would move the dense walk's pick and the crossover, were those timed on it)."""
 
     family = "scattered"
-
-    def kernel(self, n, config):
-        return lambda: ("kernel-scattered", n, config)
-
-    def dense_walk(self, n, config):
-        return lambda: ("walk-scattered", n, config)
-
-    def sparse(self, n, config, dense_walk):
-        return lambda: ("sparse-scattered", n, config, dense_walk)
-
-    def dense(self, n):
-        return lambda: ("dense-scattered", n)
+    tag = "-scattered"
 
 
 def timer_with_a_scattered_family(fn):
