@@ -180,6 +180,25 @@ def test_a_gpu_with_no_measured_cost_weighs_heads_by_the_slowest_rate_and_deares
         cache.forget()
 
 
+def test_the_op_s_lookup_borrows_for_a_gpu_key_and_logs_it_once(tmp_path, monkeypatch, caplog):
+    """dispatch.walk_cost, as the op calls it, on a GPU whose table lacks the shape: the cautious cost, logged once."""
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path))
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(Table(costs={_cost_key("GPU A"): WalkCost(0.72, 0.03, 65536)}).to_json())
+    monkeypatch.setattr(cache, "shipped_paths", lambda: [shipped])
+    monkeypatch.setattr(dispatch, "crossover_key", lambda device, dtype, head_dim, group: _cost_key("GPU D", group=group))
+    cache.forget()
+    caplog.set_level("WARNING", "minference_fx.autotune")
+    try:
+        q, k = torch.empty(1, 8, 64, 128), torch.empty(1, 2, 64, 128)
+        assert dispatch.walk_cost(q, k) == WalkCost(0.72, 0.03, 65536) == dispatch.walk_cost(q, k)
+        assert dispatch.walk_cost(q, torch.empty(1, 1, 64, 128)) == cost.UNTUNED_COST  # group 8: measured nowhere
+        logged = [r.getMessage() for r in caplog.records if "slowest measured" in r.getMessage()]
+        assert len(logged) == 1 and "walk rate 0.720" in logged[0]
+    finally:
+        cache.forget()
+
+
 def test_the_borrowed_rate_routes_heads_the_near_dense_rule_alone_leaves_on_the_slower_walk():
     """The scattered family's heads at 32K keep 73-99 % of their tiles: with the near-dense rule alone the 80 %
     head stayed on the walk (0.83x cuDNN on an untuned H100); at a borrowed rate of 0.70 it routes."""
