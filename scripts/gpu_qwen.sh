@@ -18,7 +18,8 @@
 # after a Triton kernel edit), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K, sparse from 16K), prefill_searched (TTFT 8K-128K with it), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
-# from 4K, not from the tuned crossover), breakdown (where the time goes at 128K, the config shipped past 8K; breakdown32 at 32K with it sparse from 32K), eval32 / eval128 (RULER-style
+# from 4K, not from the tuned crossover), breakdown (where the time goes at 128K, the config shipped past 8K; breakdown32 at 32K with it sparse from 32K),
+# cautious_cost (bench kernels with this GPU's table set aside: the cost model borrowing another GPU's rates), eval32 / eval128 (RULER-style
 # tasks, NIAH, NLL on Austen and on code, dense vs sparse), evalg0 (NLL at 128K without the guard), tradeoff (TTFT
 # at 64K/128K and NLL/NIAH at 128K with the guard at 0.5 and 0.65: the curve between guard 0 and the shipped 0.8),
 # escalation (weak heads try MInference's (1000, 6096) before dense: TTFT at 64K/128K, fidelity at 128K), recall
@@ -237,6 +238,13 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     breakdown) timeout 400 minference-fx bench breakdown --model $MODEL --lengths 128k \
                  --config $SHIPPED32K \
                  --out "$STATE/breakdown_qwen_128k.json" ;;
+    cautious_cost)  # the cost model on a GPU whose table lacks the shape: this GPU's shipped table set aside in the
+                    # step's private tree and an empty user cache, so it borrows the other GPU's cost (cache.cautious_cost)
+          t=autotune/$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100).json
+          mv "$t" "$t.off" || return 1
+          MINFERENCE_FX_CACHE_DIR=$(mktemp -d) timeout 300 minference-fx bench kernels --lengths 32k,128k \
+            --families structured,scattered --baselines cudnn --out "$STATE/bench_kernels_cautious.json"
+          mv "$t.off" "$t" ;;
     breakdown32)  # the same at 32K with the shipped config sparse from 32K: what stands between its 1.33x and more
           timeout 300 minference-fx bench breakdown --model $MODEL --lengths 32k --config $SHIPPED32K \
             --min-sparse-len 32768 --out "$STATE/breakdown_qwen_32k_sparse.json" ;;
