@@ -384,23 +384,25 @@ def _release(version: str) -> tuple:
     return tuple(int(part) if part.isdigit() else -1 for part in version.split("+")[0].split("."))
 
 
-def _other_triton(key, records_of, path=None) -> Optional[tuple]:
-    """``(release, value)``: what the tables hold for ``key`` as measured under the newest other triton release, on
-    the same GPU with the same kernel sources and shape (the user cache wins within a release), or None.
-    ``records_of(table)`` is the mapping to read (``table.crossovers``, ``table.costs``).
+def _other_triton(key, records: list) -> tuple[Optional[str], list]:
+    """``(release, values)``: the values of ``records`` ((record key, value) pairs, the user cache's last) whose key
+    is ``key`` but for its triton release, of the newest such release (same GPU, kernel sources and shape), or
+    ``(None, [])``. Within a release the user cache's come last, so they win where a caller keeps the last.
 
-    A crossover and a cost change speed only, as a launch config does, and the kernels compile alike across
-    releases: the sm_90a PTX of every shipped launch is byte-identical under triton 3.6 and 3.9 (BENCHMARKS.md
-    section 6). So a user on today's triton runs the GPU's table tuned under an older release rather than untuned
-    defaults."""
-    found = {}
-    for table in reversed(_tables(path)):  # the user cache last, so it wins within a release
-        found.update({k.triton: value for k, value in records_of(table).items()
-                      if k.triton != key.triton and dataclasses.replace(k, triton=key.triton) == key})
+    A launch config, a crossover and a cost change speed only, and the kernels compile alike across releases: the
+    sm_90a PTX of every shipped launch is byte-identical under triton 3.6 and 3.9 (BENCHMARKS.md section 6). So a
+    user on today's triton runs the GPU's table tuned under an older release rather than untuned defaults."""
+    found = [(k.triton, value) for k, value in records
+             if k.triton != key.triton and dataclasses.replace(k, triton=key.triton) == key]
     if not found:
-        return None
-    newest = max(found, key=_release)
-    return newest, found[newest]
+        return None, []
+    newest = max((release for release, _ in found), key=_release)
+    return newest, [value for release, value in found if release == newest]
+
+
+def _records(path, field: str) -> list:
+    """Every ``(key, value)`` of ``field`` ("configs", "crossovers", "costs") in the tables, the user cache's last."""
+    return [item for table in reversed(_tables(path)) for item in getattr(table, field).items()]
 
 
 def _borrowed(key, what: str, release: str) -> None:
@@ -429,15 +431,13 @@ def resolve(key: TuneKey, path=None) -> tuple[TuneEntry, Optional[int]]:
     if entry is not None:
         return entry, key.bucket
     shape = dataclasses.replace(key, bucket=0)
-    tuned = {}
-    for table in reversed(_tables(path)):  # the user cache last, so it wins
-        tuned.update({k.bucket: e for k, e in table.configs.items() if dataclasses.replace(k, bucket=0) == shape})
+    # the user cache's records come last, so they win
+    tuned = {k.bucket: e for k, e in _records(path, "configs") if dataclasses.replace(k, bucket=0) == shape}
     if not tuned:  # no bucket of the shape under this release: the newest other release's, same GPU and kernels
-        borrowed = [(k.triton, k.bucket, e) for table in reversed(_tables(path)) for k, e in table.configs.items()
-                    if k.triton != key.triton and dataclasses.replace(k, bucket=0, triton=key.triton) == shape]
-        if borrowed:
-            release = max((r for r, _, _ in borrowed), key=_release)
-            tuned = {b: e for r, b, e in borrowed if r == release}  # the user cache came last, so it wins
+        release, buckets = _other_triton(shape, [(dataclasses.replace(k, bucket=0), (k.bucket, e))
+                                                 for k, e in _records(path, "configs")])
+        tuned = dict(buckets)  # the user cache's come last, so they win
+        if release is not None:
             _borrowed(shape, f"{key.kernel} launch config", release)
     if not tuned:
         return DEFAULT_ENTRIES.get(key.kernel, DEFAULT_ENTRY), None
@@ -471,11 +471,10 @@ def lookup_crossover(key: CrossoverKey, path=None, untuned: int = DEFAULT_MIN_SP
         if key in table.crossovers:
             length = table.crossovers[key]
             return DENSE_ALWAYS if length is None else length
-    other = _other_triton(key, lambda table: table.crossovers, path)
-    if other is not None:
-        release, length = other
+    release, lengths = _other_triton(key, _records(path, "crossovers"))
+    if release is not None:
         _borrowed(key, "crossover", release)
-        return DENSE_ALWAYS if length is None else length
+        return DENSE_ALWAYS if lengths[-1] is None else lengths[-1]
     if (key, untuned) not in _missed:
         _missed.add((key, untuned))
         log.warning("no tuned dense/sparse crossover for %s; sparse from %d tokens "
@@ -489,8 +488,8 @@ def lookup_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
     for table in _tables(path):
         if key in table.costs:
             return table.costs[key]
-    other = _other_triton(key, lambda table: table.costs, path)
-    return None if other is None else other[1]
+    _, costs = _other_triton(key, _records(path, "costs"))
+    return costs[-1] if costs else None
 
 
 def cautious_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
@@ -505,7 +504,7 @@ def cautious_cost(key: CrossoverKey, path=None) -> Optional[WalkCost]:
     if key.capability == "none":
         return None
     same_shape = lambda k: (k.dtype, k.head_dim, k.group) == (key.dtype, key.head_dim, key.group)  # noqa: E731
-    measured = [c for table in _tables(path) for k, c in table.costs.items() if same_shape(k) and c.measured_at > 0]
+    measured = [c for k, c in _records(path, "costs") if same_shape(k) and c.measured_at > 0]
     if not measured:
         return None
     dearest_index = max(measured, key=lambda c: c.index_share * c.measured_at)

@@ -37,6 +37,7 @@ import datetime
 import json
 import statistics
 from typing import Callable, Optional
+from unittest import mock
 
 import torch
 
@@ -184,14 +185,10 @@ class Timeline:
 @contextlib.contextmanager
 def recording(stages, recorder: SpanRecorder):
     """``stages`` (part, module, function name) wrapped by ``recorder`` while the block runs."""
-    originals = [(module, name, getattr(module, name)) for _, module, name in stages]
-    try:
-        for (part, module, name), (_, _, fn) in zip(stages, originals):
-            setattr(module, name, recorder.wrap(part, fn))
+    with contextlib.ExitStack() as patches:
+        for part, module, name in stages:
+            patches.enter_context(mock.patch.object(module, name, recorder.wrap(part, getattr(module, name))))
         yield recorder
-    finally:
-        for module, name, fn in originals:
-            setattr(module, name, fn)
 
 
 def timeline(forward: Callable[[], object], stages, new_event: Callable[[], object], sync: Callable[[], None]) -> Timeline:
@@ -401,16 +398,6 @@ def _density(q, k, plan: LayerPlan, index, q_offset: int, scale: float, ran_dens
                          force_dense=ran_dense)
 
 
-@contextlib.contextmanager
-def _wrapped(length: int, rows: list[LayerRow]):
-    real = op.run_call
-    op.run_call = _take_apart(length, rows)  # the op calls it through the module
-    try:
-        yield
-    finally:
-        op.run_call = real
-
-
 def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None, reps: int = 3,
               minference_options: Optional[dict] = None, command: Optional[str] = None) -> Breakdown:
     """Time ``model_name`` (:data:`assets.REAL_MODELS`) at ``length`` tokens of Austen's prose, eager against the
@@ -445,18 +432,22 @@ def breakdown(model_name: str, length: int, *, config_path: Optional[str] = None
     with torch.inference_mode():
         compiled(input_ids=ids, logits_to_keep=1)  # compiles; routing sees its first call
     precompile.wait()  # the background compile of other lengths' kernels would share the device with the timing
-    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    def alloc_retries() -> int:
+        return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+    retries = alloc_retries()
     compiled_ms = wall_ms(compiled, "minference")
     # each retry frees the allocator's cache and syncs: a timing with any is not the steady state bench prefill sees
-    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
-    timeline_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    retries = alloc_retries() - retries
+    timeline_retries = alloc_retries()
     compiled_timeline = timeline(forward(compiled, "minference"), COMPILED_STAGES, _cuda_event, torch.cuda.synchronize)
     torch.cuda.empty_cache()  # as between eager's timing and the compile: neither carves up the other's blocks
     eager_timeline = timeline(forward(model, "eager"), EAGER_STAGES, _cuda_event, torch.cuda.synchronize)
-    timeline_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - timeline_retries
+    timeline_retries = alloc_retries() - timeline_retries
     torch.cuda.empty_cache()
     rows: list[LayerRow] = []
-    with _wrapped(length, rows), torch.inference_mode():
+    # the op calls run_call through its module, so the stand-in set there is the one called
+    with mock.patch.object(op, "run_call", _take_apart(length, rows)), torch.inference_mode():
         compiled(input_ids=ids, logits_to_keep=1)
     real = assets.REAL_MODELS[model_name]
     meta = {**environment(device), "command": command or "breakdown(...)",
