@@ -22,7 +22,9 @@ read when all of these hold:
   plan (cuDNN is faster than the sparse kernel's tile walk on dense work). A negative
   ``min_sparse_len`` means the tuned crossover of this device and shape
   (``minference-fx autotune``; untuned: from the plan's budgets, ``autotune.dispatch.untuned_crossover``,
-  32768 for MInference's default head);
+  32768 for MInference's default head); so does a call on a GPU that cannot run the sparse path's kernels at
+  this head dim and dtype, where even their smallest launch config needs more shared memory than it gives a
+  block (:mod:`minference_fx.kernels.fit`: head dim 256 on the 99 KB cards, sm_86/89/120), logged once;
 * or unless ``route_site`` names a rewritten site (``routing.new_site``) whose previous call ran the
   head dense in every batch row (near-dense index or guard) or found it cheaper dense (the cost model,
   :mod:`minference_fx.cost`, with the device's measured walk rate), and this call needs no mask that SDPA would
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 from typing import Optional
 
@@ -58,9 +61,11 @@ from .autotune import dispatch
 from .autotune.cache import TuneEntry
 from .call_masks import CallMasks
 from .cost import WalkCost
-from .kernels import guard
+from .kernels import fit, guard
 from .plan import (MAX_BUDGET, LayerPlan, escalated_plan, escalation_of, grown_plan, growth_of, is_budget_growth,
                    is_escalation, layer_plan)
+
+log = logging.getLogger("minference_fx")
 
 
 def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b):
@@ -119,13 +124,24 @@ class CallPath(str, enum.Enum):
     """no key to read: every row is zeros, which the dense path gives (there is no tile to walk)"""
     ALL_ROUTED = "all routed"
     """every head routed to SDPA and the index not due this call (``routing.Router.index_due``)"""
+    DENSE_BY_DEVICE = "dense by device"
+    """this GPU cannot run the sparse path's kernels at this head dim and dtype (a kernel needs more shared memory
+    than it gives a block, :class:`kernels.fit.DoesNotFit`, logged once): the device's dense attention"""
     SPARSE_GPU = "sparse on gpu"
     """the online index and the Triton kernels (:func:`sparse_path.sparse_on_gpu`)"""
     SPARSE_CPU = "sparse on cpu"
     """the reference's index and attention (:func:`sparse_path.sparse_on_cpu`)"""
 
 
-_DENSE_PATHS = (CallPath.DENSE_BY_LENGTH, CallPath.DENSE_LAYER, CallPath.NO_KEYS)
+_DENSE_PATHS = (CallPath.DENSE_BY_LENGTH, CallPath.DENSE_LAYER, CallPath.NO_KEYS, CallPath.DENSE_BY_DEVICE)
+
+_does_not_fit: dict = {}
+"""(device, q dtype, k dtype, head dim) -> why the sparse path's kernels do not fit that GPU (its first call's
+:class:`kernels.fit.DoesNotFit`); such calls then plan :attr:`CallPath.DENSE_BY_DEVICE`"""
+
+
+def _device_shape(q, k) -> tuple:
+    return q.device, q.dtype, k.dtype, q.shape[-1]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: the masks hold tensors
@@ -197,6 +213,8 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
     split = dense.split_plan(plan)
     dense_path = (CallPath.DENSE_BY_LENGTH if q.shape[-2] < call.min_sparse_len else CallPath.DENSE_LAYER
                   if split.all_dense else CallPath.NO_KEYS if k.shape[-2] == 0 else None)
+    if dense_path is None and _device_shape(q, k) in _does_not_fit:
+        dense_path = CallPath.DENSE_BY_DEVICE
     if dense_path is not None:
         return dataclasses.replace(call, path=dense_path, walk_launch=dense_walk_launch(q, k, masks))
     # routing sends heads to the fused SDPA; with documents or a window to read it has none to send them to
@@ -228,9 +246,15 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
     if call.path in _DENSE_PATHS or call.path is CallPath.ALL_ROUTED:  # the CPU's SDPA reads the mask itself
         return dense.dense_attention(q, k, v, call.masks, call.scale, walk=call.walk_launch)
     if call.path is CallPath.SPARSE_GPU:
-        result = sparse_path.sparse_on_gpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
-                                           call.sparse_launch, call.walk_launch, call.routed, call.escalated,
-                                           call.walk_cost)
+        try:
+            result = sparse_path.sparse_on_gpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
+                                               call.sparse_launch, call.walk_launch, call.routed, call.escalated,
+                                               call.walk_cost)
+        except fit.DoesNotFit as exc:  # at a kernel's first launch, before it queued anything
+            _does_not_fit[_device_shape(q, k)] = str(exc)
+            log.warning("minference: this GPU (%s) cannot run the sparse path at head_dim %d in %s, so such calls run "
+                        "dense: %s", q.device, q.shape[-1], q.dtype, exc)
+            return dense.dense_attention(q, k, v, call.masks, call.scale, walk=dense_walk_launch(q, k, call.masks))
     else:
         result = sparse_path.sparse_on_cpu(q, k, v, call.plan, call.scale, call.masks, call.guard_threshold,
                                            call.routed, call.escalated, call.walk_cost)

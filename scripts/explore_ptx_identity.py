@@ -8,7 +8,8 @@ before and after the edit, on each Triton version the project claims, and compar
     TRITON_INTERPRET=0 python scripts/explore_ptx_identity.py > before.json   # ... edit ...
     TRITON_INTERPRET=0 python scripts/explore_ptx_identity.py > after.json && diff before.json after.json
 
-``--ptxas`` adds ptxas's account of each launch (registers, spill bytes, and whether the wgmma pipeline is
+``--index`` adds the index and guard kernels (``_vs_row_stats_kernel`` and the rest) as the op's index build compiles
+them. ``--ptxas`` adds ptxas's account of each launch (registers, spill bytes, and whether the wgmma pipeline is
 serialised: advisory C7515), to compare what two Triton releases make of the same launches.
 """
 from __future__ import annotations
@@ -34,11 +35,43 @@ def shipped_launches(tables: list[Path] = TABLES) -> list[tuple]:
                     r["entry"]["num_stages"], r["key"]["kernel"] == "dense_walk") for r in rows})
 
 
+def index_fingerprints(head_dims: list[int]) -> dict:
+    """{"index d<D>[ key_mask] <kernel>": fingerprint of the PTX of every variant of that kernel} as the op's
+    guarded, escalated index build of a vertical-slash and a block-sparse head compiles them for sm_90a in bf16."""
+    import torch
+
+    from minference_fx.call_masks import CallMasks
+    from minference_fx.kernels.codegen import simulated_gpu
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalated_plan
+    from minference_fx.sparse_path import guarded_index_on_gpu
+
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.BLOCK_SPARSE, 8, 0)) * 2)
+    prints = {}
+    for head_dim in head_dims:
+        q = torch.zeros(1, 4, 1024, head_dim, dtype=torch.bfloat16)
+        k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+        for key_mask in (False, True):
+            masks = CallMasks(key_mask=torch.ones(1, 1024, dtype=torch.bool) if key_mask else None)
+            with simulated_gpu(90) as gpu:
+                guarded_index_on_gpu(q, k, plan, head_dim ** -0.5, masks, 0.8, escalated_plan(plan, (2000, 8000)))
+                for name, variants in gpu.ptx().items():
+                    if variants:
+                        digest = hashlib.sha256()
+                        for ptx in sorted(ptx_instructions(p) for p in variants):
+                            digest.update(ptx.encode())
+                        prints[f"index d{head_dim}{' key_mask' if key_mask else ''} {name}"] = digest.hexdigest()[:16]
+    return prints
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ptxas", action="store_true", help="also ptxas's registers, spills and C7515 per launch")
+    parser.add_argument("--index", action="store_true", help="also the index and guard kernels of the op's index "
+                        "build at the shipped head dims")
     args = parser.parse_args()
     prints, reports = {}, {}
+    if args.index:
+        prints.update(index_fingerprints(sorted({launch[0] for launch in shipped_launches()})))
     for head_dim, block_m, block_n, warps, stages, dense_walk in shipped_launches():
         for key_mask in (False, True):
             ptx = sparse_walk_ptx(head_dim, block_m, block_n, warps, stages, key_mask=key_mask, dense_walk=dense_walk)

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import PATTERN_CODES, Pattern
+from . import fit
 from .reference import BLOCK, NO_BLOCK, SparseIndex, first_kept_keys
 from .tables import int_table, rows_per_batch
 
@@ -511,26 +512,36 @@ def sparse_attention_triton(
         raise ValueError(f"block_m must be 16, 32 or 64 (or 128 for a launch of forced-dense heads only, "
                          f"forced='only'), got {block_m}")
     block_d = triton.next_power_of_2(D)
-    # the sparse walk's 128-key steps gather two listed tiles (no TMA); the dense walk's are contiguous
-    use_desc = kv_desc and (block_n == BLOCK or dense_only) and _tma_ok(k, block_d) and _tma_ok(v, block_d)
-    if use_desc:
-        k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, block_d]) for t in (k, v))
-    else:
-        k_desc = v_desc = q  # unused
     lse_t = lse if return_lse else q  # any pointer; unused without RETURN_LSE
-    _sparse_attn_fwd[(triton.cdiv(sq, block_m), B * Hq)](
-        q, k, v, out, q.stride(), k.stride(), v.stride(), out.stride(),
-        k_desc, v_desc,
-        (tc, ti, cc, ci), tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
-        (pat_t, a_t, b_t), force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
-        km, km.stride(0) if key_mask is not None else 0, first_key, doc, doc.stride(0) if doc_ids is not None else 0,
-        lse_t, Hq * sq if return_lse else 0, sq if return_lse else 0,
-        Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, TILE=BLOCK,
-        HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FORCE_MODE=FORCE_MODES[forced if force_dense is not None else None],
-        KV_DESC=use_desc, RETURN_LSE=return_lse,
-        ROWS_I64=rows_need_int64(q, k, v, out) if int64_rows is None else bool(int64_rows),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    rows_i64 = rows_need_int64(q, k, v, out) if int64_rows is None else bool(int64_rows)
+
+    def run(config):
+        bm, bn, warps, stages = config
+        # the sparse walk's 128-key steps gather two listed tiles (no TMA); the dense walk's are contiguous
+        use_desc = kv_desc and (bn == BLOCK or dense_only) and _tma_ok(k, block_d) and _tma_ok(v, block_d)
+        if use_desc:
+            k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, block_d]) for t in (k, v))
+        else:
+            k_desc = v_desc = q  # unused
+        _sparse_attn_fwd[(triton.cdiv(sq, bm), B * Hq)](
+            q, k, v, out, q.stride(), k.stride(), v.stride(), out.stride(),
+            k_desc, v_desc,
+            (tc, ti, cc, ci), tc.stride(0), ti.stride(0), ti.stride(1), cc.stride(0), ci.stride(0), ci.stride(1),
+            (pat_t, a_t, b_t), force_dense.to(torch.int32).contiguous() if force_dense is not None else pat_t,
+            km, km.stride(0) if key_mask is not None else 0, first_key, doc, doc.stride(0) if doc_ids is not None else 0,
+            lse_t, Hq * sq if return_lse else 0, sq if return_lse else 0,
+            Hq, Hq // Hkv, sq, skv, q_offset, window, scale * LOG2E,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, TILE=BLOCK,
+            HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FORCE_MODE=FORCE_MODES[forced if force_dense is not None else None],
+            KV_DESC=use_desc, RETURN_LSE=return_lse, ROWS_I64=rows_i64,
+            num_warps=warps, num_stages=stages,
+        )
+
+    # a config tuned on Hopper may need more shared memory than another GPU gives a block: smaller ones follow
+    ladder = fit.attention_ladder(block_m, block_n, num_warps, num_stages,
+                                  rows=(16, 32, 64, 128) if dense_only else (16, 32, 64), keys=(32, 64, 128))
+    specialised = (q.device, q.dtype, k.dtype, block_d, dense_only, key_mask is not None, doc_ids is not None,
+                   window > 0, return_lse, rows_i64)
+    fit.launch("attention", specialised, ladder, run)
     return (out, lse) if return_lse else out

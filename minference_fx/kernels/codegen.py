@@ -8,22 +8,27 @@ the kernel is compiled as the op would launch it, and the launch, which needs a 
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import os
 import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import compiler as triton_compiler
 from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 from minference_fx.defaults import DEFAULTS
 from minference_fx.plan import LayerPlan
 
-from . import attend
+from . import attend, guard, index
 from .reference import SparseIndex
 
 HOPPER = ("cuda", 90, 32)
@@ -37,6 +42,12 @@ class Codegen:
     spill_bytes: int
     wgmma_serialized: bool
     """ptxas advisory C7515: the wgmma pipeline waits on ordinary instructions (a real slowdown)"""
+
+
+# Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), by compute capability.
+SHARED_MEMORY_OPTIN = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+GPU_TARGETS = {"A100": 80, "A10 / A40 / RTX 3090": 86, "L4 / L40S / RTX 4090": 89, "H100 / H200": 90,
+               "B200": 100, "RTX 5090": 120}
 
 
 class _TargetOnlyDriver:
@@ -59,6 +70,70 @@ class _TargetOnlyDriver:
 
     def is_active(self):
         return True
+
+
+class _NoUtils:
+    def __init__(self, shared_memory: int):
+        self.shared_memory = shared_memory
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": self.shared_memory}
+
+    def load_binary(self, name, kernel, shared, device):  # (module, function, registers, spills, max threads)
+        return None, None, 0, 0, 1024
+
+
+class _SimulatedGpuDriver(_TargetOnlyDriver):
+    """Compiles for ``target`` and makes Triton's own first-launch checks against ``shared_memory`` bytes a
+    block, as a device of that target would; a launch that passes them runs nothing."""
+
+    def __init__(self, target, shared_memory: int):
+        super().__init__(target)
+        self.utils = _NoUtils(shared_memory)
+        self.compiled: list = []
+        """(kernel name, shared memory bytes) of every kernel compiled while active, in order"""
+
+    def launcher_cls(self, src, metadata):
+        self.compiled.append((src.fn.__name__, metadata.shared))
+        return lambda *args, **kwargs: None
+
+    def ptx(self) -> dict:
+        """{kernel name: the PTX of each variant compiled so far in this simulation}"""
+        return {k.fn.__name__: [c.asm["ptx"] for cache in k.device_caches.values() for c in cache[0].values()]
+                for k in _our_kernels()}
+
+
+def _our_kernels() -> list:
+    return [x for module in (attend, index, guard) for x in vars(module).values() if isinstance(x, JITFunction)]
+
+
+@contextlib.contextmanager
+def simulated_gpu(capability: int, shared_memory: Optional[int] = None):
+    """While active, the op's Triton kernels compile for compute capability ``capability`` (e.g. 80) and are
+    checked against its shared memory (:data:`SHARED_MEMORY_OPTIN` unless given) as a real launch would be;
+    nothing runs, so outputs stay as allocated. Yields the driver, whose ``compiled`` lists what compiled.
+    Kernels compiled for another target are set aside meanwhile (Triton keys them by device only). Needs
+    ``TRITON_INTERPRET`` unset or 0, and CPU tensors."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("a simulated GPU needs TRITON_INTERPRET=0: the interpreter compiles nothing")
+    sim = _SimulatedGpuDriver(("cuda", capability, 32), SHARED_MEMORY_OPTIN[capability] if shared_memory is None
+                              else shared_memory)
+    kernels = _our_kernels()
+    saved = [k.device_caches for k in kernels]
+    previous = driver._active  # reset_active() would build the default driver, which needs a GPU
+    for k in kernels:
+        k.device_caches = collections.defaultdict(k.create_binder)
+    # Triton remembers a device's limit per process: forget it on the way in and out
+    forget_limit = getattr(triton_compiler.max_shared_mem, "cache_clear", lambda: None)
+    driver.set_active(sim)
+    forget_limit()
+    try:
+        yield sim
+    finally:
+        driver._active = previous
+        forget_limit()
+        for k, caches in zip(kernels, saved):
+            k.device_caches = caches
 
 
 def _ptxas(arch: int) -> Path:

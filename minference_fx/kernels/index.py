@@ -44,6 +44,7 @@ from minference_fx.kernels.reference import (
     SparseIndex,
     first_kept_keys,
 )
+from minference_fx.kernels import fit
 from minference_fx.kernels.tables import int_table
 from minference_fx.plan import LayerPlan, Pattern
 
@@ -52,6 +53,8 @@ __all__ = ["build_index_gpu", "vs_estimate", "index_capacity", "index_start_dtyp
 # Keys per program of the row-statistics pass: long prompts get many programs,
 # short ones one per head.
 _STATS_CHUNK = 1024
+# Triton's default pipeline depth, which the row statistics were tuned with on Hopper
+_STATS_STAGES = 3
 _KEY_BLOCK = 64
 _TILE_VEC = 256
 _COL_VEC = 128
@@ -297,13 +300,19 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     n_chunks = _cdiv(skv, _STATS_CHUNK)
     m_part = torch.empty(rows, n_chunks, VS_LAST_Q, dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
-    _vs_row_stats_kernel[(n_chunks, rows)](q, k, km, doc, heads, m_part, l_part, n_chunks=n_chunks,
-                                           CHUNK=_STATS_CHUNK, **common)
+    # Triton's default pipeline (3 stages) needs 192 KB at d256, past an A100's 163 KB: shallower ones follow
+    specialised = (q.device, q.dtype, k.dtype, block_d, key_mask is not None, doc_ids is not None)
+    fit.launch("index row statistics", specialised, fit.stage_ladder(_STATS_STAGES),
+               lambda stages: _vs_row_stats_kernel[(n_chunks, rows)](
+                   q, k, km, doc, heads, m_part, l_part, n_chunks=n_chunks, CHUNK=_STATS_CHUNK, num_stages=stages,
+                   **common))
     row_max = torch.empty(rows, VS_LAST_Q, dtype=torch.float32, device=dev)
     row_sum = torch.empty_like(row_max)
     _vs_row_reduce_kernel[(rows,)](m_part, l_part, row_max, row_sum, n_chunks, ROWS=VS_LAST_Q)
-    _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](q, k, km, doc, heads, row_max, row_sum, vertical, slash_parts,
-                                                      **common)
+    # one key block and no loop: nothing smaller to try (128 KB at d256, past the 99 KB cards' limit)
+    fit.launch("index column sums", specialised, (None,),
+               lambda _: _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](
+                   q, k, km, doc, heads, row_max, row_sum, vertical, slash_parts, **common))
     return vertical.view(B, n_vs, skv), slash_parts.view(2, B, n_vs, skv)
 
 
