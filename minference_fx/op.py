@@ -135,9 +135,9 @@ class CallPath(str, enum.Enum):
 
 _DENSE_PATHS = (CallPath.DENSE_BY_LENGTH, CallPath.DENSE_LAYER, CallPath.NO_KEYS, CallPath.DENSE_BY_DEVICE)
 
-_does_not_fit: dict = {}
-"""(device, q dtype, k dtype, head dim) -> why the sparse path's kernels do not fit that GPU (its first call's
-:class:`kernels.fit.DoesNotFit`); such calls then plan :attr:`CallPath.DENSE_BY_DEVICE`"""
+_does_not_fit: set = set()
+"""(device, q dtype, k dtype, head dim) of the calls whose sparse path's kernels did not fit that GPU (a first call's
+:class:`kernels.fit.DoesNotFit`, logged then); such calls now plan :attr:`CallPath.DENSE_BY_DEVICE`"""
 
 
 def _device_shape(q, k) -> tuple:
@@ -251,7 +251,7 @@ def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
                                                call.sparse_launch, call.walk_launch, call.routed, call.escalated,
                                                call.walk_cost)
         except fit.DoesNotFit as exc:  # at a kernel's first launch, before it queued anything
-            _does_not_fit[_device_shape(q, k)] = str(exc)
+            _does_not_fit.add(_device_shape(q, k))
             log.warning("minference: this GPU (%s) cannot run the sparse path at head_dim %d in %s, so such calls run "
                         "dense: %s", q.device, q.shape[-1], q.dtype, exc)
             return dense.dense_attention(q, k, v, call.masks, call.scale, walk=dense_walk_launch(q, k, call.masks))

@@ -19,10 +19,12 @@ import torch
 from minference_fx.autotune.cache import DEFAULT_ENTRIES
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import fit
-from minference_fx.kernels.codegen import GPU_TARGETS, SHARED_MEMORY_OPTIN, simulated_gpu
+from minference_fx.kernels.codegen import SHARED_MEMORY_OPTIN, simulated_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalated_plan
 from minference_fx.sparse_path import sparse_on_gpu
 
+GPU_TARGETS = {"A100": 80, "A10 / A40 / RTX 3090": 86, "L4 / L40S / RTX 4090": 89, "H100 / H200": 90,
+               "B200": 100, "RTX 5090": 120}
 # every kind of head and every launch the op makes: the estimate, both index builds, the guard, the sparse walk,
 # the dense walk of the forced heads (the guard forces none on zeros, so a key mask makes the dense walk run the
 # padded rows again)

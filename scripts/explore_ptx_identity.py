@@ -21,9 +21,13 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 import triton
 
-from minference_fx.kernels.codegen import ptx_instructions, ptxas_report, sparse_walk_ptx
+from minference_fx.call_masks import CallMasks
+from minference_fx.kernels.codegen import ptx_instructions, ptxas_report, simulated_gpu, sparse_walk_ptx
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalated_plan
+from minference_fx.sparse_path import guarded_index_on_gpu
 
 TABLES = sorted((Path(__file__).resolve().parent.parent / "autotune").glob("*.json"))
 
@@ -38,13 +42,6 @@ def shipped_launches(tables: list[Path] = TABLES) -> list[tuple]:
 def index_fingerprints(head_dims: list[int]) -> dict:
     """{"index d<D>[ key_mask] <kernel>": fingerprint of the PTX of every variant of that kernel} as the op's
     guarded, escalated index build of a vertical-slash and a block-sparse head compiles them for sm_90a in bf16."""
-    import torch
-
-    from minference_fx.call_masks import CallMasks
-    from minference_fx.kernels.codegen import simulated_gpu
-    from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalated_plan
-    from minference_fx.sparse_path import guarded_index_on_gpu
-
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096), HeadPlan(Pattern.BLOCK_SPARSE, 8, 0)) * 2)
     prints = {}
     for head_dim in head_dims:

@@ -66,7 +66,7 @@ def test_the_attention_ladder_cuts_stages_then_rows_then_keys_and_keeps_the_warp
 def test_a_call_whose_kernels_fit_no_config_runs_dense_and_later_calls_plan_dense(monkeypatch, caplog):
     """The sparse path's first launch that fits nothing (DoesNotFit, before it queued anything) turns the call
     into dense attention, logged once, and later calls of that head dim and dtype plan the dense path."""
-    monkeypatch.setattr(op, "_does_not_fit", {})
+    monkeypatch.setattr(op, "_does_not_fit", set())
 
     def no_fit(*args, **kwargs):
         raise fit.DoesNotFit("index column sums", 1, OutOfResources(131072, 101376, "shared memory"))

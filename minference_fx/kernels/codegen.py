@@ -4,7 +4,8 @@ A kernel edit that looks free can tip ptxas into serialising the wgmma pipeline 
 more registers: two scalar ops on the A-shape sinks did that once, and the sparse walk ran 14% slower at 128K
 on the H200 (``git show 6fb579a:results/autotune_warmup_h200_2026-12-01_v13.txt``). Triton compiles to PTX on any machine and
 ships ptxas, so this check costs seconds of CPU instead of a GPU session: a stand-in driver names the target,
-the kernel is compiled as the op would launch it, and the launch, which needs a GPU, is not made.
+the kernel is compiled as the op would launch it, and the launch runs nothing (:func:`simulated_gpu`, which
+also makes Triton's own shared-memory check against the target's limit, or any other).
 """
 from __future__ import annotations
 
@@ -46,15 +47,30 @@ class Codegen:
 
 # Shared memory one block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), by compute capability.
 SHARED_MEMORY_OPTIN = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
-GPU_TARGETS = {"A100": 80, "A10 / A40 / RTX 3090": 86, "L4 / L40S / RTX 4090": 89, "H100 / H200": 90,
-               "B200": 100, "RTX 5090": 120}
 
 
-class _TargetOnlyDriver:
-    """Enough of a Triton driver to compile for ``target``; launching raises."""
+class _NoUtils:
+    """The device queries Triton makes at a kernel's first launch, answered for a device that is not there."""
 
-    def __init__(self, target):
+    def __init__(self, shared_memory: int):
+        self.shared_memory = shared_memory
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": self.shared_memory}
+
+    def load_binary(self, name, kernel, shared, device):  # (module, function, registers, spills, max threads)
+        return None, None, 0, 0, 1024
+
+
+class _SimulatedGpuDriver:
+    """Enough of a Triton driver to compile for ``target`` and make Triton's own first-launch checks against
+    ``shared_memory`` bytes a block, as a device of that target would; a launch that passes them runs nothing."""
+
+    def __init__(self, target, shared_memory: int):
         self.target = GPUTarget(*target)
+        self.utils = _NoUtils(shared_memory)
+        self.compiled: list = []
+        """(kernel name, shared memory bytes) of every kernel compiled while active, in order"""
 
     def get_current_device(self):
         return 0
@@ -70,28 +86,6 @@ class _TargetOnlyDriver:
 
     def is_active(self):
         return True
-
-
-class _NoUtils:
-    def __init__(self, shared_memory: int):
-        self.shared_memory = shared_memory
-
-    def get_device_properties(self, device):
-        return {"max_shared_mem": self.shared_memory}
-
-    def load_binary(self, name, kernel, shared, device):  # (module, function, registers, spills, max threads)
-        return None, None, 0, 0, 1024
-
-
-class _SimulatedGpuDriver(_TargetOnlyDriver):
-    """Compiles for ``target`` and makes Triton's own first-launch checks against ``shared_memory`` bytes a
-    block, as a device of that target would; a launch that passes them runs nothing."""
-
-    def __init__(self, target, shared_memory: int):
-        super().__init__(target)
-        self.utils = _NoUtils(shared_memory)
-        self.compiled: list = []
-        """(kernel name, shared memory bytes) of every kernel compiled while active, in order"""
 
     def launcher_cls(self, src, metadata):
         self.compiled.append((src.fn.__name__, metadata.shared))
@@ -116,8 +110,8 @@ def simulated_gpu(capability: int, shared_memory: Optional[int] = None):
     ``TRITON_INTERPRET`` unset or 0, and CPU tensors."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("a simulated GPU needs TRITON_INTERPRET=0: the interpreter compiles nothing")
-    sim = _SimulatedGpuDriver(("cuda", capability, 32), SHARED_MEMORY_OPTIN[capability] if shared_memory is None
-                              else shared_memory)
+    limit = SHARED_MEMORY_OPTIN[capability] if shared_memory is None else shared_memory
+    sim = _SimulatedGpuDriver(("cuda", capability, 32), limit)
     kernels = _our_kernels()
     saved = [k.device_caches for k in kernels]
     previous = driver._active  # reset_active() would build the default driver, which needs a GPU
@@ -150,8 +144,6 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
     ``dense_walk``: the launch of forced-dense heads only (``forced="only"``, 128-row programs allowed);
     ``launch``: further arguments to :func:`attend.sparse_attention_triton`. Needs ``TRITON_INTERPRET`` unset or 0
     when Triton was imported (the interpreter compiles nothing)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("kernel codegen needs TRITON_INTERPRET=0: the interpreter compiles nothing")
     b, hq, hkv, s = 1, 8, 2, 1024
     q = torch.zeros(b, hq, s, head_dim, dtype=torch.bfloat16)
     k, v = (torch.zeros(b, hkv, s, head_dim, dtype=torch.bfloat16) for _ in range(2))
@@ -162,24 +154,16 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
     plan = LayerPlan((DEFAULTS.head,) * hq)
     if dense_walk:
         launch = {**launch, "force_dense": torch.ones(b, hq, dtype=torch.bool), "forced": "only"}
-    kernel = attend._sparse_attn_fwd
-    before = set(id(x) for cache in kernel.device_caches.values() for x in cache[0].values())
-    previous = driver._active  # reset_active() would build the default driver, which needs a GPU
-    driver.set_active(_TargetOnlyDriver(target))
-    try:
+    # no shared-memory limit: the config asked for is compiled, never stepped down
+    with simulated_gpu(target[1], shared_memory=1 << 40) as gpu:
         attend.sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=head_dim ** -0.5,
                                        key_mask=torch.ones(b, s, dtype=torch.bool) if key_mask else None,
                                        num_warps=num_warps, num_stages=num_stages, block_m=block_m, block_n=block_n,
                                        **launch)
-    except AttributeError as e:  # the launch: the stand-in driver has no launcher, and nothing is meant to run
-        if "launcher" not in str(e):
-            raise
-    finally:
-        driver._active = previous
-    compiled = [x for cache in kernel.device_caches.values() for x in cache[0].values() if id(x) not in before]
+        compiled = gpu.ptx()[attend._sparse_attn_fwd.fn.__name__]
     if len(compiled) != 1:
-        raise RuntimeError(f"expected one new compiled variant, found {len(compiled)}")
-    return compiled[0].asm["ptx"]
+        raise RuntimeError(f"expected one compiled variant, found {len(compiled)}")
+    return compiled[0]
 
 
 def ptx_instructions(ptx: str) -> str:
