@@ -103,6 +103,12 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     kernels_op)  # bench kernels with the op column (guard, routing, cost model), both families, up to 512K
           timeout 500 minference-fx bench kernels --lengths 32k,128k,512k --families structured,scattered \
             --baselines cudnn --out "$STATE/bench_kernels_op.json" ;;
+    tune_llama)  # Llama-3-8B's shape (the kernel benchmark's) alone, tuned against both input families into the user
+                 # cache; kernels_op_tuned then runs kernels_op with it (the user cache comes before the shipped table)
+          timeout 500 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
+          minference-fx autotune --show ;;
+    kernels_op_tuned) timeout 500 minference-fx bench kernels --lengths 32k,128k,512k --families structured,scattered \
+            --baselines cudnn --out "$STATE/bench_kernels_op_tuned.json" ;;
     tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
              --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
     kernels) timeout 300 minference-fx bench kernels --lengths 32k,128k --families structured,scattered \
