@@ -13,8 +13,9 @@ import torch
 import triton
 
 # Every file whose code edit can change how fast the op's sparse path runs; reference.py is
-# in because it fixes BLOCK and the vertical-slash minima, guard.py for the mass estimate.
-KERNEL_SOURCES = ("attend.py", "index.py", "guard.py", "reference.py", "tables.py")
+# in because it fixes BLOCK and the vertical-slash minima, guard.py for the mass estimate, fit.py for the
+# compile options every launch passes and the smaller configs a GPU short of shared memory steps down to.
+KERNEL_SOURCES = ("attend.py", "index.py", "guard.py", "reference.py", "tables.py", "fit.py")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -535,7 +535,7 @@ def sparse_attention_triton(
             HAS_KEY_MASK=key_mask is not None, HAS_DOC=doc_ids is not None, HAS_WINDOW=window > 0,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FORCE_MODE=FORCE_MODES[forced if force_dense is not None else None],
             KV_DESC=use_desc, RETURN_LSE=return_lse, ROWS_I64=rows_i64,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **fit.COMPILE_OPTIONS,
         )
 
     # a config tuned on Hopper may need more shared memory than another GPU gives a block: smaller ones follow

@@ -295,7 +295,7 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
         n_vs=n_vs, group=group, sq=sq, skv=skv, last_q=last_q, q_offset=q_offset, window=window,
         scale=float(scale), head_dim=D,
         HAS_KM=key_mask is not None, HAS_DOC=doc_ids is not None, DOT_F32=dot_f32,
-        ROWS=VS_LAST_Q, BLOCK_N=_KEY_BLOCK, BLOCK_D=block_d,
+        ROWS=VS_LAST_Q, BLOCK_N=_KEY_BLOCK, BLOCK_D=block_d, **fit.COMPILE_OPTIONS,
     )
     n_chunks = _cdiv(skv, _STATS_CHUNK)
     m_part = torch.empty(rows, n_chunks, VS_LAST_Q, dtype=torch.float32, device=dev)
@@ -308,7 +308,8 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
                    **common))
     row_max = torch.empty(rows, VS_LAST_Q, dtype=torch.float32, device=dev)
     row_sum = torch.empty_like(row_max)
-    _vs_row_reduce_kernel[(rows,)](m_part, l_part, row_max, row_sum, n_chunks, ROWS=VS_LAST_Q)
+    _vs_row_reduce_kernel[(rows,)](m_part, l_part, row_max, row_sum, n_chunks, ROWS=VS_LAST_Q,
+                                  **fit.COMPILE_OPTIONS)
     # one key block and no loop: nothing smaller to try (128 KB at d256, past the 99 KB cards' limit)
     fit.launch("index column sums", specialised, (None,),
                lambda _: _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](
@@ -470,7 +471,8 @@ def _vs_picks(vertical, slash_parts, max_cols: int, max_diags: int, *, key_mask,
     first_key = first_key.expand(B).contiguous() if key_mask is not None else key_v  # key_v: any pointer
     _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](vertical, slash_parts, key_v, key_s, first_key, total, skv,
                                                  n_vs * skv, VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS,
-                                                 HAS_KEY_MASK=key_mask is not None, BLOCK=_KEY_VEC)
+                                                 HAS_KEY_MASK=key_mask is not None, BLOCK=_KEY_VEC,
+                                                 **fit.COMPILE_OPTIONS)
     top_c = key_v.topk(max_cols, dim=-1, sorted=True).indices
     del key_v
     top_d = key_s.topk(max_diags, dim=-1, sorted=True).indices
@@ -503,13 +505,14 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     blocks = torch.empty(B, n_vs, cap, dtype=torch.int32, device=dev)
     n_blocks = torch.empty(B, n_vs, dtype=torch.int32, device=dev)
     cover = torch.zeros(B, n_vs, skv + 2 * BLOCK, dtype=torch.int8, device=dev)  # _cover_len
-    _diag_blocks_kernel[(B * n_vs,)](picked, blocks, n_blocks, cover, skv, picked.shape[-1], cap, BLOCK_K=BLOCK)
+    _diag_blocks_kernel[(B * n_vs,)](picked, blocks, n_blocks, cover, skv, picked.shape[-1], cap, BLOCK_K=BLOCK,
+                                     **fit.COMPILE_OPTIONS)
     _vs_to_blocks_kernel[(m_tiles, B * n_vs)](
         blocks, n_blocks, cover, cols, heads,
         (out.block_start, out.block_count, out.col_index, out.col_count),
         n_vs, Hq, m_tiles, sq, skv, q_offset, cap, cols.shape[-1],
         out.block_start.shape[-1], out.col_index.shape[-1],
-        BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC,
+        BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC, **fit.COMPILE_OPTIONS,
     )
 
 
@@ -560,6 +563,7 @@ def _last_tile_mass(vertical, heads: torch.Tensor, out: SparseIndex, mass_out: t
         n_est, out.block_count.shape[1], out.block_count.shape[-1], skv, out.block_start.shape[-1],
         out.col_index.shape[-1], vertical.stride(0), vertical.stride(1), vertical.stride(2), mass_out.stride(0),
         1.0 / max(min(VS_LAST_Q, sq), 1), BLOCK_K=BLOCK, BLOCKS_AT_ONCE=16, BLOCK_C=_COL_VEC,
+        **fit.COMPILE_OPTIONS,
     )
 
 
