@@ -90,7 +90,7 @@ _SIMULATED = r'''
 import json, sys, torch
 from minference_fx.autotune.cache import DEFAULT_ENTRIES
 from minference_fx.call_masks import CallMasks
-from minference_fx.kernels import attend, fit, reference
+from minference_fx.kernels import attend, codegen, fit, reference
 from minference_fx.kernels.codegen import simulated_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.sparse_path import sparse_on_gpu
@@ -110,28 +110,36 @@ for limit in (40000, 30000):
             failed = str(exc)
         index = reference.build_index(q.float(), k.float(), plan, scale=0.125)
         attend.sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.125, num_stages=3)
-    report[limit] = {"compiled": gpu.compiled, "failed": failed}
+        fusion = sorted({(kernel.fn.__name__, compiled.metadata.enable_fp_fusion) for kernel in codegen._our_kernels()
+                         for caches in kernel.device_caches.values() for compiled in caches[0].values()})
+    report[limit] = {"compiled": gpu.compiled, "failed": failed, "fp_fusion": fusion}
 print(json.dumps(report))
 '''
 
 
-def test_a_simulated_gpu_with_less_shared_memory_gets_smaller_configs_or_a_named_kernel_that_fits_none():
+@pytest.fixture(scope="module")
+def simulated_a100():
+    """The op's kernels compiled for sm_80 on the CPU under 40,000 and 30,000 bytes a block, in a subprocess
+    whose Triton defaults to no fused multiply-adds (Triton 3.10's default): what compiled, what failed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "TRITON_DEFAULT_FP_FUSION": "0"}
+    done = subprocess.run([sys.executable, "-c", _SIMULATED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_simulated_gpu_with_less_shared_memory_gets_smaller_configs_or_a_named_kernel_that_fits_none(simulated_a100):
     """Compiled for sm_80 on the CPU with Triton's own first-launch check (``codegen.simulated_gpu``) against a
     small limit, as an A100 or a 99 KB card meets the configs tuned on Hopper at d256: at d64 the index's row
     statistics need 48 KB with Triton's 3 stages, 40 KB with 2 and 32 KB with 1; the column sums 32 KB in any
     config. Under 40,000 bytes the path steps down to one stage and runs; under 30,000 the row statistics fit no
     config and the error names them and the numbers. A 3-stage attention launch (40 KB) steps down to 2 stages
     (24 KB)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", _SIMULATED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    roomy, tight = report["40000"], report["30000"]
+    roomy, tight = simulated_a100["40000"], simulated_a100["30000"]
     stats = [shared for name, shared in roomy["compiled"] if name == "_vs_row_stats_kernel"]
     assert stats == sorted(stats, reverse=True) and stats[0] > 40000 >= stats[-1] and len(stats) == 3, stats
     assert roomy["failed"] is None
@@ -139,3 +147,13 @@ def test_a_simulated_gpu_with_less_shared_memory_gets_smaller_configs_or_a_named
     assert walks[-2] > 40000 >= walks[-1], walks  # the direct 3-stage launch, then the 2-stage one that ran
     assert tight["failed"].startswith("index row statistics: none of 3 launch configs fits"), tight
     assert "the smallest needs 32768 bytes, the device allows 30000" in tight["failed"], tight
+
+
+def test_every_kernel_compiles_with_fused_multiply_adds_whatever_tritons_default(simulated_a100):
+    """Triton 3.10 stops fusing multiply-adds by default (3.9 warns of it at each compile); the kernels were tuned
+    and tested fused, and every launch pins it (``fit.COMPILE_OPTIONS``), so a Triton set to the new default
+    still compiles each of them fused."""
+    fusion = simulated_a100["40000"]["fp_fusion"]
+    names = {name for name, _ in fusion}
+    assert {"_sparse_attn_fwd", "_vs_row_stats_kernel", "_vs_colsum_kernel", "_rank_keys_kernel"} <= names, names
+    assert all(fused for _, fused in fusion), fusion
