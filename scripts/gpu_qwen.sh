@@ -107,6 +107,15 @@ step() {   # $1: step name; its log is $STATE/$1.txt
                  # cache; kernels_op_tuned then runs kernels_op with it (the user cache comes before the shipped table)
           timeout 500 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
           minference-fx autotune --show ;;
+    kernels_ab)  # after tune_llama: bench kernels at 32K/128K, both families, with the shipped table (the user cache set
+                 # aside), then with the tune in the user cache, one machine
+          c=$MINFERENCE_FX_CACHE_DIR/autotune.json
+          mv "$c" "$c.aside" || return 1
+          timeout 240 minference-fx bench kernels --lengths 32k,128k --families structured,scattered --baselines cudnn \
+            --out "$STATE/bench_kernels_shipped_table.json"
+          mv "$c.aside" "$c"
+          timeout 240 minference-fx bench kernels --lengths 32k,128k --families structured,scattered --baselines cudnn \
+            --out "$STATE/bench_kernels_two_family_tune.json" ;;
     kernels_op_tuned) timeout 500 minference-fx bench kernels --lengths 32k,128k,512k --families structured,scattered \
             --baselines cudnn --out "$STATE/bench_kernels_op_tuned.json" ;;
     tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
