@@ -1,5 +1,6 @@
 """The sm_90a PTX of every launch the shipped tables (``autotune/*.json``) make of the attention kernel, as sha256 fingerprints of
-its instructions (debug information left out).
+its instructions (debug information left out): the variants a Hopper GPU compiles (TMA copies of K/V where the launch takes
+them; before 2026-12-06 the CPU compiled pointer loads for those, and fp32 dots in the index's estimate).
 
 An edit of ``kernels/attend.py`` that leaves every launch's PTX byte-identical leaves the tuned launch configs valid:
 the tables can then be re-keyed to the new source hash instead of tuned again (BENCHMARKS.md section 6). Run it

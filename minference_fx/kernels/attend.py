@@ -22,6 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import PATTERN_CODES, Pattern
@@ -432,12 +433,22 @@ def empty_index(batch: int, heads: int, m_tiles: int, device) -> SparseIndex:
 def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
     """Whether TMA can copy [block_n, block_d] tiles of ``t`` ``[B, H, S, D]``: sm90+, 16-byte aligned
     base and strides, contiguous head dim (a descriptor's block may run past D: it reads zeros)."""
-    # the interpreter copies descriptor tiles too, so CPU tests cover this path
-    on_device = t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] >= 9
-    if not (on_device or os.environ.get("TRITON_INTERPRET") == "1") or t.stride(-1) != 1:
+    if t.stride(-1) != 1 or not _compiles_for_hopper(t):
         return False
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1]) and block_d * size >= 16
+
+
+def _compiles_for_hopper(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t`` compiles for sm90 or later, or runs under the interpreter (which copies descriptor
+    tiles too, so CPU tests cover the TMA path)."""
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_capability(t.device)[0] >= 9
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    # CPU tensors compile only under a stand-in driver (kernels.codegen.simulated_gpu): as its target would
+    target = driver.active.get_current_target()
+    return target.backend == "cuda" and target.arch >= 90
 
 
 def rows_need_int64(*tensors: torch.Tensor) -> bool:

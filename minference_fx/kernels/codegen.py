@@ -106,8 +106,9 @@ def simulated_gpu(capability: int, shared_memory: Optional[int] = None):
     """While active, the op's Triton kernels compile for compute capability ``capability`` (e.g. 80) and are
     checked against its shared memory (:data:`SHARED_MEMORY_OPTIN` unless given) as a real launch would be;
     nothing runs, so outputs stay as allocated. Yields the driver, whose ``compiled`` lists what compiled.
-    Kernels compiled for another target are set aside meanwhile (Triton keys them by device only). Needs
-    ``TRITON_INTERPRET`` unset or 0, and CPU tensors."""
+    The host code picks the variants that target's GPU would get (TMA copies from sm_90, bf16 dots in the
+    index's estimate), not the interpreter's. Kernels compiled for another target are set aside meanwhile (Triton
+    keys them by device only). Needs ``TRITON_INTERPRET`` unset or 0, and CPU tensors."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("a simulated GPU needs TRITON_INTERPRET=0: the interpreter compiles nothing")
     limit = SHARED_MEMORY_OPTIN[capability] if shared_memory is None else shared_memory

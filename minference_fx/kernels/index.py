@@ -26,6 +26,8 @@ lower index, and so do forced picks (+inf) among themselves.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -287,8 +289,10 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
         return vertical.view(B, n_vs, skv), slash_parts.view(2, B, n_vs, skv)
     last_q = min(VS_LAST_Q, sq)
     km, kmb, doc, docb = _mask_args(key_mask, doc_ids, B, skv, sq, q_offset, q)
-    # tl.dot cannot mix dtypes, the interpreter multiplies bf16 wrongly, and fp32 must stay ieee
-    dot_f32 = q.dtype != k.dtype or q.dtype == torch.float32 or (dev.type == "cpu" and q.dtype == torch.bfloat16)
+    # tl.dot cannot mix dtypes, the interpreter multiplies bf16 wrongly (a CPU tensor compiled for a simulated GPU,
+    # kernels.codegen, takes a GPU's bf16 dots), and fp32 must stay ieee
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    dot_f32 = q.dtype != k.dtype or q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16)
     block_d = max(16, triton.next_power_of_2(D))
     common = dict(
         stride_q=q.stride(), stride_k=k.stride(), skmb=kmb, sdb=docb,
@@ -300,7 +304,8 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     n_chunks = _cdiv(skv, _STATS_CHUNK)
     m_part = torch.empty(rows, n_chunks, VS_LAST_Q, dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
-    # Triton's default pipeline (3 stages) needs 192 KB at d256, past an A100's 163 KB: shallower ones follow
+    # Triton's default pipeline (3 stages) needs 97 KB at d256 in bf16, and 192 KB in fp32 (past an A100's 163 KB):
+    # shallower ones follow
     specialised = (q.device, q.dtype, k.dtype, block_d, key_mask is not None, doc_ids is not None)
     fit.launch("index row statistics", specialised, fit.stage_ladder(_STATS_STAGES),
                lambda stages: _vs_row_stats_kernel[(n_chunks, rows)](
@@ -310,7 +315,8 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     row_sum = torch.empty_like(row_max)
     _vs_row_reduce_kernel[(rows,)](m_part, l_part, row_max, row_sum, n_chunks, ROWS=VS_LAST_Q,
                                   **fit.COMPILE_OPTIONS)
-    # one key block and no loop: nothing smaller to try (128 KB at d256, past the 99 KB cards' limit)
+    # one key block and no loop: nothing smaller to try (at d256: 64 KB in bf16, 128 KB in fp32, past the 99 KB
+    # cards' limit)
     fit.launch("index column sums", specialised, (None,),
                lambda _: _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](
                    q, k, km, doc, heads, row_max, row_sum, vertical, slash_parts, **common))
