@@ -9,10 +9,10 @@ So a launch here tries the requested config, then smaller ones in a fixed order,
 one fit. Where none does, :class:`DoesNotFit` names the kernel and the numbers; the op then runs the call dense
 (``op.CallPath.DENSE_BY_DEVICE``) instead of failing.
 
-Measured under a stand-in driver on the CPU (``kernels.codegen``, ``scripts/explore_gpu_targets.py``): the
-index's estimate kernels need 512 bytes per padded head-dim lane and pipeline stage past the first (128 KB at
-d256 with one stage), so d256 does not fit the 99 KB cards; the attention kernel's default configs at d256 or
-in fp32 pass the A100's and the 99 KB cards' limits and fit once their stages or rows are cut.
+Measured under a stand-in driver on the CPU (``kernels.codegen``, ``scripts/explore_gpu_targets.py``): in bf16
+the index's estimate kernels need at most 97 KB (d256, 3 stages) and fit every target; the attention kernel's
+configs at d256 pass the 99 KB cards' limit and fit once their stages or rows are cut. In fp32 the estimate needs
+twice as much (128 KB at d256 with one stage), so fp32 d256 does not fit the 99 KB cards.
 """
 from __future__ import annotations
 
