@@ -43,7 +43,8 @@
 # seeds, the config shipped past 8K), search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT,
 # the fidelity table), compile_qwen (compile time at 4K against HF + Inductor's, one run), sparse32k_shipped (the shipped
 # config past 8K sparse from 32K: TTFT, fidelity at 32K on three seeds), sparse32k_guard (the same with the guard at 0.9
-# and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table). The steps that compared column
+# and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table), tune_llama (Llama-3-8B's
+# shape alone, into the user cache), kernels_ab (bench kernels with the shipped table, then with the user cache's tune). The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -104,7 +105,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 500 minference-fx bench kernels --lengths 32k,128k,512k --families structured,scattered \
             --baselines cudnn --out "$STATE/bench_kernels_op.json" ;;
     tune_llama)  # Llama-3-8B's shape (the kernel benchmark's) alone, tuned against both input families into the user
-                 # cache; kernels_op_tuned then runs kernels_op with it (the user cache comes before the shipped table)
+                 # cache; kernels_ab then compares it with the shipped table (the user cache comes before the shipped table)
           timeout 500 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
           minference-fx autotune --show ;;
     kernels_ab)  # after tune_llama: bench kernels at 32K/128K, both families, with the shipped table (the user cache set
@@ -116,8 +117,6 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           mv "$c.aside" "$c"
           timeout 240 minference-fx bench kernels --lengths 32k,128k --families structured,scattered --baselines cudnn \
             --out "$STATE/bench_kernels_two_family_tune.json" ;;
-    kernels_op_tuned) timeout 500 minference-fx bench kernels --lengths 32k,128k,512k --families structured,scattered \
-            --baselines cudnn --out "$STATE/bench_kernels_op_tuned.json" ;;
     tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
              --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
     kernels) timeout 300 minference-fx bench kernels --lengths 32k,128k --families structured,scattered \
