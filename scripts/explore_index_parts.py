@@ -1,0 +1,107 @@
+"""GPU exploration (not a test): what the op's index costs, part by part, on a shipped config's layer plans.
+
+usage: python scripts/explore_index_parts.py [--config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json]
+                                             [--lengths 32k,128k] [--families structured] [--out PATH]
+
+``bench breakdown`` on Qwen2.5-Coder-1.5B (H100, 2026-12-06) found the index at 19 % of the compiled forward at 32K
+(3.1 ms a layer against 5.1 ms for the layer's dense attention) and 10 % at 128K. This takes it apart on synthetic
+inputs of the model's attention shape (12 query / 2 KV heads, d128), every layer's plan as the op runs it at that
+length (budget growth included), in one run:
+
+* the index alone (``build_index_gpu``), with the guard's mass, and with the guard's escalation (two indexes and
+  the merge), the sum over the config's layers by CUDA events;
+* one pass of the escalated path under ``torch.profiler``: CUDA time by kernel, so the parts (estimate, ranking,
+  top-k, sort, tiles, merge) can be named.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from minference_fx.autotune.workload import family_qkv
+from minference_fx.call_masks import CallMasks
+from minference_fx.cli import parse_lengths
+from minference_fx.config import load_config
+from minference_fx.kernels.index import build_index_gpu
+from minference_fx.plan import escalated_plan
+from minference_fx.sparse_path import guarded_index_on_gpu
+from minference_fx.tools.bench import event_ms
+
+QWEN_SHAPE = dict(num_q_heads=12, num_kv_heads=2, head_dim=128)
+
+
+def layer_plans(config, length: int) -> list:
+    heads = QWEN_SHAPE["num_q_heads"]
+    plans = [config.plan_at(layer, 0, heads, length) for layer in range(len(config.layers))]
+    return [(plan, escalated_plan(plan, config.guard_escalation) if config.guard_escalation else None)
+            for plan in plans]
+
+
+def parts(q, k, plans, threshold: float) -> dict:
+    scale = q.shape[-1] ** -0.5
+    masks = CallMasks(None, None, 0, 0)
+
+    def every_layer(one):
+        def run():
+            for plan, up in plans:
+                one(plan, up)
+        return run
+
+    variants = {
+        "index alone": lambda plan, up: build_index_gpu(q, k, plan, scale=scale),
+        "index + guard mass": lambda plan, up: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, None),
+        "index + guard + escalation": lambda plan, up: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up),
+    }
+    return {name: event_ms(every_layer(fn), reps=3) for name, fn in variants.items()}, every_layer(
+        variants["index + guard + escalation"])
+
+
+def kernel_table(run, top: int = 25) -> list[dict]:
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        ms = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1000
+        if ms > 0:
+            rows.append(dict(kernel=event.key[:90], calls=event.count, ms=round(ms, 3)))
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json")
+    ap.add_argument("--lengths", default="32k,128k")
+    ap.add_argument("--families", default="structured")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    config = load_config(args.config)
+    threshold = config.guard_threshold
+    found = []
+    for family in args.families.split(","):
+        for length in parse_lengths(args.lengths):
+            q, k, _ = family_qkv(family, length, **QWEN_SHAPE)
+            plans = layer_plans(config, length)
+            times, escalated_run = parts(q, k, plans, threshold)
+            table = kernel_table(escalated_run)
+            print(f"\n{family} {length}: {len(plans)} layers, guard {threshold}, escalation {config.guard_escalation}")
+            for name, ms in times.items():
+                print(f"  {name:<30} {ms:8.2f} ms  ({ms / len(plans):.3f} a layer)")
+            print(f"  {'kernel':<90} {'calls':>6} {'ms':>9}")
+            for row in table:
+                print(f"  {row['kernel']:<90} {row['calls']:>6} {row['ms']:>9.3f}")
+            found.append(dict(family=family, length=length, layers=len(plans), times_ms=times, kernels=table))
+            del q, k
+            torch.cuda.empty_cache()
+    if args.out:
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, config=args.config)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, runs=found), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
