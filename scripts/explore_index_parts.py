@@ -1,7 +1,8 @@
 """GPU exploration (not a test): what the op's index costs, part by part, on a shipped config's layer plans.
 
 usage: python scripts/explore_index_parts.py [--config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json]
-                                             [--lengths 32k,128k] [--families structured] [--out PATH]
+                                             [--lengths 32k,128k] [--families structured] [--old-index PATH]
+                                             [--out PATH]
 
 ``bench breakdown`` on Qwen2.5-Coder-1.5B (H100, 2026-12-06) found the index at 19 % of the compiled forward at 32K
 (3.1 ms a layer against 5.1 ms for the layer's dense attention) and 10 % at 128K. This takes it apart on synthetic
@@ -11,11 +12,14 @@ length (budget growth included), in one run:
 * the index alone (``build_index_gpu``), with the guard's mass, and with the guard's escalation (two indexes and
   the merge), the sum over the config's layers by CUDA events;
 * one pass of the escalated path under ``torch.profiler``: CUDA time by kernel, so the parts (estimate, ranking,
-  top-k, sort, tiles, merge) can be named.
+  top-k, sort, tiles, merge) can be named;
+* with ``--old-index`` (an older ``minference_fx/kernels/index.py``, e.g. ``git show REV:minference_fx/kernels/index.py``),
+  the same sums through it, on the same inputs in the same run, and whether both give the same index.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import torch
@@ -24,8 +28,8 @@ from minference_fx.autotune.workload import family_qkv
 from minference_fx.call_masks import CallMasks
 from minference_fx.cli import parse_lengths
 from minference_fx.config import load_config
-from minference_fx.kernels.index import build_index_gpu
 from minference_fx.plan import escalated_plan
+from minference_fx import sparse_path
 from minference_fx.sparse_path import guarded_index_on_gpu
 from minference_fx.tools.bench import event_ms
 
@@ -50,12 +54,45 @@ def parts(q, k, plans, threshold: float) -> dict:
         return run
 
     variants = {
-        "index alone": lambda plan, up: build_index_gpu(q, k, plan, scale=scale),
+        "index alone": lambda plan, up: sparse_path.build_index_gpu(q, k, plan, scale=scale),
         "index + guard mass": lambda plan, up: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, None),
         "index + guard + escalation": lambda plan, up: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up),
     }
     return {name: event_ms(every_layer(fn), reps=3) for name, fn in variants.items()}, every_layer(
         variants["index + guard + escalation"])
+
+
+def load_index_module(path: str):
+    spec = importlib.util.spec_from_file_location("old_index", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def through(module, run):
+    """``run`` with the op's path building its index through ``module`` (another index.py)."""
+    saved = sparse_path.build_index_gpu, sparse_path.build_index_pair_gpu
+    sparse_path.build_index_gpu, sparse_path.build_index_pair_gpu = module.build_index_gpu, module.build_index_pair_gpu
+    try:
+        return run()
+    finally:
+        sparse_path.build_index_gpu, sparse_path.build_index_pair_gpu = saved
+
+
+def same_index(q, k, plans, threshold: float, module) -> bool:
+    """Whether the escalated path gives the same index and verdicts through ``module`` as through this tree's."""
+    scale = q.shape[-1] ** -0.5
+    masks = CallMasks(None, None, 0, 0)
+    for plan, up in plans:
+        new = guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up)
+        old = through(module, lambda: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up))
+        for name in ("block_count", "block_start", "col_count", "col_index"):
+            a, b = getattr(new.index, name), getattr(old.index, name)
+            if a.shape != b.shape or not torch.equal(a, b):
+                return False
+        if not torch.equal(new.weak, old.weak):
+            return False
+    return True
 
 
 def kernel_table(run, top: int = 25) -> list[dict]:
@@ -77,10 +114,12 @@ def main() -> None:
     ap.add_argument("--config", default="configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json")
     ap.add_argument("--lengths", default="32k,128k")
     ap.add_argument("--families", default="structured")
+    ap.add_argument("--old-index")
     ap.add_argument("--out")
     args = ap.parse_args()
     config = load_config(args.config)
     threshold = config.guard_threshold
+    old = load_index_module(args.old_index) if args.old_index else None
     found = []
     for family in args.families.split(","):
         for length in parse_lengths(args.lengths):
@@ -94,7 +133,14 @@ def main() -> None:
             print(f"  {'kernel':<90} {'calls':>6} {'ms':>9}")
             for row in table:
                 print(f"  {row['kernel']:<90} {row['calls']:>6} {row['ms']:>9.3f}")
-            found.append(dict(family=family, length=length, layers=len(plans), times_ms=times, kernels=table))
+            run = dict(family=family, length=length, layers=len(plans), times_ms=times, kernels=table)
+            if old is not None:
+                old_times, _ = through(old, lambda: parts(q, k, plans, threshold))
+                run.update(old_times_ms=old_times, same_index=same_index(q, k, plans, threshold, old))
+                for name, ms in old_times.items():
+                    print(f"  old index: {name:<30} {ms:8.2f} ms")
+                print(f"  same index and verdicts as the old: {run['same_index']}")
+            found.append(run)
             del q, k
             torch.cuda.empty_cache()
     if args.out:

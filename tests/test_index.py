@@ -270,6 +270,16 @@ def test_vs_estimate_equals_brute_force(dtype, kw):
     torch.testing.assert_close(slash.double(), want_s, atol=1e-5, rtol=0)
 
 
+def test_vs_estimate_sees_the_interpreter_by_any_spelling(monkeypatch):
+    # Triton interprets with TRITON_INTERPRET=true as with 1: the estimate must then take its fp32 dot for bf16 too
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    q, k = rand_qk(2, 6, 2, 160, 160, 32, torch.bfloat16, seed=19)
+    vertical, slash = vs_estimate(q, k, scale=0.2)
+    want_v, want_s = brute_vs(q, k, 0.2, None, None)
+    torch.testing.assert_close(vertical.double(), want_v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(slash.double(), want_s, atol=1e-5, rtol=0)
+
+
 def test_vs_estimate_short_prompt():
     # fewer than 64 rows: only the real rows count, padded rows of the kernel's block add nothing
     q, k = rand_qk(1, 2, 2, 5, 5, 16, seed=23)

@@ -17,7 +17,6 @@ read no key ends as exactly 0.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -444,7 +443,7 @@ def _compiles_for_hopper(t: torch.Tensor) -> bool:
     tiles too, so CPU tests cover the TMA path)."""
     if t.device.type == "cuda":
         return torch.cuda.get_device_capability(t.device)[0] >= 9
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return True
     # CPU tensors compile only under a stand-in driver (kernels.codegen.simulated_gpu): as its target would
     target = driver.active.get_current_target()

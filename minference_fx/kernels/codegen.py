@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import compiler as triton_compiler
@@ -109,7 +110,7 @@ def simulated_gpu(capability: int, shared_memory: Optional[int] = None):
     The host code picks the variants that target's GPU would get (TMA copies from sm_90, bf16 dots in the
     index's estimate), not the interpreter's. Kernels compiled for another target are set aside meanwhile (Triton
     keys them by device only). Needs ``TRITON_INTERPRET`` unset or 0, and CPU tensors."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton.knobs.runtime.interpret:
         raise RuntimeError("a simulated GPU needs TRITON_INTERPRET=0: the interpreter compiles nothing")
     limit = SHARED_MEMORY_OPTIN[capability] if shared_memory is None else shared_memory
     sim = _SimulatedGpuDriver(("cuda", capability, 32), limit)

@@ -26,7 +26,6 @@ lower index, and so do forced picks (+inf) among themselves.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -291,7 +290,7 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     km, kmb, doc, docb = _mask_args(key_mask, doc_ids, B, skv, sq, q_offset, q)
     # tl.dot cannot mix dtypes, the interpreter multiplies bf16 wrongly (a CPU tensor compiled for a simulated GPU,
     # kernels.codegen, takes a GPU's bf16 dots), and fp32 must stay ieee
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = triton.knobs.runtime.interpret
     dot_f32 = q.dtype != k.dtype or q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16)
     block_d = max(16, triton.next_power_of_2(D))
     common = dict(
