@@ -102,7 +102,7 @@ _SIMULATED = r'''
 import json, sys, torch
 from minference_fx.autotune.cache import DEFAULT_ENTRIES
 from minference_fx.call_masks import CallMasks
-from minference_fx.kernels import attend, codegen, fit, reference
+from minference_fx.kernels import attend, fit, reference
 from minference_fx.kernels.codegen import simulated_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.sparse_path import sparse_on_gpu
@@ -122,8 +122,8 @@ for limit in (16500, 16000):
             failed = str(exc)
         index = reference.build_index(q.float(), k.float(), plan, scale=0.125)
         attend.sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.125, num_stages=3)
-        fusion = sorted({(kernel.fn.__name__, compiled.metadata.enable_fp_fusion) for kernel in codegen._our_kernels()
-                         for caches in kernel.device_caches.values() for compiled in caches[0].values()})
+        fusion = sorted({(name, compiled.metadata.enable_fp_fusion) for name, variants in gpu.variants().items()
+                         for compiled in variants})
     report[limit] = {"compiled": gpu.compiled, "failed": failed, "fp_fusion": fusion}
 print(json.dumps(report))
 '''

@@ -92,10 +92,15 @@ class _SimulatedGpuDriver:
         self.compiled.append((src.fn.__name__, metadata.shared))
         return lambda *args, **kwargs: None
 
+    def variants(self) -> dict:
+        """{kernel name: each variant compiled so far in this simulation, as Triton's compiled kernel (``asm``,
+        ``metadata``)}"""
+        return {k.fn.__name__: [c for cache in k.device_caches.values() for c in cache[0].values()]
+                for k in _our_kernels()}
+
     def ptx(self) -> dict:
         """{kernel name: the PTX of each variant compiled so far in this simulation}"""
-        return {k.fn.__name__: [c.asm["ptx"] for cache in k.device_caches.values() for c in cache[0].values()]
-                for k in _our_kernels()}
+        return {name: [c.asm["ptx"] for c in compiled] for name, compiled in self.variants().items()}
 
 
 def _our_kernels() -> list:
