@@ -128,7 +128,8 @@ def fused_sdpa(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
     if repeats_kv_heads(q, group):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         group = 1
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1).contiguous()
+    # no .contiguous(): the op returns SDPA's token-major layout as it comes (attend.as_output)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1)
 
 
 def masked_sdpa(q, k, v, masks: CallMasks, scale: float) -> torch.Tensor:

@@ -61,7 +61,7 @@ from .autotune import dispatch
 from .autotune.cache import TuneEntry
 from .call_masks import CallMasks
 from .cost import WalkCost
-from .kernels import fit, guard
+from .kernels import attend, fit, guard
 from .plan import (MAX_BUDGET, LayerPlan, escalated_plan, escalation_of, grown_plan, growth_of, is_budget_growth,
                    is_escalation, layer_plan)
 
@@ -238,9 +238,15 @@ def plan_call(q, k, masks: CallMasks, scale: float, plan: LayerPlan, min_sparse_
 
 def run_call(call: CallPlan, q, k, v) -> torch.Tensor:
     """Run the call ``call`` planned for ``q``, ``k``, ``v``: the attention, then the guard's counters and the
-    routing's record of the heads this call's index or guard ran dense."""
+    routing's record of the heads this call's index or guard ran dense. The output is token-major
+    (:func:`attend.empty_output`: what the op's fake promises), copied into that layout only where a path gave
+    another (the CPU's reference, the masked SDPA of short calls)."""
+    return attend.as_output(_attention(call, q, k, v))
+
+
+def _attention(call: CallPlan, q, k, v) -> torch.Tensor:
     if call.path is CallPath.EMPTY:
-        return q.new_empty(q.shape)
+        return attend.empty_output(q)
     if call.path is CallPath.ALL_ROUTED and q.is_cuda:
         return dense.every_head_routed(q, k, v, call.masks, call.scale, call.walk_launch)
     if call.path in _DENSE_PATHS or call.path is CallPath.ALL_ROUTED:  # the CPU's SDPA reads the mask itself
@@ -337,5 +343,4 @@ sparse_attention.register_autograd(_no_backward, setup_context=_refuse_autograd)
 def _sparse_attention_fake(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns, budget_a, budget_b, min_sparse_len,
                            guard_threshold=0.0, route_site=-1, escalate_a=0, escalate_b=0, grow_from=0,
                            grow_exponent=0.0):
-    # new_empty, not empty_like: q is often a transposed view and the real op returns contiguous
-    return q.new_empty(q.shape)
+    return attend.empty_output(q)

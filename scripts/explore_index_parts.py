@@ -5,7 +5,7 @@ usage: python scripts/explore_index_parts.py [--config configs/qwen2.5_coder_1.5
                                              [--out PATH]
 
 ``bench breakdown`` on Qwen2.5-Coder-1.5B (H100, 2026-12-06) found the index at 19 % of the compiled forward at 32K
-(3.1 ms a layer against 5.1 ms for the layer's dense attention) and 10 % at 128K. This takes it apart on synthetic
+(2.1 ms a layer on average against 5.1 ms for the layer's dense attention) and 10 % at 128K. This takes it apart on synthetic
 inputs of the model's attention shape (12 query / 2 KV heads, d128), every layer's plan as the op runs it at that
 length (budget growth included), in one run:
 

@@ -44,7 +44,9 @@
 # the fidelity table), compile_qwen (compile time at 4K against HF + Inductor's, one run), sparse32k_shipped (the shipped
 # config past 8K sparse from 32K: TTFT, fidelity at 32K on three seeds), sparse32k_guard (the same with the guard at 0.9
 # and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table), tune_llama (Llama-3-8B's
-# shape alone, into the user cache), kernels_ab (bench kernels with the shipped table, then with the user cache's tune). The steps that compared column
+# shape alone, into the user cache), kernels_ab (bench kernels with the shipped table, then with the user cache's tune), index_parts (the index
+# taken apart on Qwen's shipped plans: escalation, guard mass, CUDA time by kernel; needs no model), dense_path (which SDPA
+# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model). The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -117,6 +119,9 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           mv "$c.aside" "$c"
           timeout 240 minference-fx bench kernels --lengths 32k,128k --families structured,scattered --baselines cudnn \
             --out "$STATE/bench_kernels_two_family_tune.json" ;;
+    index_parts) timeout 300 python3 scripts/explore_index_parts.py --lengths 32k,128k --families structured,scattered \
+                   --out "$STATE/index_parts.json" ;;
+    dense_path) timeout 200 python3 scripts/explore_dense_path.py --lengths 8k,32k,128k --out "$STATE/dense_path.json" ;;
     tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
              --import-mode=importlib --durations=10 tests -k "not fuzz" ;;
     kernels) timeout 300 minference-fx bench kernels --lengths 32k,128k --families structured,scattered \

@@ -135,14 +135,24 @@ def test_dense_walk_reads_a_one_row_or_strided_mask_as_the_masked_sdpa_does():
                                    masked_sdpa(q, k, v, CallMasks(key_mask), 0.25), rtol=1e-5, atol=1e-5)
 
 
-def test_fake_gives_contiguous_shape_of_q():
+@pytest.mark.parametrize("q_layout", ["token-major", "contiguous"])
+@pytest.mark.parametrize("min_sparse_len", [0, 10**6], ids=["sparse", "dense"])
+def test_fake_and_real_outputs_are_token_major(q_layout, min_sparse_len):
+    # Inductor lays out what follows the op by the fake's strides (and asserts the real ones): both token-major,
+    # as fused SDPA returns, so a model's transpose(1, 2) + reshape after attention copies nothing
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    def qkv():
+        q = torch.randn(1, 80, 4, 16).transpose(1, 2) if q_layout == "token-major" else torch.randn(1, 4, 80, 16)
+        return q, torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
+
     with FakeTensorMode():
-        q = torch.empty(1, 80, 4, 16).transpose(1, 2)
-        k = torch.empty(1, 2, 80, 16)
-        out = OP(q, k, k, None, None, 0.25, 0, 0, *VS, 0)
-    assert out.shape == (1, 4, 80, 16) and out.is_contiguous()
+        fake = OP(*qkv(), None, None, 0.25, 0, 0, *VS, min_sparse_len)
+    real = OP(*qkv(), None, None, 0.25, 0, 0, *VS, min_sparse_len)
+    token_major = (80 * 4 * 16, 16, 4 * 16, 1)
+    assert fake.shape == real.shape == (1, 4, 80, 16)
+    assert fake.stride() == real.stride() == token_major
+    assert real.transpose(1, 2).is_contiguous()
 
 
 def test_bad_inputs_are_named():

@@ -456,6 +456,28 @@ def rows_need_int64(*tensors: torch.Tensor) -> bool:
     return any((t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2**31 for t in tensors if t.numel())
 
 
+def empty_output(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of ``q``'s shape ``[B, H, S, D]`` and dtype laid out token-major (memory
+    ``[B, S, H, D]``), as the fused SDPA kernels lay out theirs: the ``transpose(1, 2)`` and reshape a model applies
+    to attention's output are then views. The op's output has this layout on every path."""
+    B, H, S, D = q.shape
+    return torch.empty(B, S, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
+def is_output_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` ``[B, H, S, D]`` has exactly :func:`empty_output`'s strides."""
+    B, H, S, D = t.shape
+    # torch's contiguous strides of [B, S, H, D], which count an empty dim as 1
+    head = max(D, 1)
+    row = head * max(H, 1)
+    return t.stride() == (row * max(S, 1), head, row, 1)
+
+
+def as_output(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`empty_output`'s layout: itself when it has it, else a copy."""
+    return t if is_output_layout(t) else empty_output(t).copy_(t)
+
+
 def sparse_attention_triton(
     q, k, v, index: SparseIndex, patterns, budget_a, budget_b, *, scale, key_mask=None, doc_ids=None,
     q_offset=0, window=0, force_dense=None, forced="here", out=None, num_warps=4, num_stages=2, block_m=BLOCK,
@@ -488,17 +510,17 @@ def sparse_attention_triton(
 
     Returns
     -------
-    ``[B, Hq, Sq, D]`` contiguous, dtype of q; with ``return_lse``, ``(out, lse)``.
+    ``[B, Hq, Sq, D]``, dtype of q, ``out`` or laid out as :func:`empty_output`; with ``return_lse``, ``(out, lse)``.
     """
     B, Hq, sq, D = q.shape
     Hkv, skv = k.shape[1], k.shape[2]
     if forced not in FORCE_MODES or forced is None:
         raise ValueError(f"forced must be 'here', 'skip' or 'only', got {forced!r}")
     if out is None:
-        out = torch.empty(B, Hq, sq, D, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, got "
-                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+        out = empty_output(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not (out.is_contiguous() or is_output_layout(out)):
+        raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous or token-major "
+                         f"(empty_output's layout), got {out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     lse = torch.empty(B, Hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if sq == 0:
         return (out, lse) if return_lse else out
