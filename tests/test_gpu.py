@@ -9,7 +9,7 @@ from minference_fx import cost, routing
 from minference_fx.autotune import dispatch
 from minference_fx.call_masks import CallMasks
 from minference_fx.kernels import reference
-from minference_fx.kernels.attend import rows_need_int64, sparse_attention_triton
+from minference_fx.kernels.attend import is_output_layout, rows_need_int64, sparse_attention_triton
 from minference_fx.kernels.index import build_index_gpu
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
@@ -411,6 +411,28 @@ def test_one_prompt_under_a_padding_mask_runs_sdpa_unmasked_and_decode_steps_kee
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     dense.dense_attention(q[:, :, -1:], k, v, CallMasks(key_mask, q_offset=n - 1), 0.125)
     assert seen == [True]
+
+
+@pytest.mark.parametrize("layout", ["token-major", "sequence-first"])
+def test_one_padded_prompt_in_any_layout_runs_sdpa_then_the_walk_into_the_ops_layout(layout):
+    """SDPA's output takes q's memory order; the dense walk that runs the padded row again writes into the op's
+    token-major output: every q layout works there, and the op returns token-major."""
+    from minference_fx import dense
+    from minference_fx.autotune.dispatch import launch_config
+    from minference_fx.autotune.workload import structured_qkv
+
+    n = 8192
+    order = (0, 2, 1, 3) if layout == "token-major" else (2, 0, 1, 3)
+    inverse = tuple(order.index(d) for d in range(4))
+    q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=5)
+    relaid = [t.permute(order).contiguous().permute(inverse) for t in (q, k, v)]  # same values, that memory order
+    key_mask = torch.ones(1, n, dtype=torch.bool, device="cuda")
+    key_mask[:, :300] = False
+    want = dense.masked_sdpa(q, k, v, CallMasks(key_mask), 0.125)
+    got = dense.dense_attention(*relaid, CallMasks(key_mask), 0.125, launch_config(q, k, "dense_walk"))
+    assert torch.isfinite(got).all() and not got[:, :, :300].any() and _rel(got, want) < 1e-2
+    out = OP(*relaid, key_mask, None, 0.125, 0, 0, [2] * 8, [1000] * 8, [6096] * 8, 10**7)
+    assert is_output_layout(out) and _rel(out, want) < 1e-2
 
 
 def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
