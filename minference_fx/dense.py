@@ -105,8 +105,8 @@ def dense_attention(q, k, v, masks: CallMasks, scale: float, walk=None) -> torch
             # One prompt under generate's all-ones mask: this path at 0.79-1.00x maskless cuDNN, the walk at
             # 0.66-0.97x (16K-64K, explore_padding_mask_h200_2026-12-01_v2); a padded prompt pays both (1.6-1.7x
             # the walk). Below the limit the re-run's host cost (0.5-0.9 ms a call) outweighs what cuDNN saves.
-            # SDPA's output takes q's layout; the walk writes into the op's (copied only if they differ)
-            out = attend.as_output(dense_attention(q, k, v, masks.without_key_mask(), scale))
+            # the walk writes into SDPA's output in whatever layout SDPA gave it (q's), no copy
+            out = dense_attention(q, k, v, masks.without_key_mask(), scale)
             return dense_walk(q, k, v, masks, scale, walk, out=out)
         return dense_walk(q, k, v, masks, scale, walk)
     return masked_sdpa(q, k, v, masks, scale)
@@ -181,7 +181,7 @@ def every_head_routed(q, k, v, masks: CallMasks, scale: float, walk=None) -> tor
     out = dense_attention(q, k, v, masks.without_key_mask(), scale)
     if masks.key_mask is None:
         return out
-    return dense_walk(q, k, v, masks, scale, walk, out=attend.as_output(out))
+    return dense_walk(q, k, v, masks, scale, walk, out=out)
 
 
 def dense_heads_by_sdpa(q, k, v, out, dense_heads: tuple, kv_heads: tuple, scale: float, masks: CallMasks) -> None:

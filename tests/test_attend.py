@@ -107,6 +107,27 @@ def test_launch_config_rejects_other_block_sizes():
         sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, force_dense=forced, forced="all")
     with pytest.raises(ValueError, match="out must be"):
         sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25, out=q.transpose(1, 2))
+    # every head writing into one head's memory would race
+    with pytest.raises(ValueError, match="each index names its own element"):
+        sparse_attention_triton(q, k, v, index, *_plan(4).op_arguments(), scale=0.25,
+                                out=torch.empty_like(q[:, :1]).expand_as(q))
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3), (2, 0, 1, 3), (0, 1, 3, 2)],
+                         ids=["head-major", "token-major", "sequence-first", "dim-major"])
+def test_the_walk_writes_into_an_out_of_any_memory_order(order):
+    """What the dense path hands the walk is SDPA's output in q's memory order, whatever that is: the walk writes
+    through its strides, no copy into one layout first."""
+    q, k, v = _inputs(1, 4, 2, 70, 70, 16, torch.float32, seed=3)
+    plan = _plan(4)
+    index = reference.build_index(q, k, plan, scale=0.25)
+    want = reference.sparse_attention_reference(q, k, v, plan, scale=0.25, index=index)
+    shape = [q.shape[d] for d in order]
+    out = torch.full(shape, float("nan")).permute(*[order.index(d) for d in range(4)])
+    assert out.shape == q.shape
+    got = sparse_attention_triton(q, k, v, index, *plan.op_arguments(), scale=0.25, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.stride() == out.stride()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("launch", [dict(block_m=128), dict(block_m=128, block_n=128), dict(block_m=64)],

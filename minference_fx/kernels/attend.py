@@ -473,6 +473,18 @@ def is_output_layout(t: torch.Tensor) -> bool:
     return t.stride() == (row * max(S, 1), head, row, 1)
 
 
+def writes_each_element_once(t: torch.Tensor) -> bool:
+    """Whether every index of ``t`` names its own element, with no gaps: a permutation of a contiguous layout
+    (``torch.empty_like`` keeps such a layout). The kernel stores through any strides; overlapping ones would
+    race, and a gap would leave memory the caller may read as output untouched."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def as_output(t: torch.Tensor) -> torch.Tensor:
     """``t`` in :func:`empty_output`'s layout: itself when it has it, else a copy."""
     return t if is_output_layout(t) else empty_output(t).copy_(t)
@@ -496,7 +508,8 @@ def sparse_attention_triton(
         where: ``"here"`` in this launch, ``"skip"`` not in this launch (their rows are left as they were),
         ``"only"`` nothing else (the other rows are left as they were). A "skip" and an "only" launch into
         one ``out`` run every pair once.
-    out : optional ``[B, Hq, Sq, D]`` contiguous tensor of q's dtype to write into (else a new one).
+    out : optional ``[B, Hq, Sq, D]`` tensor of q's dtype to write into, its dims in any memory order (else a new
+        one, laid out as :func:`empty_output`).
     num_warps, num_stages, block_m, block_n : launch config (speed only). ``block_m`` query rows per
         program: 16, 32 or 64 (a part of one of the index's 64-row query tiles), or 128 with
         ``forced="only"`` (dense heads read no list); ``block_n`` keys per step: 32, 64 or 128 (two
@@ -518,9 +531,10 @@ def sparse_attention_triton(
         raise ValueError(f"forced must be 'here', 'skip' or 'only', got {forced!r}")
     if out is None:
         out = empty_output(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or not (out.is_contiguous() or is_output_layout(out)):
-        raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, contiguous or token-major "
-                         f"(empty_output's layout), got {out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    elif out.shape != q.shape or out.dtype != q.dtype or not writes_each_element_once(out):
+        raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} in which each index names its "
+                         f"own element (any order of its dims, no overlap), got {out.dtype} {tuple(out.shape)} with "
+                         f"strides {out.stride()}")
     lse = torch.empty(B, Hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if sq == 0:
         return (out, lse) if return_lse else out
