@@ -46,7 +46,7 @@
 # and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table), tune_llama (Llama-3-8B's
 # shape alone, into the user cache), kernels_ab (bench kernels with the shipped table, then with the user cache's tune), index_parts (the index
 # taken apart on Qwen's shipped plans: escalation, guard mass, CUDA time by kernel; needs no model), dense_path (which SDPA
-# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model). The steps that compared column
+# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model), prefill_shipped_all (TTFT 4K-128K with the config shipped past 8K), breakdown32_dense (where the time goes at 32K on the dense path), tests_layout (the GPU tests of the op's output layout and padded dense calls). The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -264,6 +264,15 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           MINFERENCE_FX_CACHE_DIR=$(mktemp -d) timeout 300 minference-fx bench kernels --lengths 32k,128k \
             --families structured,scattered --baselines cudnn --out "$STATE/bench_kernels_cautious.json"
           mv "$t.off" "$t" ;;
+    prefill_shipped_all)  # TTFT 4K-128K, eager vs minference, the config shipped past 8K (after a change to the op's output)
+          timeout 900 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
+            --variants eager,minference --config $SHIPPED32K --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
+    breakdown32_dense)  # where the time goes at 32K on the dense path (the shipped config runs dense there)
+          timeout 300 minference-fx bench breakdown --model $MODEL --lengths 32k --config $SHIPPED32K \
+            --out "$STATE/breakdown_qwen_32k_dense.json" ;;
+    tests_layout)  # the GPU tests of the op's output layout and the dense path's masked calls
+          TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            --import-mode=importlib tests/test_gpu.py -k "layout or masked_dense or padded or routed" ;;
     breakdown32)  # the same at 32K with the shipped config sparse from 32K: what stands between its 1.33x and more
           timeout 300 minference-fx bench breakdown --model $MODEL --lengths 32k --config $SHIPPED32K \
             --min-sparse-len 32768 --out "$STATE/breakdown_qwen_32k_sparse.json" ;;
