@@ -15,7 +15,7 @@ from . import cost, dense
 from .call_masks import CallMasks
 from .cost import WalkCost
 from .kernels import attend, guard, reference
-from .kernels.index import build_index_gpu, build_index_pair_gpu
+from .kernels.index import build_index_escalated_gpu, build_index_gpu
 from .plan import LayerPlan
 
 
@@ -99,12 +99,12 @@ def guarded_index_on_gpu(q, k, plan: LayerPlan, scale: float, masks: CallMasks, 
     mass = _full_mass(q) if guarded else None
     if guarded and escalated is not None:
         # the escalated plan lists only vertical-slash heads: a weak head it does not estimate (block-sparse)
-        # takes the empty row it leaves, but stays weak, so it runs dense and that row is never walked
+        # takes the empty row it leaves, but stays weak (its mass_up stays 0), so it runs dense and that row is
+        # never walked
         mass_up = torch.zeros_like(mass)
-        index, index_up = build_index_pair_gpu(q, k, plan, escalated, scale=scale, mass_out=mass,
-                                               escalated_mass_out=mass_up, **masks.kwargs())
-        took = mass < guard_threshold
-        return GuardedIndex(dense.take_index(index, index_up, took), took & (mass_up < guard_threshold), took)
+        index, took = build_index_escalated_gpu(q, k, plan, escalated, scale=scale, take_below=guard_threshold,
+                                                mass_out=mass, escalated_mass_out=mass_up, **masks.kwargs())
+        return GuardedIndex(index, took & (mass_up < guard_threshold), took)
     index = build_index_gpu(q, k, plan, scale=scale, mass_out=mass, **masks.kwargs())  # dense heads list nothing
     return GuardedIndex(index, mass < guard_threshold if guarded else None, None)
 

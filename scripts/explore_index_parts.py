@@ -13,8 +13,10 @@ length (budget growth included), in one run:
   the merge), the sum over the config's layers by CUDA events;
 * one pass of the escalated path under ``torch.profiler``: CUDA time by kernel, so the parts (estimate, ranking,
   top-k, sort, tiles, merge) can be named;
-* with ``--old-index`` (an older ``minference_fx/kernels/index.py``, e.g. ``git show REV:minference_fx/kernels/index.py``),
-  the same sums through it, on the same inputs in the same run, and whether both give the same index.
+* with ``--old-index`` (an ``index.py``: an older one, e.g. ``git show REV:minference_fx/kernels/index.py``, or this
+  tree's ``minference_fx/kernels/index.py``), the same sums through it with the escalation as the op ran it before
+  2026-12-06 (two indexes, then ``dense.take_index``), on the same inputs in the same run, and whether both list the
+  same keys and give the same verdicts.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import json
 
 import torch
 
-from minference_fx import sparse_path
+from minference_fx import dense, sparse_path
 from minference_fx.autotune.workload import family_qkv
 from minference_fx.call_masks import CallMasks
 from minference_fx.cli import parse_lengths
@@ -70,27 +72,46 @@ def load_index_module(path: str):
     return module
 
 
+def pair_then_take(module):
+    """The guard's escalation as the op ran it before 2026-12-06: ``module``'s two indexes (``build_index_pair_gpu``),
+    then the weak rows taken from the second by ``dense.take_index`` (pads and copies of both tables)."""
+    def build(q, k, plan, escalated, *, scale, take_below, mass_out, escalated_mass_out, **kw):
+        index, index_up = module.build_index_pair_gpu(q, k, plan, escalated, scale=scale, mass_out=mass_out,
+                                                      escalated_mass_out=escalated_mass_out, **kw)
+        took = mass_out < take_below
+        return dense.take_index(index, index_up, took), took
+    return build
+
+
 def through(module, run):
-    """``run`` with the op's path building its index through ``module`` (another index.py)."""
-    saved = sparse_path.build_index_gpu, sparse_path.build_index_pair_gpu
-    sparse_path.build_index_gpu, sparse_path.build_index_pair_gpu = module.build_index_gpu, module.build_index_pair_gpu
+    """``run`` with the op's path building its index through ``module`` (another index.py, or this one), its
+    escalation by :func:`pair_then_take`."""
+    saved = sparse_path.build_index_gpu, sparse_path.build_index_escalated_gpu
+    sparse_path.build_index_gpu, sparse_path.build_index_escalated_gpu = module.build_index_gpu, pair_then_take(module)
     try:
         return run()
     finally:
-        sparse_path.build_index_gpu, sparse_path.build_index_pair_gpu = saved
+        sparse_path.build_index_gpu, sparse_path.build_index_escalated_gpu = saved
+
+
+def listed(index) -> list[torch.Tensor]:
+    """The index's counts, and its slots up to them (a row with nothing listed may hold anything past its count)."""
+    def within(slots, counts):
+        return torch.where(torch.arange(slots.shape[-1], device=slots.device) < counts[..., None], slots.int(), 0)
+    return [index.block_count, index.col_count, within(index.block_start, index.block_count),
+            within(index.col_index, index.col_count)]
 
 
 def same_index(q, k, plans, threshold: float, module) -> bool:
-    """Whether the escalated path gives the same index and verdicts through ``module`` as through this tree's."""
+    """Whether the escalated path lists the same keys and gives the same verdicts through ``module`` as through this
+    tree's."""
     scale = q.shape[-1] ** -0.5
     masks = CallMasks(None, None, 0, 0)
     for plan, up in plans:
         new = guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up)
         old = through(module, lambda: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up))
-        for name in ("block_count", "block_start", "col_count", "col_index"):
-            a, b = getattr(new.index, name), getattr(old.index, name)
-            if a.shape != b.shape or not torch.equal(a, b):
-                return False
+        if not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(listed(new.index), listed(old.index))):
+            return False
         if not torch.equal(new.weak, old.weak):
             return False
     return True

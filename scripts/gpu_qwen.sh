@@ -120,6 +120,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 240 minference-fx bench kernels --lengths 32k,128k --families structured,scattered --baselines cudnn \
             --out "$STATE/bench_kernels_two_family_tune.json" ;;
     index_parts) timeout 300 python3 scripts/explore_index_parts.py --lengths 32k,128k --families structured,scattered \
+                   --old-index minference_fx/kernels/index.py \
                    --out "$STATE/index_parts.json" ;;
     dense_path) timeout 200 python3 scripts/explore_dense_path.py --lengths 8k,32k,128k --out "$STATE/dense_path.json" ;;
     tests) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \

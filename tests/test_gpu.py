@@ -222,6 +222,56 @@ def test_op_captures_in_a_cuda_graph_and_replays(guard_threshold):
     torch.testing.assert_close(out, OP(q2, k2, v2, None, None, *args))
 
 
+def test_the_guards_escalation_matches_the_cpu_op_lists_the_pairs_rows_and_captures():
+    """The guard's escalation on the GPU writes the weak vertical-slash rows into the one index
+    (index.build_index_escalated_gpu): it lists what dense.take_index of the two indexes lists, the op equals
+    the CPU op (reference index, take_index) with some heads escalated, and the call captures in a CUDA graph."""
+    from minference_fx import dense
+    from minference_fx.autotune.workload import family_qkv
+    from minference_fx.kernels.index import build_index_escalated_gpu, build_index_pair_gpu
+    from minference_fx.plan import escalated_plan
+
+    # narrow budgets on the scattered family: several heads miss mass, and the escalation rescues some
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 64, 128), HeadPlan(Pattern.VERTICAL_SLASH, 100, 200),
+                      HeadPlan(Pattern.BLOCK_SPARSE, 4), HeadPlan(Pattern.VERTICAL_SLASH, 64, 256)))
+    escalation = (512, 2048)
+    q, k, v = family_qkv("scattered", 4096, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, seed=3)
+    up = escalated_plan(plan, escalation)
+    mass, mass_up = torch.ones(1, 4, device="cuda"), torch.zeros(1, 4, device="cuda")
+    one, two = build_index_pair_gpu(q, k, plan, up, scale=0.125, mass_out=mass, escalated_mass_out=mass_up)
+    # between the two weakest vertical-slash heads' masses (0.970 and 0.984 on the CPU): the weakest is taken
+    weakest = mass[0, [0, 1, 3]].sort().values
+    threshold = float(weakest[:2].mean())
+    want = dense.take_index(one, two, mass < threshold)
+    got, taken = build_index_escalated_gpu(q, k, plan, up, scale=0.125, take_below=threshold,
+                                           mass_out=torch.ones(1, 4, device="cuda"),
+                                           escalated_mass_out=torch.zeros(1, 4, device="cuda"))
+    vs = torch.tensor([True, True, False, True], device="cuda")
+    assert bool(taken[:, vs].any()), "the premise: some vertical-slash head is weak at these budgets"
+    for name in ("block_count", "col_count", "block_start", "col_index"):
+        same = getattr(got, name) == getattr(want, name)
+        if name in ("block_start", "col_index"):
+            same = same | ~vs[None, :, None, None]
+        assert bool(same.all()), name
+    args = (None, None, 0.125, 0, 0, *plan.op_arguments(), 0, threshold, -1, *escalation)
+    got_out = OP(q, k, v, *args)
+    want_out = OP(q.cpu().float(), k.cpu().float(), v.cpu().float(), *args)
+    assert _rel(got_out.float().cpu(), want_out) < 1e-2
+    static = [t.clone() for t in (q, k, v)]
+    OP(*static, *args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OP(*static, *args)
+    q2, k2, v2 = family_qkv("scattered", 4096, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16,
+                            seed=4)
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, OP(q2, k2, v2, *args))
+
+
 def test_padded_op_runs_dense_heads_in_the_kernel_matches_the_cpu_op_and_captures():
     """In a padded batch the plan's dense heads join the kernel's dense walk (SDPA would read a materialised
     mask): the GPU op equals the CPU op (the reference with the same run-time rules) on a left-padded batch,

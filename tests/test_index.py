@@ -368,3 +368,41 @@ def test_the_index_pair_equals_two_builds_from_one_estimate(masked):
     assert (masses[0][:, :2] < 1).all() and (masses[1][:, 0] > masses[0][:, 0]).all()
     with pytest.raises(ValueError, match="escalated plan lists exactly the plan's vertical-slash heads"):
         build_index_pair_gpu(q, k, plan, plan, scale=0.25)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_escalated_index_is_the_pair_with_the_weak_rows_taken_and_nothing_copied(masked):
+    """build_index_escalated_gpu writes the escalation's rows over the weak vertical-slash rows of one index sized
+    for both plans: what the guard took from the pair with dense.take_index before, every slot and count alike
+    (the taken rows' old slots padded again), and the escalated rows' mass. A weak block-sparse row lists
+    nothing, as take_index gave it; only its slots past that count may differ."""
+    from minference_fx import dense
+    from minference_fx.kernels.index import build_index_escalated_gpu, build_index_pair_gpu
+    from minference_fx.plan import escalated_plan
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 400, 16, generator=g), torch.randn(2, 2, 400, 16, generator=g)
+    plan = plan_of((VS, 30, 100), (BS, 3), (VS, 64, 150), (ASHAPE, 16, 64))
+    up = escalated_plan(plan, (96, 250))
+    kw = {"key_mask": torch.arange(400)[None].expand(2, -1) >= torch.tensor([[0], [70]])} if masked else {}
+    mass, mass_up = torch.ones(2, 4), torch.zeros(2, 4)
+    one, two = build_index_pair_gpu(q, k, plan, up, scale=0.25, mass_out=mass, escalated_mass_out=mass_up, **kw)
+    # a threshold between the rows' masses, so that some rows are taken and some are not
+    threshold = float(mass[:, :3].flatten().sort().values[3])
+    taken_want = mass < threshold
+    assert taken_want[:, [0, 2]].any() and (~taken_want[:, [0, 2]]).any()
+    want = dense.take_index(one, two, taken_want)
+    got_mass, got_mass_up = torch.ones(2, 4), torch.zeros(2, 4)
+    got, taken = build_index_escalated_gpu(q, k, plan, up, scale=0.25, take_below=threshold, mass_out=got_mass,
+                                           escalated_mass_out=got_mass_up, **kw)
+    assert torch.equal(taken, taken_want) and torch.equal(got_mass, mass)
+    vs = torch.tensor([True, False, True, False])
+    for name in ("block_count", "col_count", "block_start", "col_index"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape, name
+        same = a == b
+        if name in ("block_start", "col_index"):
+            same = same | ~vs[None, :, None, None]  # the block-sparse row's slots past its count of 0 are free
+        assert bool(same.all()), name
+    assert torch.equal(got.block_count[:, 1][taken[:, 1]], torch.zeros_like(got.block_count[:, 1][taken[:, 1]]))
+    assert torch.equal(got_mass_up[taken & vs], mass_up[taken & vs])

@@ -49,7 +49,8 @@ from minference_fx.kernels import fit
 from minference_fx.kernels.tables import int_table
 from minference_fx.plan import LayerPlan, Pattern
 
-__all__ = ["build_index_gpu", "vs_estimate", "index_capacity", "index_start_dtype", "index_bytes"]
+__all__ = ["build_index_gpu", "build_index_pair_gpu", "build_index_escalated_gpu", "vs_estimate", "index_capacity",
+           "index_start_dtype", "index_bytes"]
 
 # Keys per program of the row-statistics pass: long prompts get many programs,
 # short ones one per head.
@@ -65,6 +66,8 @@ _KEY_VEC = 1024
 _BS_CHUNK_ELEMS = 1 << 25
 # Above any real pooled score, and 1/N apart stays distinct in fp32 for N < 2**22 key tiles.
 _FORCED_SCORE = 1e30
+# the padding of block starts, as the kernels store it (a JIT function reads only constexpr globals)
+_NO_BLOCK = tl.constexpr(NO_BLOCK)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -404,16 +407,17 @@ def _diag_blocks_kernel(SORTED, BLOCKS, COUNT, COVER, skv, n_sorted, cap, BLOCK_
 @triton.jit(do_not_specialize=["n_vs", "hq", "m_tiles", "sq", "skv", "q_offset", "cap", "n_cols", "tile_cap",
                                "col_cap"])
 def _vs_to_blocks_kernel(
-    BLOCKS, N_BLOCKS, COVER, COLS, HEADS, OUT,
+    BLOCKS, N_BLOCKS, COVER, COLS, HEADS, OUT, TAKE,
     n_vs, hq, m_tiles, sq, skv, q_offset, cap, n_cols, tile_cap, col_cap,
-    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_TAKE: tl.constexpr,
 ):
     """One (query tile, vertical-slash head) of the index: its block starts and leftover columns, written into
     ``OUT = (BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT)`` (the index's tables, in :class:`SparseIndex` order).
 
     The tile reads the head's blocks with offsets in ``lo - min(hi, skv - 1) .. lo + 63`` (those holding a key it
     can read), from the largest offset (the lowest keys) down, so the starts come out ascending (but for one
-    before key 0)."""
+    before key 0). With ``HAS_TAKE`` only the (batch, head) rows ``TAKE`` ([B, Hq] int8) marks are written, over a
+    row another pass wrote: their slots past the new counts are padded again, as a fresh index's."""
     BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT = OUT
     m = tl.program_id(0)
     slot_row = tl.program_id(1)
@@ -424,6 +428,11 @@ def _vs_to_blocks_kernel(
     out_row = (b.to(tl.int64) * hq + h) * m_tiles + m
     blocks = BLOCKS + slot_row.to(tl.int64) * cap
     n_blocks = tl.load(N_BLOCKS + slot_row)
+    if HAS_TAKE:  # a row left out reads no block and no column, so it stores nothing
+        taken = tl.load(TAKE + b.to(tl.int64) * hq + h) != 0
+        n_blocks = tl.where(taken, n_blocks, 0)
+    else:
+        taken = True
     first = _count_below(blocks, n_blocks, lo - tl.minimum(hi, skv - 1))
     stop = _count_below(blocks, n_blocks, lo + BLOCK_K)
     n = stop - first
@@ -434,14 +443,18 @@ def _vs_to_blocks_kernel(
         x = tl.load(blocks + stop - 1 - t, mask=t < n, other=0)
         dest = tl.where(wraps, tl.where(t == 0, n - 1, t - 1), t)
         tl.store(BLOCK_START + out_row * tile_cap + dest, lo - x, mask=(t < n) & (dest < tile_cap))
-    tl.store(BLOCK_CNT + out_row, tl.minimum(n, tile_cap))
+    if HAS_TAKE:
+        for t0 in tl.range(tl.where(taken, n, tile_cap), tile_cap, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tl.store(BLOCK_START + out_row * tile_cap + t, tl.full([BLOCK_T], _NO_BLOCK, tl.int32), mask=t < tile_cap)
+    tl.store(BLOCK_CNT + out_row, tl.minimum(n, tile_cap), mask=taken)
 
     # leftover columns: the selected ones (ascending) up to hi, in no block of the tile
     cols = COLS + slot_row.to(tl.int64) * n_cols
     cover_len = _cover_len(skv, BLOCK_K)
     cover = COVER + slot_row.to(tl.int64) * cover_len
     ccount = 0
-    col_end = _count_below(cols, n_cols, hi + 1)
+    col_end = tl.where(taken, _count_below(cols, n_cols, hi + 1), 0)
     for c0 in tl.range(0, col_end, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         j = tl.load(cols + c, mask=c < col_end, other=skv)
@@ -452,7 +465,11 @@ def _vs_to_blocks_kernel(
         dest = ccount + tl.cumsum(keep_i, 0) - 1
         tl.store(COL_IDX + out_row * col_cap + dest, j, mask=keep & (dest < col_cap))
         ccount += tl.sum(keep_i, 0)
-    tl.store(COL_CNT + out_row, tl.minimum(ccount, col_cap))
+    if HAS_TAKE:
+        for c0 in tl.range(tl.where(taken, tl.minimum(ccount, col_cap), col_cap), col_cap, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            tl.store(COL_IDX + out_row * col_cap + c, tl.full([BLOCK_C], -1, tl.int32), mask=c < col_cap)
+    tl.store(COL_CNT + out_row, tl.minimum(ccount, col_cap), mask=taken)
 
 
 def _vs_budgets(vs_plans, skv: int) -> tuple[list[int], list[int]]:
@@ -494,9 +511,11 @@ def _first_picks_ascending(top: torch.Tensor, budgets: list[int], skv: int) -> t
     return top.to(torch.int32).sort(dim=-1).values.contiguous()
 
 
-def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset):
+def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset, take=None):
     """Write the tiles and columns of the vertical-slash heads ``heads`` at the budgets of ``vs_plans`` into
-    ``out``, from their estimate's picks (:func:`_vs_picks`, at no smaller budgets)."""
+    ``out``, from their estimate's picks (:func:`_vs_picks`, at no smaller budgets). ``take``: optional bool
+    ``[B, Hq]`` on the device; only its marked rows are written (over what ``out`` holds), the others left as
+    they are."""
     B, Hq, sq, _ = q.shape
     skv = k.shape[2]
     dev = q.device
@@ -512,12 +531,13 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     cover = torch.zeros(B, n_vs, skv + 2 * BLOCK, dtype=torch.int8, device=dev)  # _cover_len
     _diag_blocks_kernel[(B * n_vs,)](picked, blocks, n_blocks, cover, skv, picked.shape[-1], cap, BLOCK_K=BLOCK,
                                      **fit.COMPILE_OPTIONS)
+    take_t = take.to(torch.int8).contiguous() if take is not None else heads  # heads: any pointer
     _vs_to_blocks_kernel[(m_tiles, B * n_vs)](
         blocks, n_blocks, cover, cols, heads,
-        (out.block_start, out.block_count, out.col_index, out.col_count),
+        (out.block_start, out.block_count, out.col_index, out.col_count), take_t,
         n_vs, Hq, m_tiles, sq, skv, q_offset, cap, cols.shape[-1],
         out.block_start.shape[-1], out.col_index.shape[-1],
-        BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC, **fit.COMPILE_OPTIONS,
+        BLOCK_K=BLOCK, BLOCK_T=_TILE_VEC, BLOCK_C=_COL_VEC, HAS_TAKE=take is not None, **fit.COMPILE_OPTIONS,
     )
 
 
@@ -759,11 +779,28 @@ def build_index_pair_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, scale, 
                   window=window, mass_out=mass_out, escalated_mass_out=escalated_mass_out)
 
 
-def _empty_index(q, k, plan: LayerPlan) -> SparseIndex:
+def build_index_escalated_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, scale, take_below: float,
+                              mass_out: torch.Tensor, escalated_mass_out: torch.Tensor, key_mask=None, doc_ids=None,
+                              q_offset=0, window=0) -> tuple[SparseIndex, torch.Tensor]:
+    """The guard's escalation in one index: :func:`build_index_gpu` of ``plan``, whose vertical-slash rows that
+    capture less than ``take_below`` of the estimated mass (``mass_out``) are written over with ``escalated``'s
+    (:func:`build_index_pair_gpu`'s second index), in place. Both tables are sized for the wider of the two plans,
+    so nothing is padded or copied: :func:`minference_fx.dense.take_index` of the pair, less its copies (at 128K
+    on Qwen2.5-Coder's plans the copies and fills were about half the index's device time). A weak row the
+    escalation does not list (block-sparse) keeps its own. ``escalated_mass_out`` receives the guard's estimate
+    of the rows taken (others: left as they are). Returns the index and the rows taken, ``[B, Hq]`` bool."""
+    return _build(q, k, plan, escalated, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset,
+                  window=window, mass_out=mass_out, escalated_mass_out=escalated_mass_out, take_below=take_below)
+
+
+def _empty_index(q, k, plan: LayerPlan, wider: LayerPlan | None = None) -> SparseIndex:
+    """A fresh index for ``plan`` (every slot padded), with room for ``wider``'s rows too when given."""
     B, Hq, sq, _ = q.shape
     skv, dev = k.shape[2], q.device
     m_tiles = _cdiv(sq, BLOCK)
     tile_cap, col_cap = index_capacity(plan, skv)
+    if wider is not None:
+        tile_cap, col_cap = (max(a, b) for a, b in zip((tile_cap, col_cap), index_capacity(wider, skv)))
     return SparseIndex(
         block_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
         block_start=torch.full((B, Hq, m_tiles, tile_cap), NO_BLOCK, dtype=index_start_dtype(skv), device=dev),
@@ -773,7 +810,9 @@ def _empty_index(q, k, plan: LayerPlan) -> SparseIndex:
 
 
 def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offset, window, mass_out,
-           escalated_mass_out=None) -> tuple[SparseIndex, SparseIndex | None]:
+           escalated_mass_out=None, take_below=None) -> tuple:
+    """The index of ``plan`` and, with ``escalated``: that plan's index too (a pair), or with ``take_below`` the
+    rows of it that :func:`build_index_escalated_gpu` takes, written into the first (the index and those rows)."""
     check_index_inputs(q, k, plan)
     skv = k.shape[2]
     q_offset, window = int(q_offset), int(window)
@@ -786,10 +825,14 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
         if listed != [h for h, _ in vs] or not as_vs:
             raise ValueError("an escalated plan lists exactly the plan's vertical-slash heads, as vertical-slash; "
                              f"got {escalated} for {plan}")
-    out = _empty_index(q, k, plan)
-    out_up = _empty_index(q, k, escalated) if escalated is not None else None
+    merge = take_below is not None
+    if merge and (escalated is None or mass_out is None or escalated_mass_out is None):
+        raise ValueError("take_below needs an escalated plan, mass_out and escalated_mass_out")
+    out = _empty_index(q, k, plan, escalated if merge else None)
+    out_up = _empty_index(q, k, escalated) if escalated is not None and not merge else None
+    taken = torch.zeros(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device) if merge else None
     if out.block_count.shape[-1] == 0 or skv == 0:
-        return out, out_up
+        return out, taken if merge else out_up
     first_key = first_kept_keys(key_mask, q.device)  # once for both patterns
     # One estimate of the last rows serves the vertical-slash picks and the guard's mass of every head it checks:
     # the vertical-slash heads first, then, for the guard only, the block-sparse ones (their picks come from
@@ -806,12 +849,24 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
         picks = _vs_picks(vertical[:, :n_vs], slash_parts[:, :, :n_vs], max(n_cols), max(n_diags),
                           key_mask=key_mask, first_key=first_key)
         del slash_parts
-        for vs_plans, index in zip(plans, (out, out_up)):
-            _vs_tiles(q, k, picks, heads[:n_vs], vs_plans, index, q_offset=q_offset)
-        if escalated_mass_out is not None:
-            _last_tile_mass(vertical[:, :n_vs], heads[:n_vs], out_up, escalated_mass_out, q.shape[2])
+        _vs_tiles(q, k, picks, heads[:n_vs], plans[0], out, q_offset=q_offset)
+        if out_up is not None:
+            _vs_tiles(q, k, picks, heads[:n_vs], plans[1], out_up, q_offset=q_offset)
+            if escalated_mass_out is not None:
+                _last_tile_mass(vertical[:, :n_vs], heads[:n_vs], out_up, escalated_mass_out, q.shape[2])
     if bs:
         _bs_index(q, k, [h for h, _ in bs], [hp for _, hp in bs], out, q_offset=q_offset, first_key=first_key)
     if mass_out is not None and estimated:
         _last_tile_mass(vertical, heads, out, mass_out, q.shape[2])
-    return out, out_up
+    if not merge:
+        return out, out_up
+    # the weak rows, decided on the device; the kernel writes the vertical-slash ones (the escalation lists no other)
+    taken = mass_out < take_below
+    if vs:
+        _vs_tiles(q, k, picks, heads[:n_vs], plans[1], out, q_offset=q_offset, take=taken)
+        _last_tile_mass(vertical[:, :n_vs], heads[:n_vs], out, escalated_mass_out, q.shape[2])
+    if bs:
+        # a weak block-sparse row takes the escalation's empty row, as take_index gives it: no tile is listed
+        is_bs = int_table([hp.pattern is Pattern.BLOCK_SPARSE for hp in plan.heads], q.device).bool()
+        out.block_count.masked_fill_((taken & is_bs)[..., None], 0)
+    return out, taken
