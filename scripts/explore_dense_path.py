@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="8k,32k")
     ap.add_argument("--out")
     args = ap.parse_args()
+    torch.cuda.init()  # torch sets its default SDPA order for the device when CUDA starts (cuDNN first on an H100)
     order = getattr(torch._C, "_get_sdp_priority_order", lambda: [])()
     found = dict(priority=[str(b) for b in order], gpu=torch.cuda.get_device_name(),
                  torch=torch.__version__, cudnn=torch.backends.cudnn.version(), rows=[])
