@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .call_masks import CallMasks
 from .kernels import attend, guard
@@ -123,13 +124,39 @@ def repeats_kv_heads(q, group: int) -> bool:
     return group > 1 and q.is_cuda and q.dtype == torch.float32
 
 
+@functools.lru_cache(maxsize=16)
+def _cudnn_first_device(device: torch.device) -> bool:
+    # Hopper: where cuDNN's kernel was measured against flash (H100, 2026-12-06: 5.1 against 10.0 ms at 32K on
+    # Qwen2.5-Coder's shape, 90 against 163 ms at 128K; results/explore_dense_path_h100_2026-12-06.json)
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def runs_cudnn(q, k, v, *, causal: bool, gqa: bool) -> bool:
+    """Whether :func:`fused_sdpa` asks for cuDNN's kernel alone: on Hopper, where torch says cuDNN takes the call.
+
+    SDPA otherwise picks its backend by a process-wide order that torch sets lazily at the first SDPA call; a
+    ``sdpa_kernel(..., set_priority=True)`` block entered before that call restores the unset order, flash first, on
+    exit, for the rest of the process. The compiled model then ran the op's dense SDPA through flash at twice
+    cuDNN's time (results/explore_op_host_h100_2026-12-06_32k_block.json; ``bench breakdown`` times eager in such
+    a block). Only the enabled flags are switched here, and restored as they were; a backend the user disabled
+    stays so (torch's check then says no)."""
+    if not q.is_cuda or not _cudnn_first_device(q.device):
+        return False
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, gqa)
+    return torch.backends.cuda.can_use_cudnn_attention(params, False)
+
+
 def fused_sdpa(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
-    """SDPA with no mask, grouped KV heads included, on a kernel that builds no score matrix."""
+    """SDPA with no mask, grouped KV heads included, on a kernel that builds no score matrix (cuDNN's on Hopper:
+    :func:`runs_cudnn`)."""
     group = q.shape[1] // k.shape[1]
     if repeats_kv_heads(q, group):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         group = 1
     # no .contiguous(): the op returns SDPA's token-major layout as it comes (attend.as_output)
+    if runs_cudnn(q, k, v, causal=causal, gqa=group > 1):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1)
 
 

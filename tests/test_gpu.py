@@ -272,6 +272,39 @@ def test_the_guards_escalation_matches_the_cpu_op_lists_the_pairs_rows_and_captu
     torch.testing.assert_close(out, OP(q2, k2, v2, *args))
 
 
+def test_the_dense_path_runs_cudnn_on_hopper_whatever_order_a_priority_block_left():
+    """A sdpa_kernel(..., set_priority=True) block can leave SDPA's order flash first for the rest of a process
+    (torch sets its cuDNN-first default lazily): the op's fused SDPA still runs cuDNN on Hopper, with the result
+    SDPA gives under cuDNN alone, and a backend the user disabled stays disabled."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from minference_fx import dense
+    from minference_fx.autotune.workload import structured_qkv
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuDNN is asked for on Hopper only")
+    q, k, v = structured_qkv(4096, num_q_heads=12, num_kv_heads=2, head_dim=128, seed=1)
+
+    def sdpa_ops(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+            torch.cuda.synchronize()
+        return out, {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+
+    flash_first = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+                   SDPBackend.CUDNN_ATTENTION]
+    op_path = lambda: dense.fused_sdpa(q, k, v, causal=True, scale=128 ** -0.5)  # noqa: E731
+    with sdpa_kernel(flash_first, set_priority=True):
+        got, ops = sdpa_ops(op_path)
+    assert ops == {"aten::_scaled_dot_product_cudnn_attention"}
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=128 ** -0.5, enable_gqa=True)
+    assert torch.equal(got, want)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        _, ops = sdpa_ops(op_path)
+    assert ops == {"aten::_scaled_dot_product_flash_attention"}
+
+
 def test_padded_op_runs_dense_heads_in_the_kernel_matches_the_cpu_op_and_captures():
     """In a padded batch the plan's dense heads join the kernel's dense walk (SDPA would read a materialised
     mask): the GPU op equals the CPU op (the reference with the same run-time rules) on a left-padded batch,

@@ -45,6 +45,19 @@ def test_only_float32_grouped_heads_on_cuda_repeat_their_kv_heads(is_cuda, dtype
     assert repeats_kv_heads(SimpleNamespace(is_cuda=is_cuda, dtype=dtype), group) is repeats
 
 
+def test_cudnn_is_asked_for_only_on_a_gpu_and_the_cpu_keeps_sdpa_as_it_picks(monkeypatch):
+    """dense.runs_cudnn asks for cuDNN's kernel on Hopper only (GPU test: whatever order a priority block left); on
+    the CPU it says no before it asks the device anything, and fused SDPA runs as before."""
+    from minference_fx import dense
+
+    q, k, v = _qkv(sq=64, skv=64)
+    asked = []
+    monkeypatch.setattr(dense, "_cudnn_first_device", lambda device: asked.append(device) or True)
+    assert not dense.runs_cudnn(q, k, v, causal=True, gqa=True) and not asked
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(dense.fused_sdpa(q, k, v, causal=True, scale=0.25), want)
+
+
 def test_repeated_kv_heads_pair_each_query_head_with_its_group(monkeypatch):
     """The repeating branch (CUDA float32 only) taken on the CPU: each query head reads its own group's KV head, as
     ``enable_gqa`` pairs them, in a prefill and in a decode step."""
