@@ -787,8 +787,10 @@ def build_index_escalated_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, sc
     (:func:`build_index_pair_gpu`'s second index), in place. Both tables are sized for the wider of the two plans,
     so nothing is padded or copied: :func:`minference_fx.dense.take_index` of the pair, less its copies (at 128K
     on Qwen2.5-Coder's plans the copies and fills were about half the index's device time). A weak row the
-    escalation does not list (block-sparse) keeps its own. ``escalated_mass_out`` receives the guard's estimate
-    of the rows taken (others: left as they are). Returns the index and the rows taken, ``[B, Hq]`` bool."""
+    escalation does not list (block-sparse) lists nothing, as ``take_index`` gives it (only its slots past that
+    count of 0 keep what they held). ``escalated_mass_out`` receives, for every vertical-slash head, the guard's
+    estimate over its row as it now stands: the escalated rows' for those taken, the plan's for the others (other
+    heads: left as they are). Returns the index and the rows taken (every weak row), ``[B, Hq]`` bool."""
     return _build(q, k, plan, escalated, scale=scale, key_mask=key_mask, doc_ids=doc_ids, q_offset=q_offset,
                   window=window, mass_out=mass_out, escalated_mass_out=escalated_mass_out, take_below=take_below)
 
