@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -153,11 +154,11 @@ def fused_sdpa(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
     if repeats_kv_heads(q, group):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         group = 1
-    # no .contiguous(): the op returns SDPA's token-major layout as it comes (attend.as_output)
-    if runs_cudnn(q, k, v, causal=causal, gqa=group > 1):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1)
+    gqa = group > 1
+    backend = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if runs_cudnn(q, k, v, causal=causal, gqa=gqa) else nullcontext()
+    with backend:
+        # no .contiguous(): the op returns SDPA's token-major layout as it comes (attend.as_output)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def masked_sdpa(q, k, v, masks: CallMasks, scale: float) -> torch.Tensor:

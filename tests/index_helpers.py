@@ -121,3 +121,16 @@ def assert_no_near_tie(q, k, plan, scale, key_mask=None, doc_ids=None, q_offset=
                 free = allowed & ~forced
                 want = max(min(hp.budget_a, int(allowed.sum())), int(forced.sum())) - int(forced.sum())
                 _cut_ok(score[:, m, free], want, f"block scores of head {h}, tile {m}")
+
+
+def assert_lists_as_taken(got, want, vs_heads: torch.Tensor) -> None:
+    """``got`` (index.build_index_escalated_gpu) equals ``want`` (dense.take_index of the pair) slot for slot, but
+    for the slots of rows that are not vertical-slash (``vs_heads``, [Hq] bool): a weak block-sparse row lists
+    nothing in both, and its slots past that count of 0 are free."""
+    for name in ("block_count", "col_count", "block_start", "col_index"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape, name
+        same = a == b
+        if name in ("block_start", "col_index"):
+            same = same | ~vs_heads[None, :, None, None]
+        assert bool(same.all()), name
