@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from minference_fx import cost, routing
 from minference_fx.autotune import dispatch
 from minference_fx.call_masks import CallMasks
+from minference_fx.dense import fused_sdpa
 from minference_fx.kernels import reference
 from minference_fx.kernels.attend import is_output_layout, rows_need_int64, sparse_attention_triton
 from minference_fx.kernels.index import build_index_gpu
@@ -520,8 +521,6 @@ def test_near_dense_heads_run_dense_decided_at_replay_in_a_cuda_graph():
     heads through the dense walk, so it matches cuDNN's dense attention. The choice is made on the device:
     a graph captured on structured inputs (sparse) replays diffuse ones dense, and structured ones again
     sparse, equal to the op called outside the graph."""
-    import torch.nn.functional as F
-
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
 
@@ -560,8 +559,6 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     whose own index is sparse. The first of them skips the index (every head routed), the second checks it
     (``recheck_every`` 2 here), so the call after that routes only the heads it found near-dense. A CUDA
     graph captured on a routed site reads and queues nothing while capturing and replays the routed path."""
-    import torch.nn.functional as F
-
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
 
@@ -580,7 +577,7 @@ def test_heads_dense_at_a_sites_previous_call_are_routed_to_sdpa_without_a_sync(
     q, k, v = structured
     near = guard.near_dense(build_index_gpu(q, k, plan, scale=scale), n, n, 0)[0].tolist()
     assert not all(near)
-    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    dense = fused_sdpa(q, k, v, causal=True, scale=scale)  # the call routed heads run: cuDNN on Hopper
     unrouted = OP(q, k, v, None, None, *args)
     assert not torch.equal(unrouted, dense)  # structured inputs alone run (partly) sparse
     routed = OP(q, k, v, None, None, *args, site)
@@ -610,8 +607,6 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
     at least that share route at the next call and equal cuDNN there, the others
     keep their index; a CUDA graph of that call replays the same. The layer is cheaper mixed (a free index), so
     it is not routed whole."""
-    import torch.nn.functional as F
-
     from minference_fx.cost import WalkCost
     from minference_fx.autotune.workload import structured_qkv
     from minference_fx.kernels import guard
@@ -630,7 +625,7 @@ def test_heads_the_cost_model_finds_slower_walked_are_routed_and_a_capture_repla
     OP(q, k, v, None, None, *args, site)
     torch.cuda.synchronize()
     assert routing.ROUTER.routed_heads(site, 8, q.device) == costly
-    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    dense = fused_sdpa(q, k, v, causal=True, scale=scale)  # the call routed heads run: cuDNN on Hopper
     routed = OP(q, k, v, None, None, *args, site)
     cheap = [h for h in range(8) if h not in costly]
     torch.testing.assert_close(routed[:, list(costly)], dense[:, list(costly)])
@@ -666,8 +661,6 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
     row it runs cuDNN without the mask, then the row again in the masked dense walk, and equals masked dense
     attention (rows that see no key 0); a CUDA graph of that call replays it. So whether the call builds the
     index (``sparse_on_gpu``) or skips it (``dense.every_head_routed``)."""
-    import torch.nn.functional as F
-
     from minference_fx.autotune.workload import structured_qkv
 
     monkeypatch.setattr(routing.ROUTER, "recheck_every", recheck_every)
@@ -690,7 +683,7 @@ def test_routed_heads_under_a_padding_mask_run_sdpa_then_the_padded_row_masked_a
 
     q, k, v = structured_qkv(n, num_q_heads=8, num_kv_heads=2, head_dim=128, seed=1)
     route_all()
-    unmasked = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    unmasked = fused_sdpa(q, k, v, causal=True, scale=scale)  # the call routed heads run: cuDNN on Hopper
     assert torch.equal(OP(q, k, v, ones, None, *args, site), unmasked)  # the whole layer in one cuDNN call
 
     allowed = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()[None, None] & key_mask[:, None, None, :]
