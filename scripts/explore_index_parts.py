@@ -2,7 +2,7 @@
 
 usage: python scripts/explore_index_parts.py [--config configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json]
                                              [--lengths 32k,128k] [--families structured] [--old-index PATH]
-                                             [--out PATH]
+                                             [--old-escalation pair|own] [--reps N] [--out PATH]
 
 ``bench breakdown`` on Qwen2.5-Coder-1.5B (H100, 2026-12-06) found the index at 19 % of the compiled forward at 32K
 (2.1 ms a layer on average against 5.1 ms for the layer's dense attention) and 10 % at 128K. This takes it apart on synthetic
@@ -45,7 +45,7 @@ def layer_plans(config, length: int) -> list:
             for plan in plans]
 
 
-def parts(q, k, plans, threshold: float) -> tuple:
+def parts(q, k, plans, threshold: float, reps: int = 3) -> tuple:
     """({variant: ms over every layer's plan}, a run of the escalated variant over them for the profiler)."""
     scale = q.shape[-1] ** -0.5
     masks = CallMasks(None, None, 0, 0)
@@ -61,7 +61,7 @@ def parts(q, k, plans, threshold: float) -> tuple:
         "index + guard mass": lambda plan, up: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, None),
         "index + guard + escalation": lambda plan, up: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up),
     }
-    return {name: event_ms(every_layer(fn), reps=3) for name, fn in variants.items()}, every_layer(
+    return {name: event_ms(every_layer(fn), reps=reps) for name, fn in variants.items()}, every_layer(
         variants["index + guard + escalation"])
 
 
@@ -83,11 +83,12 @@ def pair_then_take(module):
     return build
 
 
-def through(module, run):
+def through(module, run, escalation: str = "pair"):
     """``run`` with the op's path building its index through ``module`` (another index.py, or this one), its
-    escalation by :func:`pair_then_take`."""
+    escalation by :func:`pair_then_take` (``escalation`` "pair") or by the module's own one-index escalation ("own")."""
     saved = sparse_path.build_index_gpu, sparse_path.build_index_escalated_gpu
-    sparse_path.build_index_gpu, sparse_path.build_index_escalated_gpu = module.build_index_gpu, pair_then_take(module)
+    escalated = module.build_index_escalated_gpu if escalation == "own" else pair_then_take(module)
+    sparse_path.build_index_gpu, sparse_path.build_index_escalated_gpu = module.build_index_gpu, escalated
     try:
         return run()
     finally:
@@ -102,14 +103,14 @@ def listed(index) -> list[torch.Tensor]:
             within(index.col_index, index.col_count)]
 
 
-def same_index(q, k, plans, threshold: float, module) -> bool:
+def same_index(q, k, plans, threshold: float, module, escalation: str = "pair") -> bool:
     """Whether the escalated path lists the same keys and gives the same verdicts through ``module`` as through this
     tree's."""
     scale = q.shape[-1] ** -0.5
     masks = CallMasks(None, None, 0, 0)
     for plan, up in plans:
         new = guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up)
-        old = through(module, lambda: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up))
+        old = through(module, lambda: guarded_index_on_gpu(q, k, plan, scale, masks, threshold, up), escalation)
         if not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(listed(new.index), listed(old.index))):
             return False
         if not torch.equal(new.weak, old.weak):
@@ -117,7 +118,9 @@ def same_index(q, k, plans, threshold: float, module) -> bool:
     return True
 
 
-def kernel_table(run, top: int = 25) -> list[dict]:
+def kernel_table(run, top: int = 25) -> tuple[list[dict], int]:
+    """The ``top`` kernels of one ``run`` by CUDA time, and the count of every device activity it launched (kernels,
+    memsets, copies): what bounds the index by the host where its kernels are short."""
     run()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -128,7 +131,7 @@ def kernel_table(run, top: int = 25) -> list[dict]:
         ms = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1000
         if ms > 0:
             rows.append(dict(kernel=event.key[:90], calls=event.count, ms=round(ms, 3)))
-    return sorted(rows, key=lambda r: -r["ms"])[:top]
+    return sorted(rows, key=lambda r: -r["ms"])[:top], sum(r["calls"] for r in rows)
 
 
 def main() -> None:
@@ -137,6 +140,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="32k,128k")
     ap.add_argument("--families", default="structured")
     ap.add_argument("--old-index")
+    ap.add_argument("--old-escalation", choices=["pair", "own"], default="pair",
+                    help="the old index's escalation: two indexes then take_index (as before 2026-12-06), or its own")
+    ap.add_argument("--reps", type=int, default=3, help="timed passes over the layers, their median reported")
     ap.add_argument("--out")
     args = ap.parse_args()
     config = load_config(args.config)
@@ -147,20 +153,24 @@ def main() -> None:
         for length in parse_lengths(args.lengths):
             q, k, _ = family_qkv(family, length, **QWEN_SHAPE)
             plans = layer_plans(config, length)
-            times, escalated_run = parts(q, k, plans, threshold)
-            table = kernel_table(escalated_run)
+            times, escalated_run = parts(q, k, plans, threshold, args.reps)
+            table, launches = kernel_table(escalated_run)
             print(f"\n{family} {length}: {len(plans)} layers, guard {threshold}, escalation {config.guard_escalation}")
             for name, ms in times.items():
                 print(f"  {name:<30} {ms:8.2f} ms  ({ms / len(plans):.3f} a layer)")
+            print(f"  device activities launched by the escalated pass: {launches}")
             print(f"  {'kernel':<90} {'calls':>6} {'ms':>9}")
             for row in table:
                 print(f"  {row['kernel']:<90} {row['calls']:>6} {row['ms']:>9.3f}")
-            run = dict(family=family, length=length, layers=len(plans), times_ms=times, kernels=table)
+            run = dict(family=family, length=length, layers=len(plans), times_ms=times, kernels=table, launches=launches)
             if old is not None:
-                old_times, _ = through(old, lambda: parts(q, k, plans, threshold))
-                run.update(old_times_ms=old_times, same_index=same_index(q, k, plans, threshold, old))
+                old_times, old_run = through(old, lambda: parts(q, k, plans, threshold, args.reps), args.old_escalation)
+                _, old_launches = through(old, lambda: kernel_table(old_run), args.old_escalation)
+                run.update(old_times_ms=old_times, old_launches=old_launches,
+                           same_index=same_index(q, k, plans, threshold, old, args.old_escalation))
                 for name, ms in old_times.items():
                     print(f"  old index: {name:<30} {ms:8.2f} ms")
+                print(f"  old index: device activities launched by the escalated pass: {old_launches}")
                 print(f"  same index and verdicts as the old: {run['same_index']}")
             found.append(run)
             del q, k

@@ -96,6 +96,13 @@ def test_odd_lengths(s):
     assert_matches_reference(q, k, plan_of((VS, 30, 50), (BS, 2), (VS, 64, 10), (ASHAPE, 4, 16)))
 
 
+def test_an_odd_count_of_rank_keys():
+    # B x vertical-slash heads x Skv odd: the diagonals' rank keys start one slot past the columns' (16-byte
+    # aligned), and the one top-k over both kinds reads them through strides
+    q, k = rand_qk(1, 3, 1, 129, 129, 16, seed=129)
+    assert_matches_reference(q, k, plan_of((VS, 30, 50), (BS, 2), (DENSE,)))
+
+
 @pytest.mark.parametrize("sq,skv", [(100, 356), (65, 200)], ids=["aligned", "unaligned"])
 def test_query_offset(sq, skv):
     # unaligned: q_offset 135 puts each query tile across two key tiles, so diagonals hit two tiles

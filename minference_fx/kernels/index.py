@@ -28,6 +28,7 @@ from __future__ import annotations
 
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -479,41 +480,48 @@ def _vs_budgets(vs_plans, skv: int) -> tuple[list[int], list[int]]:
             [min(max(hp.budget_b, VS_MIN_DIAGONALS), skv) for hp in vs_plans])
 
 
-def _vs_picks(vertical, slash_parts, max_cols: int, max_diags: int, *, key_mask, first_key):
-    """Each vertical-slash head's best ``max_cols`` columns and ``max_diags`` diagonals, best first, from its raw
-    scores (:func:`_vs_scores`: ``vertical`` ``[B, n_vs, Skv]``, ``slash_parts`` ``[2, B, n_vs, Skv]``). The rank
-    keys are unique, so the first n picks are the picks at budget n: one estimate serves several budgets."""
+def _vs_picks(vertical, slash_parts, max_picks: int, *, key_mask, first_key) -> torch.Tensor:
+    """int64 ``[2, B, n_vs, max_picks]``: each vertical-slash head's best ``max_picks`` columns (row 0) and
+    diagonals (row 1), best first, from its raw scores (:func:`_vs_scores`: ``vertical`` ``[B, n_vs, Skv]``,
+    ``slash_parts`` ``[2, B, n_vs, Skv]``). The rank keys are unique, so the first n picks are the picks at budget
+    n: one estimate serves several budgets, and one top-k both kinds (its launches, a radix select of many small
+    kernels over 64-bit keys, bound the index by the host at 32K)."""
     B, n_vs, skv = vertical.shape
     # the rank kernel reads both as flat rows: with the guard's block-sparse rows after them, the slash halves
     # (and, past one batch row, the vertical scores) are strided slices, copied here (a few MB at 128K)
     vertical, slash_parts = vertical.contiguous(), slash_parts.contiguous()
-    key_v = torch.empty(B, n_vs, skv, dtype=torch.int64, device=vertical.device)
-    key_s = torch.empty_like(key_v)
     total = B * n_vs * skv
-    first_key = first_key.expand(B).contiguous() if key_mask is not None else key_v  # key_v: any pointer
-    _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](vertical, slash_parts, key_v, key_s, first_key, total, skv,
+    # the diagonals' keys start 16-byte aligned, as a tensor of their own would, so the rank kernel's pointers keep
+    # the specialisation they always had
+    second = total + total % 2
+    keys = torch.empty(second + total, dtype=torch.int64, device=vertical.device).as_strided(
+        (2, B, n_vs, skv), (second, n_vs * skv, skv, 1))
+    first_key = first_key.expand(B).contiguous() if key_mask is not None else keys  # keys: any pointer
+    _rank_keys_kernel[(_cdiv(total, _KEY_VEC),)](vertical, slash_parts, keys[0], keys[1], first_key, total, skv,
                                                  n_vs * skv, VS_FORCED_COLUMNS, VS_FORCED_DIAGONALS,
                                                  HAS_KEY_MASK=key_mask is not None, BLOCK=_KEY_VEC,
                                                  **fit.COMPILE_OPTIONS)
-    top_c = key_v.topk(max_cols, dim=-1, sorted=True).indices
-    del key_v
-    top_d = key_s.topk(max_diags, dim=-1, sorted=True).indices
-    return top_c, top_d
+    return keys.topk(max_picks, dim=-1, sorted=True).indices
 
 
-def _first_picks_ascending(top: torch.Tensor, budgets: list[int], skv: int) -> torch.Tensor:
-    """int32 ``[B, n_vs, max(budgets)]``: each head's first ``budgets[i]`` picks of ``top`` (best first),
-    ascending, then ``skv`` for the picks past its budget. One top-k at the largest budget serves them all."""
-    top = top[..., :max(budgets)]
-    if min(budgets) < max(budgets):
-        keep = torch.arange(max(budgets), device=top.device) < int_table(budgets, top.device)[:, None]
-        top = torch.where(keep, top, skv)
-    return top.to(torch.int32).sort(dim=-1).values.contiguous()
+def _ascending_picks(top: torch.Tensor, plans: list, skv: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each plan of ``plans`` (one vertical-slash :class:`HeadPlan` per estimated head), its columns and its
+    diagonals, int32 ``[B, n_vs, W]``: each head's first picks of ``top`` (:func:`_vs_picks`, best first) up to
+    its budget, ascending, then ``skv``. W is ``top``'s width (the largest budget of any plan and kind) rounded up to
+    a multiple of 4, so one sort serves them all; the tile kernels read ``skv`` as the end of a row's picks."""
+    _, _, n_vs, width = top.shape
+    if width % 4:  # every plan's and kind's rows then start 16-byte aligned, as the tensors they once were
+        top = F.pad(top, (0, 4 - width % 4), value=skv)
+        width = top.shape[-1]
+    budgets = [n for plan in plans for per_head in _vs_budgets(plan, skv) for n in per_head]
+    keep = torch.arange(width, device=top.device) < int_table(budgets, top.device).view(len(plans), 2, 1, n_vs, 1)
+    ascending = torch.where(keep, top, skv).to(torch.int32).sort(dim=-1).values  # [plans, 2, B, n_vs, W]
+    return [(ascending[i, 0], ascending[i, 1]) for i in range(len(plans))]
 
 
-def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset, take=None):
+def _vs_tiles(q, k, ascending: tuple, heads: torch.Tensor, vs_plans, out: SparseIndex, *, q_offset, take=None):
     """Write the tiles and columns of the vertical-slash heads ``heads`` at the budgets of ``vs_plans`` into
-    ``out``, from their estimate's picks (:func:`_vs_picks`, at no smaller budgets). ``take``: optional bool
+    ``out``, from their columns and diagonals at those budgets (:func:`_ascending_picks`). ``take``: optional bool
     ``[B, Hq]`` on the device; only its marked rows are written (over what ``out`` holds), the others left as
     they are."""
     B, Hq, sq, _ = q.shape
@@ -521,10 +529,8 @@ def _vs_tiles(q, k, picks: tuple, heads: torch.Tensor, vs_plans, out: SparseInde
     dev = q.device
     n_vs = len(vs_plans)
     m_tiles, n_tiles = _cdiv(sq, BLOCK), _cdiv(skv, BLOCK)
-    top_c, top_d = picks
-    n_cols, n_diags = _vs_budgets(vs_plans, skv)
-    cols = _first_picks_ascending(top_c, n_cols, skv)
-    picked = _first_picks_ascending(top_d, n_diags, skv)
+    cols, picked = ascending
+    _, n_diags = _vs_budgets(vs_plans, skv)
     cap = min(max(diagonal_block_bound(n) for n in n_diags), n_tiles + 1)
     blocks = torch.empty(B, n_vs, cap, dtype=torch.int32, device=dev)
     n_blocks = torch.empty(B, n_vs, dtype=torch.int32, device=dev)
@@ -717,8 +723,8 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
         n_cols = min(max(max(hp.budget_a, VS_MIN_COLUMNS) for hp in vs), skv)
         n_diags = min(max(max(hp.budget_b, VS_MIN_DIAGONALS) for hp in vs), skv)
         raw = 3 * rows * skv * 4  # vertical scores and the slash scores' two halves, alive throughout
-        # the worst moment: both int64 rank keys and the first top-k (int64 indices and values)
-        rank = rows * skv * 16 + rows * max(n_cols, n_diags) * 16
+        # the worst moment: both int64 rank keys and their one top-k (int64 indices and values, both rows)
+        rank = rows * skv * 16 + 2 * rows * max(n_cols, n_diags) * 16
         # later: the sorted columns and picks (int32, each beside its sort's copy), the blocks and the int8 map
         # of the offsets they cover
         tiles = rows * (2 * (n_cols + n_diags) * 4 + diagonal_block_bound(n_diags) * 4 + skv + 2 * BLOCK)
@@ -848,12 +854,14 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
         n_vs = len(vs)
         plans = [[hp for _, hp in vs]] + ([[escalated.heads[h] for h, _ in vs]] if escalated is not None else [])
         n_cols, n_diags = _vs_budgets([hp for p in plans for hp in p], skv)
-        picks = _vs_picks(vertical[:, :n_vs], slash_parts[:, :, :n_vs], max(n_cols), max(n_diags),
+        picks = _vs_picks(vertical[:, :n_vs], slash_parts[:, :, :n_vs], max(n_cols + n_diags),
                           key_mask=key_mask, first_key=first_key)
         del slash_parts
-        _vs_tiles(q, k, picks, heads[:n_vs], plans[0], out, q_offset=q_offset)
+        ascending = _ascending_picks(picks, plans, skv)
+        del picks
+        _vs_tiles(q, k, ascending[0], heads[:n_vs], plans[0], out, q_offset=q_offset)
         if out_up is not None:
-            _vs_tiles(q, k, picks, heads[:n_vs], plans[1], out_up, q_offset=q_offset)
+            _vs_tiles(q, k, ascending[1], heads[:n_vs], plans[1], out_up, q_offset=q_offset)
             if escalated_mass_out is not None:
                 _last_tile_mass(vertical[:, :n_vs], heads[:n_vs], out_up, escalated_mass_out, q.shape[2])
     if bs:
@@ -865,7 +873,7 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
     # the weak rows, decided on the device; the kernel writes the vertical-slash ones (the escalation lists no other)
     taken = mass_out < take_below
     if vs:
-        _vs_tiles(q, k, picks, heads[:n_vs], plans[1], out, q_offset=q_offset, take=taken)
+        _vs_tiles(q, k, ascending[1], heads[:n_vs], plans[1], out, q_offset=q_offset, take=taken)
         _last_tile_mass(vertical[:, :n_vs], heads[:n_vs], out, escalated_mass_out, q.shape[2])
     if bs:
         # a weak block-sparse row takes the escalation's empty row, as take_index gives it: no tile is listed
