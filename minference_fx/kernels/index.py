@@ -725,9 +725,9 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
         raw = 3 * rows * skv * 4  # vertical scores and the slash scores' two halves, alive throughout
         # the worst moment: both int64 rank keys and their one top-k (int64 indices and values, both rows)
         rank = rows * skv * 16 + 2 * rows * max(n_cols, n_diags) * 16
-        # later: the sorted columns and picks (int32, each beside its sort's copy), the blocks and the int8 map
-        # of the offsets they cover
-        tiles = rows * (2 * (n_cols + n_diags) * 4 + diagonal_block_bound(n_diags) * 4 + skv + 2 * BLOCK)
+        # later: the sorted columns and diagonals of the plan and an escalation (int32 at the larger budget, beside
+        # the sort's copy), the blocks and the int8 map of the offsets they cover
+        tiles = rows * (2 * 2 * max(n_cols, n_diags) * 4 * 2 + diagonal_block_bound(n_diags) * 4 + skv + 2 * BLOCK)
         stats = 2 * rows * _cdiv(skv, _STATS_CHUNK) * VS_LAST_Q * 4
         scratch = raw + stats + max(rank, tiles)
     if bs and m_tiles and skv:
