@@ -838,9 +838,8 @@ def _build(q, k, plan: LayerPlan, escalated, *, scale, key_mask, doc_ids, q_offs
         raise ValueError("take_below needs an escalated plan, mass_out and escalated_mass_out")
     out = _empty_index(q, k, plan, escalated if merge else None)
     out_up = _empty_index(q, k, escalated) if escalated is not None and not merge else None
-    taken = torch.zeros(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device) if merge else None
-    if out.block_count.shape[-1] == 0 or skv == 0:
-        return out, taken if merge else out_up
+    if out.block_count.shape[-1] == 0 or skv == 0:  # nothing to list: no row is taken
+        return out, torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device) if merge else out_up
     first_key = first_kept_keys(key_mask, q.device)  # once for both patterns
     # One estimate of the last rows serves the vertical-slash picks and the guard's mass of every head it checks:
     # the vertical-slash heads first, then, for the guard only, the block-sparse ones (their picks come from
