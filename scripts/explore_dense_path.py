@@ -25,8 +25,8 @@ from minference_fx import dense
 from minference_fx.call_masks import CallMasks
 from minference_fx.cli import parse_lengths
 from minference_fx.tools.bench import event_ms
+from minference_fx.tools.bench_prefill import CUDNN_FIRST
 
-CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def aten_ops(fn) -> list[str]:
@@ -94,7 +94,7 @@ def main() -> None:
 
 
 def _with_priority(fn):
-    with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+    with sdpa_kernel(list(CUDNN_FIRST), set_priority=True):
         return fn()
 
 

@@ -15,13 +15,13 @@ import json
 
 import torch
 import transformers
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 import minference_fx  # noqa: F401  (registers the backend)
 from minference_fx.cli import parse_lengths
 from minference_fx.tools.bench import event_ms
+from minference_fx.tools.bench_prefill import CUDNN_FIRST
 
-CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     found = {"length": n, "layers": args.layers, "gpu": torch.cuda.get_device_name()}
     with torch.no_grad():
         if args.eager_first_cudnn_block:
-            with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+            with sdpa_kernel(list(CUDNN_FIRST), set_priority=True):
                 found["eager_ms"] = event_ms(lambda: model(ids, logits_to_keep=1), reps=3)
         else:
             found["eager_ms"] = event_ms(lambda: model(ids, logits_to_keep=1), reps=3)

@@ -14,12 +14,12 @@ import json
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from minference_fx.cli import parse_lengths
 from minference_fx.tools.bench import event_ms
+from minference_fx.tools.bench_prefill import CUDNN_FIRST
 
-CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def backend_of(fn) -> str:
@@ -43,7 +43,7 @@ def main() -> None:
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=128 ** -0.5, enable_gqa=True)  # noqa: E731
     rows = {}
     rows["default, before"] = (backend_of(sdpa), event_ms(sdpa, reps=5), str(torch._C._get_sdp_priority_order()))
-    with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+    with sdpa_kernel(list(CUDNN_FIRST), set_priority=True):
         rows["inside cuDNN-first block"] = (backend_of(sdpa), event_ms(sdpa, reps=5),
                                             str(torch._C._get_sdp_priority_order()))
     rows["default, after the block"] = (backend_of(sdpa), event_ms(sdpa, reps=5), str(torch._C._get_sdp_priority_order()))

@@ -77,7 +77,8 @@ LLAMA3_8B = dict(
 VARIANTS = ("eager", "eager-default", "inductor", "inductor-ro", "minference", "minference-noguard", "minference-noroute",
             "minference-ro", "inductor-noattn")
 DEFAULT_VARIANTS = ("eager", "inductor", "minference", "minference-noguard")
-_CUDNN_FIRST = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# the SDPA order eager runs under on a GPU (torch's default on Hopper, set explicitly so eager never depends on it)
+CUDNN_FIRST = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 # ---------------------------------------------------------------- model
@@ -251,7 +252,7 @@ def make_variant(name: str, model, minference_options: Optional[dict] = None) ->
         return Variant(name, description, torch.compile(model, backend="minference", **kwargs), True, cuda_graphs, options)
 
     if name == "eager":
-        priority = "SDPA priority " + ", ".join(_CUDNN_FIRST) if cuda else "CPU SDPA"
+        priority = "SDPA priority " + ", ".join(b.name for b in CUDNN_FIRST) if cuda else "CPU SDPA"
         return Variant(name, f"HF sdpa, no compile; {priority}", model, False)
     if name == "eager-default":
         return Variant(name, "HF sdpa, no compile; torch's SDPA priority", model, False)
@@ -474,7 +475,7 @@ def _counter(group: str, key: Optional[str] = None) -> int:
 def _sdpa_context(variant: str, device: torch.device):
     if variant != "eager" or device.type != "cuda":
         return contextlib.nullcontext()
-    return sdpa_kernel([getattr(SDPBackend, b) for b in _CUDNN_FIRST], set_priority=True)
+    return sdpa_kernel(list(CUDNN_FIRST), set_priority=True)
 
 
 def warm_up_compiler(device: torch.device) -> None:
@@ -769,7 +770,7 @@ def bench_prefill(lengths, *, layers: int = 32, variants=DEFAULT_VARIANTS, reduc
         "semantic_config": config_path or (_every_head(pattern, list(budgets)) if budgets else _DEFAULT_SEMANTIC),
         "use_cache": False, "logits": "last position only",
         "attention_mask": prompts.describe(), "batch": batch,
-        "eager_sdpa_priority": list(_CUDNN_FIRST) if device.type == "cuda" else "cpu default",
+        "eager_sdpa_priority": [b.name for b in CUDNN_FIRST] if device.type == "cuda" else "cpu default",
         "memory_estimate_gib": None if config_overrides or real else memory_estimate_gib(layers, max(lengths), batch),
     }
     if real:
