@@ -16,7 +16,11 @@ length (budget growth included), in one run:
 * with ``--old-index`` (an ``index.py``: an older one, e.g. ``git show REV:minference_fx/kernels/index.py``, or this
   tree's ``minference_fx/kernels/index.py``), the same sums through it with the escalation as the op ran it before
   2026-12-06 (two indexes, then ``dense.take_index``), on the same inputs in the same run, and whether both list the
-  same keys and give the same verdicts.
+  same keys and give the same verdicts;
+* with ``--walk-parts``, the sparse walk of every layer's index (the plan's dense heads skipped, as the op sends them to
+  SDPA; tuned launch config) whole, with its leftover columns dropped, and with its blocks dropped, summed over the
+  layers, and the units of work each part lists (a block, or a gather of up to 64 columns): what the columns cost on
+  this config's budgets, whose vertical-slash heads keep thousands of columns a head past 32K.
 """
 from __future__ import annotations
 
@@ -27,10 +31,13 @@ import json
 import torch
 
 from minference_fx import dense, sparse_path
+from minference_fx.autotune.dispatch import launch_config
 from minference_fx.autotune.workload import family_qkv
 from minference_fx.call_masks import CallMasks
 from minference_fx.cli import parse_lengths
 from minference_fx.config import load_config
+from minference_fx.kernels.attend import sparse_attention_triton
+from minference_fx.kernels.reference import SparseIndex
 from minference_fx.plan import escalated_plan
 from minference_fx.sparse_path import guarded_index_on_gpu
 from minference_fx.tools.bench import event_ms
@@ -63,6 +70,32 @@ def parts(q, k, plans, threshold: float, reps: int = 3) -> tuple:
     }
     return {name: event_ms(every_layer(fn), reps=reps) for name, fn in variants.items()}, every_layer(
         variants["index + guard + escalation"])
+
+
+def walk_parts(q, k, v, plans, reps: int = 3) -> dict:
+    """{part: ms over every layer's walk} and the units each part lists, for the index whole, its blocks alone and its
+    leftover columns alone."""
+    scale = q.shape[-1] ** -0.5
+    launch = launch_config(q, k).launch()
+    layers = []
+    for plan, _ in plans:
+        index = sparse_path.build_index_gpu(q, k, plan, scale=scale)
+        no_cols = torch.zeros_like(index.col_count)
+        no_blocks = torch.zeros_like(index.block_count)
+        layers.append((dense.split_plan(plan).kernel_args, {
+            "whole": index,
+            "blocks only": SparseIndex(index.block_count, index.block_start, no_cols, index.col_index),
+            "columns only": SparseIndex(no_blocks, index.block_start, index.col_count, index.col_index)}))
+    found = {}
+    for part in ("whole", "blocks only", "columns only"):
+        def run(part=part):
+            for kernel_args, indexes in layers:
+                sparse_attention_triton(q, k, v, indexes[part], *kernel_args, scale=scale, **launch)
+        found[f"{part} ms"] = event_ms(run, reps=reps)
+    found["blocks"] = sum(int(ix["whole"].block_count.sum()) for _, ix in layers)
+    found["column gathers"] = sum(int(((ix["whole"].col_count + 63) // 64).sum()) for _, ix in layers)
+    found["columns"] = sum(int(ix["whole"].col_count.sum()) for _, ix in layers)
+    return found
 
 
 def load_index_module(path: str):
@@ -143,6 +176,7 @@ def main() -> None:
     ap.add_argument("--old-escalation", choices=["pair", "own"], default="pair",
                     help="the old index's escalation: two indexes then take_index (as before 2026-12-06), or its own")
     ap.add_argument("--reps", type=int, default=3, help="timed passes over the layers, their median reported")
+    ap.add_argument("--walk-parts", action="store_true", help="also time the sparse walk whole, blocks only, columns only")
     ap.add_argument("--out")
     args = ap.parse_args()
     config = load_config(args.config)
@@ -151,8 +185,11 @@ def main() -> None:
     found = []
     for family in args.families.split(","):
         for length in parse_lengths(args.lengths):
-            q, k, _ = family_qkv(family, length, **QWEN_SHAPE)
+            q, k, v = family_qkv(family, length, **QWEN_SHAPE)
             plans = layer_plans(config, length)
+            if args.walk_parts:
+                found.append(dict(family=family, length=length, walk_parts=walk_parts(q, k, v, plans, args.reps)))
+                print(f"\n{family} {length}: walk parts over {len(plans)} layers: {found[-1]['walk_parts']}", flush=True)
             times, escalated_run = parts(q, k, plans, threshold, args.reps)
             table, launches = kernel_table(escalated_run)
             print(f"\n{family} {length}: {len(plans)} layers, guard {threshold}, escalation {config.guard_escalation}")
@@ -173,7 +210,7 @@ def main() -> None:
                 print(f"  old index: device activities launched by the escalated pass: {old_launches}")
                 print(f"  same index and verdicts as the old: {run['same_index']}")
             found.append(run)
-            del q, k
+            del q, k, v
             torch.cuda.empty_cache()
     if args.out:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, config=args.config)
