@@ -13,6 +13,7 @@ import torch
 
 from minference_fx import routing
 from minference_fx.autotune import workload
+from minference_fx.kernels import attend
 from minference_fx.kernels import density as den
 from minference_fx.kernels import reference as ref
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
@@ -162,3 +163,12 @@ def test_the_op_column_settles_until_an_all_routed_sites_checks_are_furthest_apa
     window = [c for c in checks if settle <= c < settle + cap]
     assert len(window) == 1
     assert all(b - a == cap for a, b in zip(checks, checks[1:]) if a >= settle - 1)
+
+
+def test_the_op_column_gets_qkv_in_the_layout_a_model_hands_the_op():
+    """The op column's Q/K/V are token-major, as an HF model's attention hands them over: the layout of the op's own
+    output, so a call routed whole to fused SDPA (whose output takes q's layout) needs no copy, as in a model."""
+    q = torch.randn(2, 3, 5, 4)
+    as_model = bench.model_layout(q)
+    assert torch.equal(as_model, q)
+    assert attend.is_output_layout(as_model) and not attend.is_output_layout(q)

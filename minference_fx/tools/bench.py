@@ -20,7 +20,9 @@ routing that sends the heads the previous call ran dense, or found slower walked
 model, :mod:`minference_fx.cost`), to the fused SDPA; its time is the mean over calls once the routing has
 settled, index rebuilds included: up to 128K, once an all-routed site's back-off has reached its longest interval
 (:func:`settle_calls`), over that interval (64 calls, one rebuild: the steady state of a long run); past 128K, where a
-call takes seconds, over 8 calls after three.
+call takes seconds, over 8 calls after three. It gets Q/K/V token-major (memory ``[B, S, H, D]``), as an HF model's
+attention hands them over; fused SDPA gives its output q's layout, so head-major inputs would cost the op's routed
+calls a copy into its token-major output that no model call pays.
 """
 from __future__ import annotations
 
@@ -96,7 +98,9 @@ def op_window(router: routing.Router, seq: int) -> tuple[int, int]:
 
 def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
     """(mean milliseconds, heads routed) of the op at one new site with the default guard and no crossover: the
-    mean of ``calls`` calls after ``settle`` that let the routing settle (its decisions land a call late)."""
+    mean of ``calls`` calls after ``settle`` that let the routing settle (its decisions land a call late), on
+    token-major copies of ``q``, ``k``, ``v`` ``[B, H, S, D]`` (:func:`model_layout`)."""
+    q, k, v = (model_layout(t) for t in (q, k, v))
     site = routing.new_site()
     args = (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
     op = torch.ops.minference.sparse_attention.default
@@ -110,6 +114,12 @@ def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> t
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls, len(routing.ROUTER.routed_heads(site, q.shape[1], q.device))
+
+
+def model_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[B, H, S, D]`` laid out as an HF model's attention hands it to the op: memory ``[B, S, H, D]`` (its
+    projection's output, viewed per head and transposed)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
