@@ -265,13 +265,12 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           MINFERENCE_FX_CACHE_DIR=$(mktemp -d) timeout 300 minference-fx bench kernels --lengths 32k,128k \
             --families structured,scattered --baselines cudnn --out "$STATE/bench_kernels_cautious.json"
           mv "$t.off" "$t" ;;
-    prefill_shipped_all)  # TTFT 4K-128K, eager vs minference, the config shipped past 8K (after a change to the op's output)
+    prefill_shipped_all|prefill_head)  # TTFT 4K-128K with the config shipped past 8K: eager vs minference, and with
+          # prefill_head HF + Inductor beside them in one run (the compile target beside the speed)
+          variants=eager,minference
+          [ "$1" = prefill_head ] && variants=eager,inductor,minference
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
-            --variants eager,minference --config $SHIPPED32K --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
-    prefill_head)  # TTFT 4K-128K, eager, HF + Inductor and minference in one run (the compile target beside the speed),
-                   # the config shipped past 8K
-          timeout 900 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
-            --variants eager,inductor,minference --config $SHIPPED32K --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
+            --variants $variants --config $SHIPPED32K --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
     tests_routed)  # the GPU tests of routed heads and the cost model (their reference is the op's own fused SDPA)
           TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
             --import-mode=importlib tests/test_gpu.py -k "routed or cost_model or runs_cudnn or near_dense" ;;

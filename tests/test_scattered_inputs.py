@@ -166,9 +166,10 @@ def test_the_op_column_settles_until_an_all_routed_sites_checks_are_furthest_apa
 
 
 def test_the_op_column_gets_qkv_in_the_layout_a_model_hands_the_op():
-    """The op column's Q/K/V are token-major, as an HF model's attention hands them over: the layout of the op's own
-    output, so a call routed whole to fused SDPA (whose output takes q's layout) needs no copy, as in a model."""
+    """The op column's Q/K/V go through ``attend.as_output`` (``bench._op_ms``): token-major, as an HF model's attention
+    hands them over and as the op's own output is laid out, so a call routed whole to fused SDPA (whose output takes q's
+    layout) needs no copy, as in a model."""
     q = torch.randn(2, 3, 5, 4)
-    as_model = bench.model_layout(q)
+    as_model = attend.as_output(q)
     assert torch.equal(as_model, q)
     assert attend.is_output_layout(as_model) and not attend.is_output_layout(q)

@@ -43,7 +43,7 @@ from .. import routing
 from ..autotune.dispatch import launch_config
 from ..autotune.workload import FAMILIES, family_qkv
 from ..defaults import DEFAULTS
-from ..kernels.attend import sparse_attention_triton
+from ..kernels.attend import as_output, sparse_attention_triton
 from ..kernels.density import Density, index_density, selection_of
 from ..kernels.index import build_index_gpu
 from ..kernels.reference import BLOCK, SparseIndex, covering_tiles
@@ -99,8 +99,9 @@ def op_window(router: routing.Router, seq: int) -> tuple[int, int]:
 def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
     """(mean milliseconds, heads routed) of the op at one new site with the default guard and no crossover: the
     mean of ``calls`` calls after ``settle`` that let the routing settle (its decisions land a call late), on
-    token-major copies of ``q``, ``k``, ``v`` ``[B, H, S, D]`` (:func:`model_layout`)."""
-    q, k, v = (model_layout(t) for t in (q, k, v))
+    ``q``, ``k``, ``v`` ``[B, H, S, D]`` laid out token-major (:func:`~minference_fx.kernels.attend.as_output`), as an
+    HF model's attention hands them over."""
+    q, k, v = (as_output(t) for t in (q, k, v))
     site = routing.new_site()
     args = (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
     op = torch.ops.minference.sparse_attention.default
@@ -114,12 +115,6 @@ def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> t
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls, len(routing.ROUTER.routed_heads(site, q.shape[1], q.device))
-
-
-def model_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[B, H, S, D]`` laid out as an HF model's attention hands it to the op: memory ``[B, S, H, D]`` (its
-    projection's output, viewed per head and transposed)."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _index_work(index, patterns, budgets_a, budgets_b, sq, skv):
