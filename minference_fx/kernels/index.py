@@ -725,9 +725,11 @@ def index_bytes(plan: LayerPlan, batch: int, sq: int, skv: int | None = None, *,
         raw = 3 * rows * skv * 4  # vertical scores and the slash scores' two halves, alive throughout
         # the worst moment: both int64 rank keys and their one top-k (int64 indices and values, both rows)
         rank = rows * skv * 16 + 2 * rows * max(n_cols, n_diags) * 16
-        # later: the sorted columns and diagonals of the plan and an escalation (int32 at the larger budget, beside
-        # the sort's copy), the blocks and the int8 map of the offsets they cover
-        tiles = rows * (2 * 2 * max(n_cols, n_diags) * 4 * 2 + diagonal_block_bound(n_diags) * 4 + skv + 2 * BLOCK)
+        # later: the one sort over the columns and diagonals of the plan and an escalation, at the larger budget
+        # rounded up to 4 (beside the top-k's int64 indices of both kinds: its int32 input, values and int64
+        # indices), then the blocks and the int8 map of the offsets they cover
+        width = _cdiv(max(n_cols, n_diags), 4) * 4
+        tiles = rows * (width * (2 * 8 + 2 * 2 * (4 + 4 + 8)) + diagonal_block_bound(n_diags) * 4 + skv + 2 * BLOCK)
         stats = 2 * rows * _cdiv(skv, _STATS_CHUNK) * VS_LAST_Q * 4
         scratch = raw + stats + max(rank, tiles)
     if bs and m_tiles and skv:
