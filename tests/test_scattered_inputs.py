@@ -166,10 +166,15 @@ def test_the_op_column_settles_until_an_all_routed_sites_checks_are_furthest_apa
 
 
 def test_the_op_column_gets_qkv_in_the_layout_a_model_hands_the_op():
-    """The op column's Q/K/V go through ``attend.as_output`` (``bench._op_ms``): token-major, as an HF model's attention
-    hands them over and as the op's own output is laid out, so a call routed whole to fused SDPA (whose output takes q's
-    layout) needs no copy, as in a model."""
-    q = torch.randn(2, 3, 5, 4)
-    as_model = attend.as_output(q)
-    assert torch.equal(as_model, q)
-    assert attend.is_output_layout(as_model) and not attend.is_output_layout(q)
+    """The op column's Q/K/V (``bench.op_arguments``, what ``_op_ms`` calls the op with) are token-major, as an HF
+    model's attention hands them over and as the op's own output is laid out, so a call routed whole to fused SDPA
+    (whose output takes q's layout) needs no copy, as in a model."""
+    q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+    plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 64, 64),) * 3)
+    args = bench.op_arguments(q, k, v, 0.5, plan, site=7)
+    for given, passed in zip((q, k, v), args[:3]):
+        assert torch.equal(passed, given)
+        assert attend.is_output_layout(passed) and not attend.is_output_layout(given)
+    assert args[-1] == 7
+    out = torch.ops.minference.sparse_attention.default(*args)  # the arguments are the op's, in its order
+    assert out.shape == q.shape and attend.is_output_layout(out) and torch.isfinite(out).all()

@@ -96,14 +96,19 @@ def op_window(router: routing.Router, seq: int) -> tuple[int, int]:
     return settle_calls(router), router.longest_interval
 
 
-def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
-    """(mean milliseconds, heads routed) of the op at one new site with the default guard and no crossover: the
-    mean of ``calls`` calls after ``settle`` that let the routing settle (its decisions land a call late), on
-    ``q``, ``k``, ``v`` ``[B, H, S, D]`` laid out token-major (:func:`~minference_fx.kernels.attend.as_output`), as an
-    HF model's attention hands them over."""
+def op_arguments(q, k, v, scale: float, plan: LayerPlan, site: int) -> tuple:
+    """The op's arguments for a call at ``site`` with the default guard and no crossover, on ``q``, ``k``, ``v``
+    ``[B, H, S, D]`` laid out token-major (:func:`~minference_fx.kernels.attend.as_output`), as an HF model's
+    attention hands them over: a call routed whole to fused SDPA then needs no copy into the op's output."""
     q, k, v = (as_output(t) for t in (q, k, v))
+    return (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
+
+
+def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
+    """(mean milliseconds, heads routed) of the op at one new site (:func:`op_arguments`): the mean of ``calls``
+    calls after ``settle`` that let the routing settle (its decisions land a call late)."""
     site = routing.new_site()
-    args = (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
+    args = op_arguments(q, k, v, scale, plan, site)
     op = torch.ops.minference.sparse_attention.default
     for _ in range(settle):  # each decision lands before the next call, as between a model's forwards
         op(*args)
