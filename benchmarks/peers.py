@@ -20,6 +20,11 @@ What each peer is given, from one :class:`~minference_fx.tools.bench.KernelCase`
   ``v_idx`` (key positions) and ``s_idx`` (offsets below the diagonal, row - key: 0 is the diagonal). Its
   kernel reads K/V with the query's head index, so K/V are repeated to the query heads, and it fixes the
   softmax scale at ``head_dim ** -0.5``.
+* **MInference's prefill, end to end** (peer ``minference-prefill``:
+  ``minference.modules.minference_forward.minference_prefill_forward``, what its patched attention calls on a
+  prompt): a head at a time, its own estimate from the last 64 queries, its top-k, its index conversion and
+  the same kernel, every head vertical-slash at our plan's budgets. Its picks are its own, so its error is
+  its own; this is the row to set against our index + kernel, which also estimate.
 
 The conversions are plain torch, checked on CPU by ``tests/test_peers.py``; the runs need a GPU.
 """
@@ -27,9 +32,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +53,12 @@ from minference_fx.kernels.reference import BLOCK, SparseIndex, covering_tiles
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.tools import bench
 
-PEERS = ("flashinfer", "minference")
+PEERS = ("flashinfer", "minference", "minference-prefill")
+# importable packages behind each peer
+PEER_PACKAGES = {"flashinfer": "flashinfer", "minference": "minference", "minference-prefill": "minference"}
+# extensions of MInference's KV-cache methods (KIVI's CUDA GEMV, LeanK's TileLang kernels, RetrievalAttention's
+# faiss) that its modules import at import time; its prefill path calls none of them, and its setup builds none
+MINFERENCE_UNUSED_EXTENSIONS = ("kivi_gemv", "tilelang", "tilelang.language", "papyfaiss")
 NOT_INSTALLED = "not installed"
 # MInference pads nothing: a -1 would be read as key -1. A key and an offset past every row are skipped by its
 # index converter (csrc/vertical_slash_index.cu: columns at or after the last slash range are never emitted,
@@ -160,8 +173,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def peer_status(name: str) -> str | None:
     """None when peer ``name``'s package can be imported, else why it cannot run."""
-    module = {"flashinfer": "flashinfer", "minference": "minference"}[name]
-    return None if importlib.util.find_spec(module) is not None else NOT_INSTALLED
+    return None if importlib.util.find_spec(PEER_PACKAGES[name]) is not None else NOT_INSTALLED
 
 
 def flashinfer_head_chunks(layout: FlashInferLayout) -> list[range]:
@@ -254,6 +266,83 @@ def run_minference(case, selection: KeySelection, *, reps: float):
     return bench._ms(call, reps), call()
 
 
+def stub_missing_modules(names) -> list[str]:
+    """Put an empty module in ``sys.modules`` for each of ``names`` that cannot be imported; return those stubbed."""
+    stubbed = []
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a dotted name under a stub, which is no package
+            found = False
+        if not found:
+            module = types.ModuleType(name)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+            sys.modules[name] = module
+            stubbed.append(name)
+    return stubbed
+
+
+@contextlib.contextmanager
+def package_checks_as_bools():
+    """transformers 5's ``_is_package_available`` returns ``(available, version)``, a tuple and so always true;
+    MInference tests it as a bool at import (``if _is_package_available("vllm"): ... import vllm``). Within this
+    block it answers the bool alone."""
+    from transformers.utils import import_utils
+
+    original = import_utils._is_package_available
+
+    def as_bool(name, *args, **kwargs):
+        found = original(name, *args, **kwargs)
+        return found[0] if isinstance(found, tuple) else found
+
+    import_utils._is_package_available = as_bool
+    try:
+        yield
+    finally:
+        import_utils._is_package_available = original
+
+
+def minference_prefill():
+    """MInference's ``minference_prefill_forward``, its module imported as :func:`minference_kernel` imports the
+    kernel's, with :data:`MINFERENCE_UNUSED_EXTENSIONS` stubbed where missing and its package checks as bools."""
+    minference_kernel()
+    stubbed = stub_missing_modules(MINFERENCE_UNUSED_EXTENSIONS)
+    if stubbed:
+        print(f"minference: stubbed {', '.join(stubbed)} (not called on its prefill path)", flush=True)
+    with package_checks_as_bools():
+        return importlib.import_module("minference.modules.minference_forward").minference_prefill_forward
+
+
+def minference_prefill_kwargs(plan: LayerPlan) -> dict:
+    """``prefill_kwargs`` of ``minference_prefill_forward`` for one layer whose every head is vertical-slash at
+    ``plan``'s budgets: its search config's ``best_pattern`` entry per head, (type, vertical, slash, score)."""
+    heads = {}
+    for h, hp in enumerate(plan.heads):
+        if hp.pattern is not Pattern.VERTICAL_SLASH:
+            raise ValueError(f"head {h} is {hp.pattern.value}; MInference's prefill runs vertical-slash heads here")
+        heads[str(h)] = ("vertical_and_slash", hp.budget_a, hp.budget_b, 1)
+    return {"attn_forward_config": {"best_pattern": [heads]}, "layer_idx": 0, "num_hidden_layers": 1}
+
+
+def run_minference_prefill(case, plan: LayerPlan, *, reps: float):
+    """(ms, output ``[1, Hq, S, D]``) of MInference's prefill attention on ``case``: its own estimate and picks."""
+    prefill_forward = minference_prefill()
+    q, k, v = case.q, case.k, case.v
+    D = q.shape[-1]
+    if abs(case.scale - D ** -0.5) > 1e-12:
+        raise ValueError(f"MInference fixes the softmax scale at head_dim ** -0.5, the case uses {case.scale}")
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = (x.repeat_interleave(group, 1) for x in (k, v))  # it slices K/V by the query head
+    kwargs = minference_prefill_kwargs(plan)
+
+    def call():
+        return prefill_forward(q, k_rep, v_rep, kwargs)
+
+    return bench._ms(call, reps), call()
+
+
 @dataclasses.dataclass
 class PeerRow:
     """One (family, length): ours and each peer's time in ms, its relative error against dense attention (cuDNN,
@@ -276,6 +365,9 @@ class PeerRow:
     """64 x 64 steps our kernel walks (listed tiles, column groups of 64), for comparison"""
     minference_ms: float | None = None
     minference_error: float | None = None
+    minference_prefill_ms: float | None = None
+    """MInference's prefill end to end: its estimate, picks, conversion and kernel, a head at a time"""
+    minference_prefill_error: float | None = None
     notes: dict = dataclasses.field(default_factory=dict)
     """peer -> why it has no number ("not installed", or the error it raised)"""
 
@@ -333,6 +425,9 @@ def bench_peers(lengths, families=None, budgets=None, peers=PEERS) -> list[PeerR
                         row.flashinfer_plan_ms, row.flashinfer_ms, out, row.flashinfer_extra_blocks = run_flashinfer(
                             case, reps=reps)
                         row.flashinfer_error = relative_error(out, ref)
+                    elif peer == "minference-prefill":
+                        row.minference_prefill_ms, out = run_minference_prefill(case, plan, reps=reps)
+                        row.minference_prefill_error = relative_error(out, ref)
                     else:
                         selection = selection_of(q, k, plan, scale=scale)
                         row.minference_ms, out = run_minference(case, selection, reps=reps)
@@ -357,7 +452,8 @@ def format_peer_rows(rows) -> str:
         return None if peer is None else ours / peer
 
     head = (f"{'family':>10} {'seq':>7} {'index':>7} {'kernel':>7} {'total':>7} {'err':>7} {'dense':>8} {'o/d':>5} "
-            f"{'FI plan':>8} {'FI':>8} {'err':>7} {'o/FI':>5} {'+til%':>5} {'MInf':>8} {'err':>7} {'o/MI':>5}")
+            f"{'FI plan':>8} {'FI':>8} {'err':>7} {'o/FI':>5} {'+til%':>5} {'MInf':>8} {'err':>7} {'o/MI':>5} "
+            f"{'MI pre':>8} {'err':>7} {'o/MIp':>5}")
     lines = [head]
     for r in rows:
         blocks = r.flashinfer_extra_blocks
@@ -368,13 +464,16 @@ def format_peer_rows(rows) -> str:
             f"{f(r.flashinfer_plan_ms, '8.2f')} {f(r.flashinfer_ms, '8.2f')} {f(r.flashinfer_error, '7.4f')} "
             f"{f(ratio(r.kernel_ms, r.flashinfer_ms), '5.2f')} {f(extra, '5.1f')} "
             f"{f(r.minference_ms, '8.2f')} {f(r.minference_error, '7.4f')} "
-            f"{f(ratio(r.kernel_ms, r.minference_ms), '5.2f')}")
+            f"{f(ratio(r.kernel_ms, r.minference_ms), '5.2f')} "
+            f"{f(r.minference_prefill_ms, '8.2f')} {f(r.minference_prefill_error, '7.4f')} "
+            f"{f(ratio(r.total_ms, r.minference_prefill_ms), '5.2f')}")
         lines.extend(f"{'':>10} {r.seq:>7} {peer}: {why}" for peer, why in r.notes.items())
     lines.append("times in ms; err = ||out - dense|| / ||dense|| on the same inputs (dense: cuDNN, else flash); "
                  "o/d = our index+kernel / dense, o/FI and o/MI = our kernel / the peer's run (below 1: ours faster); "
                  "FI plan = FlashInfer's planning, not in o/FI; MInf includes its block conversion of the same picks; "
                  "+til% = aligned blocks FlashInfer reads beyond our index's listed tiles (for leftover columns, which our "
-                 "walk gathers 64 a step, and diagonal blocks' second tiles), over our tile steps")
+                 "walk gathers 64 a step, and diagonal blocks' second tiles), over our tile steps; MI pre = MInference's "
+                 "prefill with its own estimate and picks, a head at a time, and o/MIp = our index+kernel / it")
     return "\n".join(lines)
 
 

@@ -315,12 +315,14 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             python3 -m pip install -q --no-deps --no-build-isolation /root/MInference
           step peers_run ;;
     minference)  # MInference alone (no FlashInfer wheel carried): built from /root/peers/minference_src.tar.gz, then
-                 # its runs at 32K/128K and 512K, both families, against our index and kernel
+                 # its kernel on our picks and its prefill end to end (its own estimate; needs einops, carried as a
+                 # wheel) at 32K/128K and 512K, both families, against our index and kernel
           rm -rf /root/MInference && mkdir -p /root/MInference && tar -xzf /root/peers/minference_src.tar.gz -C /root/MInference
           MINFERENCE_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout 400 \
             python3 -m pip install -q --no-deps --no-build-isolation /root/MInference || return 1
-          timeout 400 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered --peers minference \
-            --out "$STATE/peers_minference.json"
+          python3 -c "import einops" 2>/dev/null || python3 -m pip install -q --no-deps /root/peers/einops-*.whl
+          timeout 400 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered \
+            --peers minference,minference-prefill --out "$STATE/peers_minference.json"
           step peers_512k ;;
     kernels_1m)  # bench kernels at 1M on the project's structured family (issue 36's 40x row)
           timeout 580 minference-fx bench kernels --lengths 1m --families structured --baselines cudnn \
@@ -331,8 +333,8 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 600 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered --peers flashinfer \
             --out "$STATE/peers_flashinfer.json" ;;
     peers_512k)  # MInference at 512K on both families, once step peers has installed it (the issue's third row)
-          timeout 580 python3 -m benchmarks.peers --lengths 512k --families structured,scattered --peers minference \
-            --out "$STATE/peers_minference_512k.json" ;;
+          timeout 580 python3 -m benchmarks.peers --lengths 512k --families structured,scattered \
+            --peers minference,minference-prefill --out "$STATE/peers_minference_512k.json" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
   echo "== $1 rc=$? took $((SECONDS - t0)) s"

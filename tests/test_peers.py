@@ -287,6 +287,62 @@ def test_adapters_feed_the_peers_our_keys(monkeypatch):
         peers.run_minference(bench.KernelCase("structured", q, k, v, 0.5, index, None), selection, reps=1)
 
 
+def test_minference_prefill_gets_every_head_at_our_budgets_and_kv_per_query_head(monkeypatch):
+    from minference_fx.tools import bench
+
+    sq, hq, hkv, d = 192, 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, sq, d, generator=g) for h in (hq, hkv, hkv))
+    plan = LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, *BUDGETS[h]) for h in range(hq)))
+    case = bench.KernelCase("structured", q, k, v, d ** -0.5, ref.build_index(q, k, plan, scale=d ** -0.5), None)
+    calls = []
+
+    def stand_in(query, key, value, kwargs):  # MInference's signature: (query, key, value, prefill_kwargs)
+        calls.append((key, value, kwargs))
+        return query * 2
+
+    forward = types.ModuleType("minference.modules.minference_forward")
+    forward.minference_prefill_forward = stand_in
+    pit = types.ModuleType("minference.ops.pit_sparse_flash_attention_v2")
+    pit.vertical_slash_sparse_attention = _stand_in_minference
+    for name, module in (("minference", types.ModuleType("minference")), ("minference.ops", None),
+                         ("minference.ops.pit_sparse_flash_attention_v2", pit), ("minference.modules", None),
+                         ("minference.modules.minference_forward", forward)):
+        monkeypatch.setitem(sys.modules, name, module or types.ModuleType(name))
+    monkeypatch.setattr(peers, "stub_missing_modules", lambda names: [])
+    monkeypatch.setattr(bench, "_ms", lambda fn, reps: (fn(), 1.0)[1])
+
+    ms, out = peers.run_minference_prefill(case, plan, reps=1)
+    assert ms == 1.0 and torch.equal(out, q * 2)
+    key, value, kwargs = calls[-1]
+    torch.testing.assert_close(key, k.repeat_interleave(hq // hkv, 1))
+    torch.testing.assert_close(value, v.repeat_interleave(hq // hkv, 1))
+    assert kwargs["layer_idx"] == 0 and kwargs["num_hidden_layers"] == 1
+    assert kwargs["attn_forward_config"]["best_pattern"][0] == {
+        str(h): ("vertical_and_slash", *BUDGETS[h], 1) for h in range(hq)}
+    with pytest.raises(ValueError, match="head_dim"):
+        peers.run_minference_prefill(bench.KernelCase("structured", q, k, v, 0.5, case.index, None), plan, reps=1)
+    with pytest.raises(ValueError, match="head 1 is"):
+        peers.minference_prefill_kwargs(LayerPlan((plan.heads[0], HeadPlan(Pattern.DENSE, 0, 0))))
+
+
+def test_minference_imports_get_stubs_for_missing_extensions_and_bool_package_checks(monkeypatch):
+    from transformers.utils import import_utils
+
+    names = ("json", "mfx_surely_missing_ext", "mfx_surely_missing_ext.language")
+    try:
+        assert peers.stub_missing_modules(names) == list(names[1:])
+        assert sys.modules["mfx_surely_missing_ext.language"].__spec__.name == "mfx_surely_missing_ext.language"
+        assert peers.stub_missing_modules(names) == []  # already there
+    finally:
+        for name in names[1:]:
+            sys.modules.pop(name, None)
+    monkeypatch.setattr(import_utils, "_is_package_available", lambda name, *a, **kw: (False, None))
+    with peers.package_checks_as_bools():
+        assert import_utils._is_package_available("vllm") is False
+    assert import_utils._is_package_available("vllm") == (False, None)
+
+
 # --------------------------------------------------------------------------- the rest of the harness
 
 
@@ -303,6 +359,7 @@ def test_relative_error():
 def test_missing_peer_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
     assert peers.peer_status("flashinfer") == peers.NOT_INSTALLED == peers.peer_status("minference")
+    assert peers.peer_status("minference-prefill") == peers.NOT_INSTALLED
     row = peers.PeerRow("structured", 32768, 1.0, 4.0, 5.0, 0.01, 20.0, "cudnn",
                         notes={"flashinfer": peers.NOT_INSTALLED})
     row.minference_ms, row.minference_error = 8.0, 0.02
