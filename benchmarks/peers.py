@@ -248,16 +248,21 @@ def minference_kernel():
     return importlib.import_module(name).vertical_slash_sparse_attention
 
 
-def run_minference(case, selection: KeySelection, *, reps: float):
-    """(ms, output ``[1, Hq, S, D]``) of MInference's vertical-slash attention on ``case``'s picks."""
-    vertical_slash_sparse_attention = minference_kernel()
-
+def minference_qkv(case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``case``'s Q, and K/V repeated to the query heads (MInference reads K/V by the query head's index); refused
+    unless the case's scale is ``head_dim ** -0.5``, which MInference fixes."""
     q, k, v = case.q, case.k, case.v
     D = q.shape[-1]
     if abs(case.scale - D ** -0.5) > 1e-12:
         raise ValueError(f"MInference fixes the softmax scale at head_dim ** -0.5, the case uses {case.scale}")
     group = q.shape[1] // k.shape[1]
-    k_rep, v_rep = (x.repeat_interleave(group, 1) for x in (k, v))  # its kernel reads kv head = query head
+    return q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+
+def run_minference(case, selection: KeySelection, *, reps: float):
+    """(ms, output ``[1, Hq, S, D]``) of MInference's vertical-slash attention on ``case``'s picks."""
+    vertical_slash_sparse_attention = minference_kernel()
+    q, k_rep, v_rep = minference_qkv(case)
     v_idx, s_idx = minference_indices(selection)
 
     def call():
@@ -329,12 +334,7 @@ def minference_prefill_kwargs(plan: LayerPlan) -> dict:
 def run_minference_prefill(case, plan: LayerPlan, *, reps: float):
     """(ms, output ``[1, Hq, S, D]``) of MInference's prefill attention on ``case``: its own estimate and picks."""
     prefill_forward = minference_prefill()
-    q, k, v = case.q, case.k, case.v
-    D = q.shape[-1]
-    if abs(case.scale - D ** -0.5) > 1e-12:
-        raise ValueError(f"MInference fixes the softmax scale at head_dim ** -0.5, the case uses {case.scale}")
-    group = q.shape[1] // k.shape[1]
-    k_rep, v_rep = (x.repeat_interleave(group, 1) for x in (k, v))  # it slices K/V by the query head
+    q, k_rep, v_rep = minference_qkv(case)
     kwargs = minference_prefill_kwargs(plan)
 
     def call():
