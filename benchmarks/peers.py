@@ -31,8 +31,8 @@ The conversions are plain torch, checked on CPU by ``tests/test_peers.py``; the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
@@ -312,7 +312,7 @@ def package_checks_as_bools():
 def minference_prefill():
     """MInference's ``minference_prefill_forward``, its module imported as :func:`minference_kernel` imports the
     kernel's, with :data:`MINFERENCE_UNUSED_EXTENSIONS` stubbed where missing and its package checks as bools."""
-    minference_kernel()
+    minference_kernel()  # the package, or its bare entry where its __init__ fails
     stubbed = stub_missing_modules(MINFERENCE_UNUSED_EXTENSIONS)
     if stubbed:
         print(f"minference: stubbed {', '.join(stubbed)} (not called on its prefill path)", flush=True)
