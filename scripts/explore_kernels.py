@@ -1,6 +1,6 @@
 """GPU exploration (not a test): launch variants of the sparse kernel, and the index against a saved older one.
 
-usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k] [--dense-at 32k] [--index-at 8k,32k,128k]
+usage: python scripts/explore_kernels.py [--old-index PATH] [--variants-at 128k,...] [--dense-at 32k,...] [--index-at 8k,32k,128k]
                                         [--parts-at 128k]
 
 * launch variants (block_m, block_n, warps, stages, TMA copies) on the bench's VS(1000, 6096)
@@ -34,6 +34,7 @@ from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 VARIANTS = [
     (64, 64, 4, 3, True), (64, 64, 4, 3, False), (64, 64, 4, 2, True), (64, 128, 4, 3, False),
     (32, 64, 4, 3, True), (32, 64, 4, 2, True), (32, 128, 4, 3, False), (16, 64, 4, 3, True),
+    (64, 64, 4, 4, True), (64, 64, 8, 3, True),
 ]
 
 
@@ -50,11 +51,13 @@ def time_variant(what: str, fn):
         return None
 
 
-def launch_variants(seq: int, dense_seq: int) -> None:
+def launch_variants(seq: int | None, dense_seq: int | None) -> None:
+    """The variants on the vertical-slash index at ``seq`` and on dense work at ``dense_seq`` (either None: not run)."""
     shape = LLAMA3_8B
     scale = shape["head_dim"] ** -0.5
-    for label, n, plan in (("VS(1000,6096)", seq, _vs_plan()),
-                           ("dense", dense_seq, LayerPlan((HeadPlan(Pattern.DENSE),) * shape["num_q_heads"]))):
+    runs = (("VS(1000,6096)", seq, _vs_plan()),
+            ("dense", dense_seq, LayerPlan((HeadPlan(Pattern.DENSE),) * shape["num_q_heads"])))
+    for label, n, plan in ((label, n, plan) for label, n, plan in runs if n):
         q, k, v = structured_qkv(n, **shape)
         args = plan.op_arguments()
         index = build_index_gpu(q, k, plan, scale=scale)
@@ -179,8 +182,10 @@ def main() -> None:
         index_ab(seq, a.old_index)
     for seq in parse_lengths(a.parts_at) if a.parts_at else ():
         walk_parts(seq)
-    if a.variants_at:
-        launch_variants(parse_lengths(a.variants_at)[0], parse_lengths(a.dense_at)[0])
+    sparse_at = parse_lengths(a.variants_at) if a.variants_at else []
+    dense_at = parse_lengths(a.dense_at) if a.dense_at else []
+    for i in range(max(len(sparse_at), len(dense_at))):
+        launch_variants(sparse_at[i] if i < len(sparse_at) else None, dense_at[i] if i < len(dense_at) else None)
 
 
 if __name__ == "__main__":
