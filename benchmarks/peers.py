@@ -53,9 +53,9 @@ from minference_fx.kernels.reference import BLOCK, SparseIndex, covering_tiles
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.tools import bench
 
-PEERS = ("flashinfer", "minference", "minference-prefill")
-# importable packages behind each peer
+# each peer and the package it imports
 PEER_PACKAGES = {"flashinfer": "flashinfer", "minference": "minference", "minference-prefill": "minference"}
+PEERS = tuple(PEER_PACKAGES)
 # extensions of MInference's KV-cache methods (KIVI's CUDA GEMV, LeanK's TileLang kernels, RetrievalAttention's
 # faiss) that its modules import at import time; its prefill path calls none of them, and its setup builds none
 MINFERENCE_UNUSED_EXTENSIONS = ("kivi_gemv", "tilelang", "tilelang.language", "papyfaiss")

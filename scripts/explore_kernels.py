@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +56,10 @@ def launch_variants(seq: int | None, dense_seq: int | None) -> None:
     """The variants on the vertical-slash index at ``seq`` and on dense work at ``dense_seq`` (either None: not run)."""
     shape = LLAMA3_8B
     scale = shape["head_dim"] ** -0.5
-    runs = (("VS(1000,6096)", seq, _vs_plan()),
-            ("dense", dense_seq, LayerPlan((HeadPlan(Pattern.DENSE),) * shape["num_q_heads"])))
-    for label, n, plan in ((label, n, plan) for label, n, plan in runs if n):
+    for label, n, plan in (("VS(1000,6096)", seq, _vs_plan()),
+                           ("dense", dense_seq, LayerPlan((HeadPlan(Pattern.DENSE),) * shape["num_q_heads"]))):
+        if not n:
+            continue
         q, k, v = structured_qkv(n, **shape)
         args = plan.op_arguments()
         index = build_index_gpu(q, k, plan, scale=scale)
@@ -182,10 +184,9 @@ def main() -> None:
         index_ab(seq, a.old_index)
     for seq in parse_lengths(a.parts_at) if a.parts_at else ():
         walk_parts(seq)
-    sparse_at = parse_lengths(a.variants_at) if a.variants_at else []
-    dense_at = parse_lengths(a.dense_at) if a.dense_at else []
-    for i in range(max(len(sparse_at), len(dense_at))):
-        launch_variants(sparse_at[i] if i < len(sparse_at) else None, dense_at[i] if i < len(dense_at) else None)
+    for seq, dense_seq in itertools.zip_longest(parse_lengths(a.variants_at) if a.variants_at else [],
+                                                parse_lengths(a.dense_at) if a.dense_at else []):
+        launch_variants(seq, dense_seq)
 
 
 if __name__ == "__main__":

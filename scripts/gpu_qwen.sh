@@ -73,6 +73,14 @@ derived_config() {   # $1 config -> $2: guard threshold $3, sparse from $4 token
 
 SHIPPED32K=configs/qwen2.5_coder_1.5b_instruct_32k_yarn.json
 
+install_minference() {   # MInference from the source snapshot in /root/peers (its CUDA index converter built here with
+                         # nvcc), and einops for its prefill's modules where the machine lacks it (a carried wheel)
+  rm -rf /root/MInference && mkdir -p /root/MInference && tar -xzf /root/peers/minference_src.tar.gz -C /root/MInference
+  MINFERENCE_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout 400 \
+    python3 -m pip install -q --no-deps --no-build-isolation /root/MInference || return 1
+  python3 -c "import einops" 2>/dev/null || python3 -m pip install -q --no-deps /root/peers/einops-*.whl
+}
+
 step() {   # $1: step name; its log is $STATE/$1.txt
   local t0=$SECONDS
   echo "== $1 started $(date -u +%H:%M:%S)"
@@ -310,17 +318,12 @@ step() {   # $1: step name; its log is $STATE/$1.txt
             # carried in two halves) on bench kernels' inputs; outside the package (benchmarks/peers.py)
           cat /root/peers/flashinfer_python-*.whl.part* > /tmp/flashinfer_python-0.7.4-py3-none-any.whl
           python3 -m pip install -q --no-deps /tmp/flashinfer_python-0.7.4-py3-none-any.whl /root/peers/*.whl
-          rm -rf /root/MInference && mkdir -p /root/MInference && tar -xzf /root/peers/minference_src.tar.gz -C /root/MInference
-          MINFERENCE_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 timeout 400 \
-            python3 -m pip install -q --no-deps --no-build-isolation /root/MInference
+          install_minference
           step peers_run ;;
     minference)  # MInference alone (no FlashInfer wheel carried): built from /root/peers/minference_src.tar.gz, then
                  # its kernel on our picks and its prefill end to end (its own estimate; needs einops, carried as a
                  # wheel) at 32K/128K and 512K, both families, against our index and kernel
-          rm -rf /root/MInference && mkdir -p /root/MInference && tar -xzf /root/peers/minference_src.tar.gz -C /root/MInference
-          MINFERENCE_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout 400 \
-            python3 -m pip install -q --no-deps --no-build-isolation /root/MInference || return 1
-          python3 -c "import einops" 2>/dev/null || python3 -m pip install -q --no-deps /root/peers/einops-*.whl
+          install_minference || return 1
           timeout 400 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered \
             --peers minference,minference-prefill --out "$STATE/peers_minference.json"
           step peers_512k ;;
