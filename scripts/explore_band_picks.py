@@ -17,7 +17,11 @@ of every diagonal, so a set of such blocks holds the sum of their tents. The rul
 * ``prune:B``: today's blocks at the ``--budgets`` diagonals, cut to the forced band's (offsets 0, 64, 128) and the
   best by tent, B in all: a rule a GPU index could run after its block pass (a gather and a top-k a head);
 * ``optimal:B``: the B blocks, 64 or more apart, of largest total tent (a dynamic program with a Lagrangian price
-  per block; CPU only): the best any rule can do with this estimate and B blocks.
+  per block; CPU only): the best any rule can do with this estimate and B blocks;
+* ``pair:S`` / ``group:S``: today's index at S diagonals, but two consecutive query heads of a kv head (or its whole
+  group) keep the same columns and diagonals, picked from their mean scores. Each head does the same work as with
+  its own picks; a program could then walk one block list for both heads' rows (128 rows, K/V read once), the rate
+  the 64-row sparse walk lacks (BENCHMARKS section 1). The question is the error at the same budgets.
 
 For each rule it reports physical density (64 x 64 steps walked over causal tiles), logical density (keys kept
 over causal keys: the picked diagonals and columns for ``single``, as ``kernels.density`` counts them, and the
@@ -54,7 +58,9 @@ from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.tools.bench_prefill import build_real, text_prompt_ids
 
 FAMILIES = {"structured": structured_qkv, "scattered": scattered_qkv}
-RULES = ("single", "aligned", "prune", "optimal")
+RULES = ("single", "aligned", "prune", "optimal", "pair", "group")
+SHARED = {"pair": 2, "group": None}
+"""Rules whose heads share their picks: consecutive query heads of one kv head (2 of them, or the whole group)."""
 
 
 def tent_scores(slash: np.ndarray) -> np.ndarray:
@@ -129,6 +135,12 @@ def optimal_blocks(tent: np.ndarray, n_blocks: int) -> list[int]:
         else:
             hi, best = price, taken
     return forced + best
+
+
+def mean_over_sets(scores: torch.Tensor, size: int) -> torch.Tensor:
+    """``scores`` ``[B, H, S]`` with each set of ``size`` consecutive heads given the set's mean."""
+    B, H, S = scores.shape
+    return scores.reshape(B, H // size, size, S).mean(2, keepdim=True).expand(B, H // size, size, S).reshape(B, H, S)
 
 
 def tile_bounds(sq: int) -> tuple[np.ndarray, np.ndarray]:
@@ -220,11 +232,21 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
 
     singles = {n: picks_at(n) for n in {diagonals} | {b for r, b in rules if r in ("single", "aligned")}}
     base = singles[diagonals]
+    shared = {}
+    for rule, budget in rules:
+        if rule in SHARED:
+            size = SHARED[rule] or group
+            if group % size:
+                raise SystemExit(f"rule {rule}: {group} query heads a kv head do not split into sets of {size}")
+            plan = LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, columns, budget) for _ in range(Hq)))
+            shared[(rule, budget)] = key_selection(mean_over_sets(vertical, size), mean_over_sets(slash, size), plan)
     labels = [f"{r}:{b}" for r, b in rules]
     for label, (rule, budget) in zip(labels, rules):
         tally.add_causal(label, Hq, sq)
         if rule in ("single", "aligned"):  # the pattern's keys, as kernels.density counts them
             tally.rules[label]["keys"] += float(selection_pairs(singles[budget], sq, sq, 0).sum())
+        elif rule in SHARED:
+            tally.rules[label]["keys"] += float(selection_pairs(shared[(rule, budget)], sq, sq, 0).sum())
     for h in range(Hq):
         cols = base.columns[0, h].numpy()
         tent = tent_scores(slash[0, h].numpy())
@@ -232,18 +254,23 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
                          for n, p in singles.items()}
         reads = {}
         for label, (rule, budget) in zip(labels, rules):
+            head_cols = cols
             if rule == "single":
                 blocks = single_blocks[budget]
+            elif rule in SHARED:
+                picked = shared[(rule, budget)]
+                blocks = diagonal_blocks([d for d in picked.diagonals[0, h].tolist() if d >= 0])
+                head_cols = picked.columns[0, h].numpy()
             elif rule == "aligned":
                 blocks = aligned_blocks([d for d in singles[budget].diagonals[0, h].tolist() if d >= 0])
             elif rule == "prune":
                 blocks = pruned_blocks(single_blocks[diagonals], tent, budget)
             else:
                 blocks = optimal_blocks(tent, budget)
-            steps, keys, x = head_work(blocks, cols, sq)
-            reads[label] = (x, cols)
+            steps, keys, x = head_work(blocks, head_cols, sq)
+            reads[label] = (x, head_cols)
             tally.rules[label]["steps"] += steps
-            if rule not in ("single", "aligned"):
+            if rule not in ("single", "aligned") and rule not in SHARED:
                 tally.rules[label]["keys"] += keys
         tally_reads(q[0, h], k[0, h // group], v[0, h // group], scale, reads, tiles, tally)
 
@@ -352,7 +379,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="32k")
     parser.add_argument("--budgets", type=int, nargs=2, default=(1000, 6096), metavar=("COLUMNS", "DIAGONALS"))
     parser.add_argument("--rules", default="single:6096,prune:96,optimal:96",
-                        help="RULE:N, comma-separated: single:DIAGONALS, aligned:DIAGONALS, prune:BLOCKS, optimal:BLOCKS")
+                        help="RULE:N, comma-separated: single:DIAGONALS, aligned:DIAGONALS, prune:BLOCKS, optimal:BLOCKS, "
+                        "pair:DIAGONALS, group:DIAGONALS")
     parser.add_argument("--tiles", type=int, default=8, help="query tiles sampled besides the last one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
