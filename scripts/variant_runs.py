@@ -1,0 +1,92 @@
+"""What the kernel-variant explorations share (``explore_launch_order.py``, ``explore_walk_step.py``): each variant
+runs in a process of its own (its kernel switches come from the environment at import), times the sparse and dense
+walks on the same cases and writes ``{stem}_{variant}.json`` and a sample of each output; the parent then sets every
+row against the first variant's."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SHAPES = {"llama3_8b": dict(num_q_heads=32, num_kv_heads=8, head_dim=128),
+          "qwen2.5_1.5b": dict(num_q_heads=12, num_kv_heads=2, head_dim=128)}
+CASES = [("llama3_8b", "structured"), ("llama3_8b", "scattered"), ("qwen2.5_1.5b", "structured")]
+
+
+def run_cases(lengths: list[int], out_dir: Path, variant: str, field: str, *, first: bool, reps: int,
+              sparse_stages) -> list[dict]:
+    """Time the walks of every case at every length in this process: the sparse walk (VS(1000, 6096) every head, 64 x 64
+    blocks, 4 warps, ``sparse_stages(length)`` stages) and, on the structured family, the dense walk (every head forced,
+    128 x 64, 4 warps, 2 stages); cuDNN too when ``first``. Each row names the variant under ``field``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from minference_fx.autotune.workload import scattered_qkv, structured_qkv
+    from minference_fx.kernels.attend import sparse_attention_triton
+    from minference_fx.kernels.index import build_index_gpu
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+    from minference_fx.tools.bench import _ms
+
+    rows = []
+    for shape_name, family in CASES:
+        shape = SHAPES[shape_name]
+        heads = shape["num_q_heads"]
+        make = structured_qkv if family == "structured" else scattered_qkv
+        for n in lengths:
+            q, k, v = make(n, **shape)
+            scale = shape["head_dim"] ** -0.5
+            plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * heads)
+            args = plan.op_arguments()
+            index = build_index_gpu(q, k, plan, scale=scale)
+            stages = sparse_stages(n)
+            walks = {"sparse": lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, num_warps=4,
+                                                                num_stages=stages, block_m=64, block_n=64)}
+            if family == "structured":
+                everyone = torch.ones(1, heads, dtype=torch.bool, device=q.device)
+                walks["dense"] = lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale,
+                                                                 force_dense=everyone, forced="only", num_warps=4,
+                                                                 num_stages=2, block_m=128, block_n=64)
+            cudnn = None
+            if first:
+                group = heads // shape["num_kv_heads"]
+                kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
+                del kr, vr
+            for walk, fn in walks.items():
+                out = fn()
+                ms = _ms(fn, reps)
+                key = f"{shape_name}_{family}_{n}_{walk}"
+                torch.save(out[:, :, ::97].float().cpu(), out_dir / f"{key}_{variant}.pt")
+                row = {field: variant, "shape": shape_name, "family": family, "length": n, "walk": walk, "ms": ms,
+                       "cudnn_ms": cudnn}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                del out
+            del q, k, v, index
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_variant_table(out: Path, stem: str, variants: list[str], field: str) -> list[dict]:
+    """Print one row a (case, variant): its time, the first variant's time over it, cuDNN's over it and the largest
+    difference of its output sample from the first variant's; then delete the samples. ``field``: the rows' key
+    that names the variant. Returns the rows."""
+    import torch
+
+    rows = [r for v in variants if (out / f"{stem}_{v}.json").exists()
+            for r in json.loads((out / f"{stem}_{v}.json").read_text())]
+    base = {(r["shape"], r["family"], r["length"], r["walk"]): r for r in rows if r[field] == variants[0]}
+    print(f"{'shape':<13} {'family':<10} {'length':>7} {'walk':<6} {field:<11} {'ms':>9} {'x first':>8} "
+          f"{'x cuDNN':>8} {'max|diff|':>9}")
+    for r in rows:
+        first = base.get((r["shape"], r["family"], r["length"], r["walk"]))
+        name = f"{r['shape']}_{r['family']}_{r['length']}_{r['walk']}"
+        diff = (torch.load(out / f"{name}_{r[field]}.pt") - torch.load(out / f"{name}_{variants[0]}.pt")).abs().max()
+        cudnn = first["cudnn_ms"] if first else None
+        print(f"{r['shape']:<13} {r['family']:<10} {r['length']:>7} {r['walk']:<6} {r[field]:<11} {r['ms']:9.2f} "
+              f"{first['ms'] / r['ms'] if first else float('nan'):8.3f} "
+              f"{(cudnn / r['ms']) if cudnn else float('nan'):8.3f} {diff:9.2e}")
+    for p in out.glob("*.pt"):
+        p.unlink()
+    return rows
