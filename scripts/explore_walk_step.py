@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from variant_runs import print_variant_table, run_cases
+from variant_runs import patched_tree, print_variant_table, run_cases
 
-REPO = Path(__file__).resolve().parent.parent
 PATCH = Path(__file__).resolve().parent / "explore_walk_step.patch"
 VARIANTS = {"base": {}, "lazy8": {"MFX_LAZY": "8"}, "lazy0": {"MFX_LAZY": "1e-6"}, "pair": {"MFX_PAIR": "1"},
             "lazy8_pair": {"MFX_LAZY": "8", "MFX_PAIR": "1"}}
@@ -44,21 +42,6 @@ def run_variant(lengths: list[int], out_dir: Path, variant: str, reps: int) -> l
     # the H200's tuned sparse-walk stages of these shapes: 3 at 32K, 2 at 128K
     return run_cases(lengths, out_dir, variant, "variant", first=variant == "base", reps=reps,
                      sparse_stages=lambda n: 3 if n <= 32768 else 2)
-
-
-def patched_tree(tree: Path) -> Path:
-    """A copy of this checkout with the patch applied, importable as ``minference_fx`` from ``tree`` (the
-    package's subpackages that live at the top level are linked in, as the editable install maps them)."""
-    if tree.exists():
-        shutil.rmtree(tree)
-    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".xfer*", "results"))
-    try:
-        subprocess.run(["patch", "-p1", "-i", str(PATCH)], cwd=tree, check=True)
-    except FileNotFoundError:  # no patch(1): git applies it outside a repository too
-        subprocess.run(["git", "apply", str(PATCH)], cwd=tree, check=True)
-    for sub in ("passes", "autotune", "configs"):
-        (tree / "minference_fx" / sub).symlink_to(Path("..") / sub)
-    return tree
 
 
 def main() -> None:
@@ -79,7 +62,7 @@ def main() -> None:
         (a.out / f"walk_step_{a.child}.json").write_text(json.dumps(rows, indent=1))
         return
     variants = a.variants.split(",")
-    tree = patched_tree(a.tree)
+    tree = patched_tree(a.tree, PATCH)
     for variant in variants:
         env = {**os.environ, "PYTHONPATH": str(tree), **VARIANTS[variant]}
         subprocess.run([sys.executable, str(tree / "scripts" / Path(__file__).name), "--out", str(a.out), "--lengths",

@@ -5,7 +5,27 @@ row against the first variant's."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def patched_tree(tree: Path, patch: Path) -> Path:
+    """A copy of this checkout with ``patch`` applied, importable as ``minference_fx`` from ``tree`` (the
+    package's subpackages that live at the top level are linked in, as the editable install maps them)."""
+    if tree.exists():
+        shutil.rmtree(tree)
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".xfer*", "results"))
+    try:
+        subprocess.run(["patch", "-p1", "-i", str(patch)], cwd=tree, check=True)
+    except FileNotFoundError:  # no patch(1): git applies it outside a repository too
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+    for sub in ("passes", "autotune", "configs"):
+        (tree / "minference_fx" / sub).symlink_to(Path("..") / sub)
+    return tree
+
 
 SHAPES = {"llama3_8b": dict(num_q_heads=32, num_kv_heads=8, head_dim=128),
           "qwen2.5_1.5b": dict(num_q_heads=12, num_kv_heads=2, head_dim=128)}
