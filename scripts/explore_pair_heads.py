@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from variant_runs import CASES, SHAPES, patched_tree
+from variant_runs import cases, patched_tree
 
 PATCH = Path(__file__).resolve().parent / "explore_pair_heads.patch"
 PAIR_LAUNCHES = [(8, 2), (8, 3)]
@@ -37,51 +37,42 @@ def measure(lengths: list[int], reps: int) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from minference_fx.autotune.workload import scattered_qkv, structured_qkv
     from minference_fx.kernels.attend import sparse_attention_triton
     from minference_fx.kernels.index import build_index_gpu
     from minference_fx.kernels.reference import SparseIndex
-    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
     from minference_fx.tools.bench import _ms
 
     rows = []
-    for shape_name, family in CASES:
-        shape = SHAPES[shape_name]
-        heads, group = shape["num_q_heads"], shape["num_q_heads"] // shape["num_kv_heads"]
-        make = structured_qkv if family == "structured" else scattered_qkv
-        for n in lengths:
-            q, k, v = make(n, **shape)
-            scale = shape["head_dim"] ** -0.5
-            plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * heads)
-            args = plan.op_arguments()
-            own = build_index_gpu(q, k, plan, scale=scale)
-            even = lambda t: t[:, 0::2].repeat_interleave(2, 1).contiguous()  # noqa: E731
-            shared = SparseIndex(*(even(t) for t in (own.block_count, own.block_start, own.col_count, own.col_index)))
-            stages = 3 if n <= 32768 else 2  # the H200's tuned sparse walk of these shapes
+    for shape_name, family, n, q, k, v, scale, plan, group in cases(lengths):
+        args = plan.op_arguments()
+        own = build_index_gpu(q, k, plan, scale=scale)
+        even = lambda t: t[:, 0::2].repeat_interleave(2, 1).contiguous()  # noqa: E731
+        shared = SparseIndex(*(even(t) for t in (own.block_count, own.block_start, own.col_count, own.col_index)))
+        stages = 3 if n <= 32768 else 2  # the H200's tuned sparse walk of these shapes
 
-            def walk(index, **launch):
-                config = dict(num_warps=4, num_stages=stages, block_m=64, block_n=64) | launch
-                return lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, **config)
+        def walk(index, **launch):
+            config = dict(num_warps=4, num_stages=stages, block_m=64, block_n=64) | launch
+            return lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, **config)
 
-            runs = {"own": walk(own), "shared": walk(shared)}
-            for warps, st in PAIR_LAUNCHES:
-                runs[f"pair w{warps} s{st}"] = walk(shared, block_m=128, num_warps=warps, num_stages=st, pair_heads=True)
-            kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
-            del kr, vr
-            row = dict(shape=shape_name, family=family, length=n, cudnn_ms=cudnn, ms={}, max_diff={})
-            want = runs["shared"]()
-            for name, fn in runs.items():
-                out = fn()
-                row["ms"][name] = _ms(fn, reps)
-                if name.startswith("pair"):
-                    row["max_diff"][name] = float((out.float() - want.float()).abs().max())
-                del out
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del q, k, v, own, shared, want
-            torch.cuda.empty_cache()
+        runs = {"own": walk(own), "shared": walk(shared)}
+        for warps, st in PAIR_LAUNCHES:
+            runs[f"pair w{warps} s{st}"] = walk(shared, block_m=128, num_warps=warps, num_stages=st, pair_heads=True)
+        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
+        del kr, vr
+        row = dict(shape=shape_name, family=family, length=n, cudnn_ms=cudnn, ms={}, max_diff={})
+        want = runs["shared"]()
+        for name, fn in runs.items():
+            out = fn()
+            row["ms"][name] = _ms(fn, reps)
+            if name.startswith("pair"):
+                row["max_diff"][name] = float((out.float() - want.float()).abs().max())
+            del out
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v, own, shared, want
+        torch.cuda.empty_cache()
     return rows
 
 

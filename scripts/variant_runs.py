@@ -32,6 +32,23 @@ SHAPES = {"llama3_8b": dict(num_q_heads=32, num_kv_heads=8, head_dim=128),
 CASES = [("llama3_8b", "structured"), ("llama3_8b", "scattered"), ("qwen2.5_1.5b", "structured")]
 
 
+def cases(lengths: list[int]):
+    """Yield ``(shape name, family, length, q, k, v, scale, plan, group)`` for every case at every length on the GPU:
+    VS(1000, 6096) every head; the caller drops its references before the next case is made."""
+    from minference_fx.autotune.workload import scattered_qkv, structured_qkv
+    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+
+    for shape_name, family in CASES:
+        shape = SHAPES[shape_name]
+        heads = shape["num_q_heads"]
+        make = structured_qkv if family == "structured" else scattered_qkv
+        for n in lengths:
+            q, k, v = make(n, **shape)
+            plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * heads)
+            yield shape_name, family, n, q, k, v, shape["head_dim"] ** -0.5, plan, heads // shape["num_kv_heads"]
+            del q, k, v  # the next case's tensors are made without this one's
+
+
 def run_cases(lengths: list[int], out_dir: Path, variant: str, field: str, *, first: bool, reps: int,
               sparse_stages) -> list[dict]:
     """Time the walks of every case at every length in this process: the sparse walk (VS(1000, 6096) every head, 64 x 64
@@ -41,50 +58,41 @@ def run_cases(lengths: list[int], out_dir: Path, variant: str, field: str, *, fi
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from minference_fx.autotune.workload import scattered_qkv, structured_qkv
     from minference_fx.kernels.attend import sparse_attention_triton
     from minference_fx.kernels.index import build_index_gpu
-    from minference_fx.plan import HeadPlan, LayerPlan, Pattern
     from minference_fx.tools.bench import _ms
 
     rows = []
-    for shape_name, family in CASES:
-        shape = SHAPES[shape_name]
-        heads = shape["num_q_heads"]
-        make = structured_qkv if family == "structured" else scattered_qkv
-        for n in lengths:
-            q, k, v = make(n, **shape)
-            scale = shape["head_dim"] ** -0.5
-            plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 1000, 6096),) * heads)
-            args = plan.op_arguments()
-            index = build_index_gpu(q, k, plan, scale=scale)
-            stages = sparse_stages(n)
-            walks = {"sparse": lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, num_warps=4,
-                                                                num_stages=stages, block_m=64, block_n=64)}
-            if family == "structured":
-                everyone = torch.ones(1, heads, dtype=torch.bool, device=q.device)
-                walks["dense"] = lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale,
-                                                                 force_dense=everyone, forced="only", num_warps=4,
-                                                                 num_stages=2, block_m=128, block_n=64)
-            cudnn = None
-            if first:
-                group = heads // shape["num_kv_heads"]
-                kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
-                del kr, vr
-            for walk, fn in walks.items():
-                out = fn()
-                ms = _ms(fn, reps)
-                key = f"{shape_name}_{family}_{n}_{walk}"
-                torch.save(out[:, :, ::97].float().cpu(), out_dir / f"{key}_{variant}.pt")
-                row = {field: variant, "shape": shape_name, "family": family, "length": n, "walk": walk, "ms": ms,
-                       "cudnn_ms": cudnn}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-                del out
-            del q, k, v, index
-            torch.cuda.empty_cache()
+    for shape_name, family, n, q, k, v, scale, plan, group in cases(lengths):
+        heads = len(plan.heads)
+        args = plan.op_arguments()
+        index = build_index_gpu(q, k, plan, scale=scale)
+        stages = sparse_stages(n)
+        walks = {"sparse": lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale, num_warps=4,
+                                                            num_stages=stages, block_m=64, block_n=64)}
+        if family == "structured":
+            everyone = torch.ones(1, heads, dtype=torch.bool, device=q.device)
+            walks["dense"] = lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale,
+                                                             force_dense=everyone, forced="only", num_warps=4,
+                                                             num_stages=2, block_m=128, block_n=64)
+        cudnn = None
+        if first:
+            kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
+            del kr, vr
+        for walk, fn in walks.items():
+            out = fn()
+            ms = _ms(fn, reps)
+            key = f"{shape_name}_{family}_{n}_{walk}"
+            torch.save(out[:, :, ::97].float().cpu(), out_dir / f"{key}_{variant}.pt")
+            row = {field: variant, "shape": shape_name, "family": family, "length": n, "walk": walk, "ms": ms,
+                   "cudnn_ms": cudnn}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del out
+        del q, k, v, index
+        torch.cuda.empty_cache()
     return rows
 
 
