@@ -139,6 +139,8 @@ def optimal_blocks(tent: np.ndarray, n_blocks: int) -> list[int]:
 
 def mean_over_sets(scores: torch.Tensor, size: int) -> torch.Tensor:
     """``scores`` ``[B, H, S]`` with each set of ``size`` consecutive heads given the set's mean."""
+    if size == 1:
+        return scores
     B, H, S = scores.shape
     return scores.reshape(B, H // size, size, S).mean(2, keepdim=True).expand(B, H // size, size, S).reshape(B, H, S)
 
@@ -226,9 +228,10 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
     group = Hq // Hkv
     vertical, slash = vs_scores(q, k, scale=scale)
 
-    def picks_at(n_diags: int):
+    def picks_at(n_diags: int, share: int = 1):
+        """Every head's picks at ``n_diags`` diagonals, each set of ``share`` consecutive heads ranking by its mean."""
         plan = LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, columns, n_diags) for _ in range(Hq)))
-        return key_selection(vertical, slash, plan)
+        return key_selection(mean_over_sets(vertical, share), mean_over_sets(slash, share), plan)
 
     singles = {n: picks_at(n) for n in {diagonals} | {b for r, b in rules if r in ("single", "aligned")}}
     base = singles[diagonals]
@@ -238,8 +241,7 @@ def measure_call(q, k, v, scale: float, *, columns: int, diagonals: int, rules: 
             size = SHARED[rule] or group
             if group % size:
                 raise SystemExit(f"rule {rule}: {group} query heads a kv head do not split into sets of {size}")
-            plan = LayerPlan(tuple(HeadPlan(Pattern.VERTICAL_SLASH, columns, budget) for _ in range(Hq)))
-            shared[(rule, budget)] = key_selection(mean_over_sets(vertical, size), mean_over_sets(slash, size), plan)
+            shared[(rule, budget)] = picks_at(budget, size)
     labels = [f"{r}:{b}" for r, b in rules]
     for label, (rule, budget) in zip(labels, rules):
         tally.add_causal(label, Hq, sq)

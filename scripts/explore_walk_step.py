@@ -3,7 +3,7 @@
 usage: python scripts/explore_walk_step.py --out DIR [--variants base,lazy8,pair,lazy8_pair] [--lengths 32k,128k]
 
 ``scripts/explore_walk_step.patch`` makes two environment switches of ``kernels/attend.py`` (read at import; both
-off is the shipped kernel, PTX for PTX):
+off take the shipped kernel's code path, its registers on sm_90a too, the PTX not compared):
 
 * ``MFX_LAZY=T`` (``lazyT``): on unmasked full blocks, the accumulator and the row sums are rescaled only when some
   row's max grew by more than T (log2 units) in the block; otherwise the old max stays the reference, so the

@@ -1,7 +1,7 @@
-"""What the kernel-variant explorations share (``explore_launch_order.py``, ``explore_walk_step.py``): each variant
-runs in a process of its own (its kernel switches come from the environment at import), times the sparse and dense
-walks on the same cases and writes ``{stem}_{variant}.json`` and a sample of each output; the parent then sets every
-row against the first variant's."""
+"""What the kernel-variant explorations share (``explore_launch_order.py``, ``explore_walk_step.py``,
+``explore_pair_heads.py``): a patched copy of the tree, the cases' inputs, and for the variants switched by the
+environment at import (one process each) the walks' timing, ``{stem}_{variant}.json`` with a sample of each output,
+and the table that sets every row against the first variant's."""
 from __future__ import annotations
 
 import json
