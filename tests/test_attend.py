@@ -425,16 +425,28 @@ def test_views_whose_row_offsets_pass_int32_are_addressed_in_int64():
     assert not rows_need_int64(view(0))
 
 
-@pytest.mark.parametrize("launch", [dict(kv_desc=False), dict(kv_desc=True), dict(block_n=128), dict(block_m=32)],
-                         ids=["pointers", "tma", "bn128", "bm32"])
-def test_views_past_2_31_elements_a_head_read_what_contiguous_copies_read(launch):
+WIDE_LAUNCHES = {"pointers": dict(kv_desc=False), "tma": dict(kv_desc=True), "bn128": dict(block_n=128),
+                 "bm32": dict(block_m=32)}
+
+
+@pytest.fixture(scope="module")
+def wide_cases(tmp_path_factory):
+    """The 2**31 cases below, all in one child process (``wide_offsets.run_cases_in_a_child``): one start-up for the
+    five rather than five (each 3-4 s of imports). Each test still passes or fails on its own case's outcome."""
+    cases = {f"packed-{name}": (wide_offsets.packed_views_case, (launch, _plan(4))) for name, launch in WIDE_LAUNCHES.items()}
+    cases["head-dim-stride"] = (wide_offsets.head_dim_stride_case, ())
+    return wide_offsets.run_cases_in_a_child(cases, tmp_path_factory.mktemp("wide") / "cases.jsonl")
+
+
+@pytest.mark.parametrize("launch", list(WIDE_LAUNCHES))
+def test_views_past_2_31_elements_a_head_read_what_contiguous_copies_read(launch, wide_cases):
     """Packed HF-style views ([B, S, H, D] transposed) whose rows from 300 on lie past 2**31 elements, in q, k and v,
     every pattern: the launch addresses them in int64 and writes the contiguous copies' int32 launch's bits. An
     int32 row offset there wraps and reads outside the buffer: the interpreter then dies of a segmentation fault,
     in a child process (``wide_offsets``), so the test fails and the run goes on."""
-    wide_offsets.run_in_a_child(wide_offsets.packed_views_case, launch, _plan(4))
+    wide_offsets.outcome(wide_cases[f"packed-{launch}"], f"packed-{launch}")
 
 
-def test_a_head_dim_stride_past_2_31_is_addressed_in_int64_too():
+def test_a_head_dim_stride_past_2_31_is_addressed_in_int64_too(wide_cases):
     """Rows are not the only term: a q whose head-dim stride is 2**28 puts its columns past 2**31 elements."""
-    wide_offsets.run_in_a_child(wide_offsets.head_dim_stride_case)
+    wide_offsets.outcome(wide_cases["head-dim-stride"], "head-dim-stride")

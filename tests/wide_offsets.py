@@ -1,10 +1,12 @@
-"""Kernel launches on views whose element offsets pass 2**31, each run in a child process.
+"""Kernel launches on views whose element offsets pass 2**31, run in a child process (one for all of them).
 
 Where int32 offsets wrap, the interpreter reads outside the buffer and dies of a segmentation fault; in the test's
 own process that would end the whole run without a report. The cases live here, in a module the child can import
 by name (the tests run under ``--import-mode=importlib``, whose test modules it cannot).
 """
+import json
 import multiprocessing
+import traceback
 
 import pytest
 import torch
@@ -75,3 +77,59 @@ def run_in_a_child(case, *args) -> None:
         pytest.skip("the child process could not reserve the address space (its message is above)")
     assert child.exitcode == 0, (f"{case.__name__}{args} ended with exit code {child.exitcode} (a negative code is the "
                                  "signal: -11, a segmentation fault, is what int32 offsets past 2**31 give)")
+
+
+def _child_of_cases(cases: dict, log: str) -> None:
+    """Each case in turn, a line in ``log`` when it starts and one with its outcome (flushed before the next)."""
+    with open(log, "a") as out:
+        def note(**line):
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+
+        for name, (case, args) in cases.items():
+            note(name=name, status="started")
+            try:
+                case(*args)
+            except pytest.skip.Exception as e:
+                note(name=name, status="skip", detail=str(e))
+            except BaseException:  # noqa: BLE001  (an assertion or any error: that case fails, the next ones run)
+                note(name=name, status="fail", detail=traceback.format_exc()[-4000:])
+            else:
+                note(name=name, status="ok")
+
+
+def run_cases_in_a_child(cases: dict, log) -> dict:
+    """Every ``cases[name] = (case, args)`` in one fresh process, in turn: one start-up (seconds of imports) for all
+    of them, where :func:`run_in_a_child` pays one a case. Returns name -> (status, detail), status "ok", "skip" or
+    "fail". A case that kills the child (-11, a segmentation fault, for int32 offsets past 2**31) fails with the
+    exit code, and so does every case after it (not run); the cases before it ran to their end, as in children of
+    their own. A child that exits non-zero after its last case fails every case, as each case's own child would."""
+    child = multiprocessing.get_context("spawn").Process(target=_child_of_cases, args=(cases, str(log)))
+    child.start()
+    child.join()
+    lines = [json.loads(line) for line in open(log).read().splitlines()] if log.exists() else []
+    results, running = {}, None
+    for line in lines:
+        if line["status"] == "started":
+            running = line["name"]
+        else:
+            results[line["name"]], running = (line["status"], line.get("detail", "")), None
+    if child.exitcode != 0:
+        died = (f"the child ended with exit code {child.exitcode} (a negative code is the signal: -11, a segmentation "
+                f"fault, is what int32 offsets past 2**31 give)")
+        for name in cases:
+            if name == running:
+                results[name] = ("fail", f"{died} in this case")
+            elif name not in results:
+                results[name] = ("fail", f"{died} in case {running}; this case did not run")
+            elif running is None and results[name][0] != "fail":  # died after the last case: every case's child
+                results[name] = ("fail", f"{died} after its cases ran")
+    return results
+
+
+def outcome(result: tuple, name: str) -> None:
+    """A test's end from its case's ``run_cases_in_a_child`` result: passes, skips or fails with the child's words."""
+    status, detail = result
+    if status == "skip":
+        pytest.skip(f"the child process could not reserve the address space: {detail}")
+    assert status == "ok", f"{name}: {detail}"
