@@ -15,9 +15,6 @@ from minference_fx.kernels import reference
 from minference_fx.kernels.attend import rows_need_int64, sparse_attention_triton
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 
-CHILD_SKIPPED = 77
-"""the child's exit code when it could not reserve the address space"""
-
 
 def sparse_view(shape, strides, dtype=torch.float16):
     """A view whose last element lies past 2**31 elements, over a buffer that is mostly never touched (the OS commits
@@ -59,26 +56,6 @@ def head_dim_stride_case() -> None:
     assert torch.equal(got, sparse_attention_triton(q.contiguous(), k, v, index, *plan.op_arguments(), scale=0.25))
 
 
-def _child(case, args) -> None:
-    try:
-        case(*args)
-    except pytest.skip.Exception as e:
-        print(e, flush=True)
-        raise SystemExit(CHILD_SKIPPED)
-
-
-def run_in_a_child(case, *args) -> None:
-    """``case(*args)`` in a fresh process; fails with its exit code (-11 for a segmentation fault), skips where the
-    child could not reserve the address space."""
-    child = multiprocessing.get_context("spawn").Process(target=_child, args=(case, args))
-    child.start()
-    child.join()
-    if child.exitcode == CHILD_SKIPPED:
-        pytest.skip("the child process could not reserve the address space (its message is above)")
-    assert child.exitcode == 0, (f"{case.__name__}{args} ended with exit code {child.exitcode} (a negative code is the "
-                                 "signal: -11, a segmentation fault, is what int32 offsets past 2**31 give)")
-
-
 def _child_of_cases(cases: dict, log: str) -> None:
     """Each case in turn, a line in ``log`` when it starts and one with its outcome (flushed before the next)."""
     with open(log, "a") as out:
@@ -100,7 +77,7 @@ def _child_of_cases(cases: dict, log: str) -> None:
 
 def run_cases_in_a_child(cases: dict, log) -> dict:
     """Every ``cases[name] = (case, args)`` in one fresh process, in turn: one start-up (seconds of imports) for all
-    of them, where :func:`run_in_a_child` pays one a case. Returns name -> (status, detail), status "ok", "skip" or
+    of them, where a child a case would pay one each. Returns name -> (status, detail), status "ok", "skip" or
     "fail". A case that kills the child (-11, a segmentation fault, for int32 offsets past 2**31) fails with the
     exit code, and so does every case after it (not run); the cases before it ran to their end, as in children of
     their own. A child that exits non-zero after its last case fails every case, as each case's own child would."""
