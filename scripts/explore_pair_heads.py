@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from variant_runs import cases, patched_tree
+from variant_runs import cases, cudnn_causal_ms, patched_tree
 
 PATCH = Path(__file__).resolve().parent / "explore_pair_heads.patch"
 PAIR_LAUNCHES = [(8, 2), (8, 3)]
@@ -34,8 +34,6 @@ PAIR_LAUNCHES = [(8, 2), (8, 3)]
 
 def measure(lengths: list[int], reps: int) -> list[dict]:
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from minference_fx.kernels.attend import sparse_attention_triton
     from minference_fx.kernels.index import build_index_gpu
@@ -57,11 +55,8 @@ def measure(lengths: list[int], reps: int) -> list[dict]:
         runs = {"own": walk(own), "shared": walk(shared)}
         for warps, st in PAIR_LAUNCHES:
             runs[f"pair w{warps} s{st}"] = walk(shared, block_m=128, num_warps=warps, num_stages=st, pair_heads=True)
-        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
-        del kr, vr
-        row = dict(shape=shape_name, family=family, length=n, cudnn_ms=cudnn, ms={}, max_diff={})
+        row = dict(shape=shape_name, family=family, length=n, cudnn_ms=cudnn_causal_ms(q, k, v, group, reps), ms={},
+                   max_diff={})
         want = runs["shared"]()
         for name, fn in runs.items():
             out = fn()

@@ -1,5 +1,6 @@
 """What the kernel-variant explorations share (``explore_launch_order.py``, ``explore_walk_step.py``,
-``explore_pair_heads.py``): a patched copy of the tree, the cases' inputs, and for the variants switched by the
+``explore_pair_heads.py``; ``explore_list_cost.py`` takes the cuDNN baseline): a patched copy of the tree, the cases'
+inputs, cuDNN's time on them, and for the variants switched by the
 environment at import (one process each) the walks' timing, ``{stem}_{variant}.json`` with a sample of each output,
 and the table that sets every row against the first variant's."""
 from __future__ import annotations
@@ -49,14 +50,25 @@ def cases(lengths: list[int]):
             del q, k, v  # the next case's tensors are made without this one's
 
 
+def cudnn_causal_ms(q, k, v, group: int, reps: int) -> float:
+    """cuDNN's causal attention of ``q`` over ``k``/``v`` (their kv heads repeated ``group`` times), in ms: the baseline
+    every exploration here sets its walks against."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from minference_fx.tools.bench import _ms
+
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
+
+
 def run_cases(lengths: list[int], out_dir: Path, variant: str, field: str, *, first: bool, reps: int,
               sparse_stages) -> list[dict]:
     """Time the walks of every case at every length in this process: the sparse walk (VS(1000, 6096) every head, 64 x 64
     blocks, 4 warps, ``sparse_stages(length)`` stages) and, on the structured family, the dense walk (every head forced,
     128 x 64, 4 warps, 2 stages); cuDNN too when ``first``. Each row names the variant under ``field``."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from minference_fx.kernels.attend import sparse_attention_triton
     from minference_fx.kernels.index import build_index_gpu
@@ -75,12 +87,7 @@ def run_cases(lengths: list[int], out_dir: Path, variant: str, field: str, *, fi
             walks["dense"] = lambda: sparse_attention_triton(q, k, v, index, *args, scale=scale,
                                                              force_dense=everyone, forced="only", num_warps=4,
                                                              num_stages=2, block_m=128, block_n=64)
-        cudnn = None
-        if first:
-            kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                cudnn = _ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True), reps)
-            del kr, vr
+        cudnn = cudnn_causal_ms(q, k, v, group, reps) if first else None
         for walk, fn in walks.items():
             out = fn()
             ms = _ms(fn, reps)
