@@ -15,14 +15,9 @@ walk on the structured family). Outputs are compared with the first variant's; c
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from variant_runs import patched_tree, print_variant_table, run_cases
+from variant_runs import run_cases, run_patched_variants, variant_arguments
 
 PATCH = Path(__file__).resolve().parent / "explore_list_prefetch.patch"
 VARIANTS = {"base3": ({}, 3), "prefetch3": ({"MFX_PREFETCH": "1"}, 3), "base2": ({}, 2),
@@ -38,31 +33,9 @@ def run_variant(lengths: list[int], out_dir: Path, variant: str, first: bool, re
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--variants", default="base3,prefetch3,base2,prefetch2")
-    ap.add_argument("--lengths", default="32k,128k")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--tree", type=Path, default=Path("/tmp/mfx-list-prefetch"))
-    ap.add_argument("--child", default="")
-    ap.add_argument("--first", action="store_true")
-    a = ap.parse_args()
-    from minference_fx.cli import parse_lengths
-
-    lengths = parse_lengths(a.lengths)
-    a.out.mkdir(parents=True, exist_ok=True)
-    if a.child:
-        rows = run_variant(lengths, a.out, a.child, a.first, a.reps)
-        (a.out / f"list_prefetch_{a.child}.json").write_text(json.dumps(rows, indent=1))
-        return
-    variants = a.variants.split(",")
-    tree = patched_tree(a.tree, PATCH)
-    for i, variant in enumerate(variants):
-        env = {**os.environ, "PYTHONPATH": str(tree), **VARIANTS[variant][0]}
-        subprocess.run([sys.executable, str(tree / "scripts" / Path(__file__).name), "--out", str(a.out), "--lengths",
-                        a.lengths, "--reps", str(a.reps), "--child", variant] + (["--first"] if i == 0 else []),
-                       env=env, cwd="/", check=False)
-    print_variant_table(a.out, "list_prefetch", variants, "variant")
+    a = variant_arguments("base3,prefetch3,base2,prefetch2", "/tmp/mfx-list-prefetch").parse_args()
+    run_patched_variants(a, Path(__file__), PATCH, {name: env for name, (env, _) in VARIANTS.items()}, "list_prefetch",
+                         run_variant)
 
 
 if __name__ == "__main__":

@@ -21,53 +21,27 @@ runs in the base variant's process.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from variant_runs import patched_tree, print_variant_table, run_cases
+from variant_runs import run_cases, run_patched_variants, variant_arguments
 
 PATCH = Path(__file__).resolve().parent / "explore_walk_step.patch"
 VARIANTS = {"base": {}, "lazy8": {"MFX_LAZY": "8"}, "lazy0": {"MFX_LAZY": "1e-6"}, "pair": {"MFX_PAIR": "1"},
             "lazy8_pair": {"MFX_LAZY": "8", "MFX_PAIR": "1"}}
 
 
-def run_variant(lengths: list[int], out_dir: Path, variant: str, reps: int) -> list[dict]:
+def run_variant(lengths: list[int], out_dir: Path, variant: str, first: bool, reps: int) -> list[dict]:
     from minference_fx.kernels import attend
 
     print(f"variant {variant}: {attend.__file__} LAZY={attend.LAZY} PAIR={attend.PAIR}", flush=True)
     # the H200's tuned sparse-walk stages of these shapes: 3 at 32K, 2 at 128K
-    return run_cases(lengths, out_dir, variant, "variant", first=variant == "base", reps=reps,
+    return run_cases(lengths, out_dir, variant, "variant", first=first, reps=reps,
                      sparse_stages=lambda n: 3 if n <= 32768 else 2)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--variants", default="base,lazy8,lazy0,pair,lazy8_pair")
-    ap.add_argument("--lengths", default="32k,128k")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--tree", type=Path, default=Path("/tmp/mfx-walk-step"))
-    ap.add_argument("--child", default="")
-    a = ap.parse_args()
-    from minference_fx.cli import parse_lengths
-
-    lengths = parse_lengths(a.lengths)
-    a.out.mkdir(parents=True, exist_ok=True)
-    if a.child:
-        rows = run_variant(lengths, a.out, a.child, a.reps)
-        (a.out / f"walk_step_{a.child}.json").write_text(json.dumps(rows, indent=1))
-        return
-    variants = a.variants.split(",")
-    tree = patched_tree(a.tree, PATCH)
-    for variant in variants:
-        env = {**os.environ, "PYTHONPATH": str(tree), **VARIANTS[variant]}
-        subprocess.run([sys.executable, str(tree / "scripts" / Path(__file__).name), "--out", str(a.out), "--lengths",
-                        a.lengths, "--reps", str(a.reps), "--child", variant], env=env, cwd="/", check=False)
-    print_variant_table(a.out, "walk_step", variants, "variant")
+    a = variant_arguments("base,lazy8,lazy0,pair,lazy8_pair", "/tmp/mfx-walk-step").parse_args()
+    run_patched_variants(a, Path(__file__), PATCH, VARIANTS, "walk_step", run_variant)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """What the kernel-variant explorations share (``explore_launch_order.py``, ``explore_walk_step.py``,
-``explore_pair_heads.py``; ``explore_list_cost.py`` takes the cuDNN baseline): a patched copy of the tree, the cases'
-inputs, cuDNN's time on them, and for the variants switched by the
+``explore_list_prefetch.py``, ``explore_pair_heads.py``; ``explore_list_cost.py`` takes the cuDNN baseline): a patched
+copy of the tree, the cases' inputs, cuDNN's time on them, and for the variants switched by the
 environment at import (one process each) the walks' timing, ``{stem}_{variant}.json`` with a sample of each output,
 and the table that sets every row against the first variant's."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,3 +128,39 @@ def print_variant_table(out: Path, stem: str, variants: list[str], field: str) -
     for p in out.glob("*.pt"):
         p.unlink()
     return rows
+
+
+def variant_arguments(variants: str, tree: str) -> argparse.ArgumentParser:
+    """The command line of an exploration of patched variants: ``--variants`` (``variants`` by default), the lengths,
+    the timed runs, the patched tree's folder (``tree`` by default) and the child's switches."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--variants", default=variants)
+    ap.add_argument("--lengths", default="32k,128k")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tree", type=Path, default=Path(tree))
+    ap.add_argument("--child", default="", help="(internal) the variant this process runs")
+    ap.add_argument("--first", action="store_true", help="(internal) the child also times cuDNN")
+    return ap
+
+
+def run_patched_variants(a: argparse.Namespace, script: Path, patch: Path, environments: dict, stem: str,
+                         run_variant) -> None:
+    """As a child (``--child``): ``run_variant(lengths, out, variant, first, reps)`` and its rows into
+    ``{stem}_{variant}.json``. Otherwise: the tree patched with ``patch``, then each variant of ``--variants`` in a process
+    of its own from it, with ``environments[variant]`` set, and the table against the first."""
+    from minference_fx.cli import parse_lengths
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.child:
+        rows = run_variant(parse_lengths(a.lengths), a.out, a.child, a.first, a.reps)
+        (a.out / f"{stem}_{a.child}.json").write_text(json.dumps(rows, indent=1))
+        return
+    variants = a.variants.split(",")
+    tree = patched_tree(a.tree, patch)
+    for i, variant in enumerate(variants):
+        env = {**os.environ, "PYTHONPATH": str(tree), **environments[variant]}
+        subprocess.run([sys.executable, str(tree / "scripts" / script.name), "--out", str(a.out.resolve()), "--lengths",
+                        a.lengths, "--reps", str(a.reps), "--child", variant] + (["--first"] if i == 0 else []),
+                       env=env, cwd="/", check=False)
+    print_variant_table(a.out, stem, variants, "variant")
