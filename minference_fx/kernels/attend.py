@@ -192,8 +192,14 @@ def _walk_tiles(first, stop, q, m_i, l_i, acc, qk_scale, tiles, kv, prog, masks,
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     seq_k = prog[5]
     if BLOCK_N == TILE:
+        # Each slot's start is read a step ahead, so a step's TMA coordinate is a value of the step before: read in
+        # the step itself, it took a pipeline stage of its own, and 3 stages copied K/V one step ahead into two
+        # buffers instead of two steps ahead into three (scripts/explore_list_prefetch.py)
+        start = _block_start(first, tiles, first < stop)
         for i in range(first, stop):
-            m_i, l_i, acc = _contiguous_step(_block_start(i, tiles), q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
+            now = start
+            start = _block_start(i + 1, tiles, i + 1 < stop)
+            m_i, l_i, acc = _contiguous_step(now, q, m_i, l_i, acc, qk_scale, kv, prog, masks, offs_n,
                                              HAS_KEY_MASK, HAS_DOC, HAS_WINDOW, DOT_PRECISION, KV_DESC, CROSSING,
                                              APPLY_MASK, FULL_TILE)
     else:
