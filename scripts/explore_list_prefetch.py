@@ -12,6 +12,9 @@ before made, and the same 3 stages copy two steps ahead into three buffers (115.
 walk's). The variants' digit is the sparse walk's stages. Cases: ``variant_runs.run_cases`` (Llama-3-8B's heads on
 both input families, Qwen2.5-Coder-1.5B's on the structured one, VS(1000, 6096), 64 x 64 blocks, 4 warps; the dense
 walk on the structured family). Outputs are compared with the first variant's; cuDNN runs in its process.
+
+The read-ahead shipped in 6cb727e, so the patch applies to the tree before it (``git worktree add DIR 43568f3``, then run
+this script from DIR); BENCHMARKS.md section 1 has the run.
 """
 from __future__ import annotations
 
