@@ -400,6 +400,24 @@ def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_
             assert not report["wgmma_serialized"] and report["spill_bytes"] == 0, (config, masked, report)
 
 
+def test_the_listed_walk_copies_kv_as_far_ahead_as_the_dense_walk_on_hopper():
+    """The TTGIR Triton makes for sm_90a on this CPU (kernels.codegen): at the shipped 64 x 64, 4-warp, 3-stage launch the
+    sparse walk's first key loop holds three K/V blocks, as the dense walk's does. Read in its own step, the listed block
+    start took a pipeline stage, so the loop held two (K/V copied one step ahead, not two) and walked 1.06-1.18x slower at
+    128K on an H100 (scripts/explore_list_prefetch.py, BENCHMARKS section 1)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from minference_fx.kernels.codegen import first_loop_kv_depth, sparse_walk_asm\n"
+            "print(*(first_loop_kv_depth(sparse_walk_asm(128, 64, 64, 4, 3, dense_walk=d)['ttgir']) for d in (False, True)))")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sparse, dense = map(int, done.stdout.split()[-2:])
+    assert (sparse, dense) == (3, 3)
+
+
 def test_a_one_row_padding_mask_applies_to_every_batch_row_of_a_direct_call():
     """sparse_attention_triton takes key_mask [1, Skv] for a batch too (the op broadcast it first; called
     directly, batch row 1 read past the mask's end: off by 2.2)."""

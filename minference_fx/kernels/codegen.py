@@ -151,6 +151,13 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
     ``dense_walk``: the launch of forced-dense heads only (``forced="only"``, 128-row programs allowed);
     ``launch``: further arguments to :func:`attend.sparse_attention_triton`. Needs ``TRITON_INTERPRET`` unset or 0
     when Triton was imported (the interpreter compiles nothing)."""
+    return sparse_walk_asm(head_dim, block_m, block_n, num_warps, num_stages, key_mask=key_mask,
+                           dense_walk=dense_walk, target=target, **launch)["ptx"]
+
+
+def sparse_walk_asm(head_dim: int, block_m: int, block_n: int, num_warps: int, num_stages: int, *,
+                    key_mask: bool = False, dense_walk: bool = False, target=HOPPER, **launch) -> dict:
+    """Every stage Triton compiled :func:`sparse_walk_ptx`'s kernel through, by name (``ttgir``, ``ptx``, ...)."""
     b, hq, hkv, s = 1, 8, 2, 1024
     q = torch.zeros(b, hq, s, head_dim, dtype=torch.bfloat16)
     k, v = (torch.zeros(b, hkv, s, head_dim, dtype=torch.bfloat16) for _ in range(2))
@@ -167,10 +174,22 @@ def sparse_walk_ptx(head_dim: int, block_m: int, block_n: int, num_warps: int, n
                                        key_mask=torch.ones(b, s, dtype=torch.bool) if key_mask else None,
                                        num_warps=num_warps, num_stages=num_stages, block_m=block_m, block_n=block_n,
                                        **launch)
-        compiled = gpu.ptx()[attend._sparse_attn_fwd.fn.__name__]
+        compiled = gpu.variants()[attend._sparse_attn_fwd.fn.__name__]
     if len(compiled) != 1:
         raise RuntimeError(f"expected one compiled variant, found {len(compiled)}")
-    return compiled[0]
+    return compiled[0].asm
+
+
+def first_loop_kv_depth(ttgir: str) -> int:
+    """How many K/V blocks the first key loop of a compiled walk (its TTGIR) keeps in shared memory: the depth of the
+    multi-buffered allocations made between the walk's q and that loop. Triton's pipeliner copies K/V depth - 1 steps
+    ahead; a load the loop must make before it can address K/V (a listed block start read in the step itself) takes a
+    stage of its own and leaves one buffer fewer at the same ``num_stages``."""
+    before_loop = ttgir.split("scf.for", 1)[0]
+    depths = {int(d) for d in re.findall(r"= ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", before_loop)}
+    if len(depths) != 1:
+        raise ValueError(f"expected the K/V buffers of one depth before the first loop, found depths {sorted(depths)}")
+    return depths.pop()
 
 
 def ptx_instructions(ptx: str) -> str:
