@@ -18,6 +18,9 @@ own from that copy. Shapes: Llama-3-8B's heads (32 q / 8 kv, d128) on both input
 (sparse walk 64 x 64, 4 warps, 3 stages at 32K and 2 at 128K; dense walk 128 x 64, 4 warps, 2 stages); the dense
 walk (every head forced dense) on the structured family. Outputs are compared with the base variant's; cuDNN
 runs in the base variant's process.
+
+The patch applies to the kernel before the walk read its block starts ahead (6cb727e): run this script from a worktree
+of 43568f3 (``git worktree add DIR 43568f3``). BENCHMARKS.md section 1 has the run (1634bd0).
 """
 from __future__ import annotations
 

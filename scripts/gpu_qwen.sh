@@ -46,8 +46,9 @@
 # and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table), tune_llama (Llama-3-8B's
 # shape alone, into the user cache), kernels_ab (bench kernels with the shipped table, then with the user cache's tune), index_parts (the index
 # taken apart on Qwen's shipped plans: escalation, guard mass, CUDA time by kernel; needs no model), dense_path (which SDPA
-# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model), prefill_shipped_all (TTFT 4K-128K with the config shipped past 8K), prefill_head (the same with HF + Inductor beside it), tests_routed (the GPU tests of routing against the op's fused SDPA), breakdown32_dense (where the time goes at 32K on the dense path), tests_layout (the GPU tests of the op's output layout and padded dense calls), minference (MInference built and run alone, 32K-512K), kernels_1m (bench kernels at 1M, structured), walk_step (the walk's step changed two ways, against the shipped one), pair_heads (two heads a program on shared picks), list_cost (full causal attention through the walk's list, its
-# enumerated tiles and the dense walk), list_prefetch (the walk reading its next block start a step ahead). The steps that compared column
+# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model), prefill_shipped_all (TTFT 4K-128K with the config shipped past 8K), prefill_head (the same with HF + Inductor beside it), tests_routed (the GPU tests of routing against the op's fused SDPA), breakdown32_dense (where the time goes at 32K on the dense path), tests_layout (the GPU tests of the op's output layout and padded dense calls), minference (MInference built and run alone, 32K-512K), kernels_1m (bench kernels at 1M, structured), pair_heads (two heads a program on shared picks), list_cost (full causal attention through the walk's list, its
+# enumerated tiles and the dense walk). walk_step and list_prefetch, whose patches apply only to the kernel before 6cb727e, went once measured:
+# git show a9f7d15:scripts/gpu_qwen.sh. The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
 # The model must have been converted first (scripts/device_model.py convert).
 set -uo pipefail
@@ -328,15 +329,9 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 400 python3 -m benchmarks.peers --lengths 32k,128k --families structured,scattered \
             --peers minference,minference-prefill --out "$STATE/peers_minference.json"
           step peers_512k ;;
-    walk_step)  # two changes to the walk's step (lazy rescale, two blocks a softmax update) against the shipped kernel,
-                # each variant in its own process from a patched copy of the tree (scripts/explore_walk_step.py)
-          timeout 580 python3 scripts/explore_walk_step.py --out "$STATE/walk_step" ;;
     pair_heads)  # the sparse walk with two query heads a program on picks they share, against the shipped walk
                  # (scripts/explore_pair_heads.py: a patched copy of the tree)
           timeout 400 python3 scripts/explore_pair_heads.py --out "$STATE/pair_heads.json" ;;
-    list_prefetch)  # the sparse walk reading its next block start a step ahead (TMA two steps ahead), against the
-                    # shipped walk, at 2 and 3 stages (scripts/explore_list_prefetch.py)
-          timeout 400 python3 scripts/explore_list_prefetch.py --out "$STATE/list_prefetch" --variants base3,prefetch3,base2,prefetch2,prefetch4 ;;
     list_cost)  # what the sparse walk's block list costs: full causal attention listed, enumerated, and by the dense walk
                 # at 64 and 128 rows (scripts/explore_list_cost.py)
           timeout 300 python3 scripts/explore_list_cost.py --out "$STATE/list_cost.json" ;;

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import wide_offsets
+from compiling import compiling
 
 from minference_fx.autotune import workload
 from minference_fx.kernels import reference
@@ -377,9 +378,6 @@ def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_
     An edit of two scalar ops once tipped the unmasked walk into both C7515 and 240 registers (from 222): 14%
     slower at 128K, found only by a GPU re-tune (git show 6fb579a:results/autotune_warmup_h200_2026-12-01_v13.txt)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from minference_fx.autotune import cache
 
@@ -391,11 +389,7 @@ def test_the_sparse_walk_compiles_for_hopper_at_the_shipped_long_prompt_configs_
     code = ("import json, sys\nfrom minference_fx.kernels.codegen import sparse_walk_codegen\n"
             "print(json.dumps([[vars(sparse_walk_codegen(*c, key_mask=m)) for m in (False, True)] "
             "for c in json.loads(sys.argv[1])]))")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(configs)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    for config, variants in zip(configs, json.loads(done.stdout.strip().splitlines()[-1])):
+    for config, variants in zip(configs, json.loads(compiling(code, json.dumps(configs)).strip().splitlines()[-1])):
         for masked, report in zip((False, True), variants):
             assert not report["wgmma_serialized"] and report["spill_bytes"] == 0, (config, masked, report)
 
@@ -405,16 +399,9 @@ def test_the_listed_walk_copies_kv_as_far_ahead_as_the_dense_walk_on_hopper():
     sparse walk's first key loop holds three K/V blocks, as the dense walk's does. Read in its own step, the listed block
     start took a pipeline stage, so the loop held two (K/V copied one step ahead, not two) and walked 1.06-1.18x slower at
     128K on an H100 (scripts/explore_list_prefetch.py, BENCHMARKS section 1)."""
-    import os
-    import subprocess
-    import sys
-
     code = ("from minference_fx.kernels.codegen import first_loop_kv_depth, sparse_walk_asm\n"
             "print(*(first_loop_kv_depth(sparse_walk_asm(128, 64, 64, 4, 3, dense_walk=d)['ttgir']) for d in (False, True)))")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    sparse, dense = map(int, done.stdout.split()[-2:])
+    sparse, dense = map(int, compiling(code).split()[-2:])
     assert (sparse, dense) == (3, 3)
 
 

@@ -4,6 +4,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from compiling import compiling
 from triton.runtime.errors import OutOfResources
 
 from minference_fx import op, routing, sparse_path
@@ -86,18 +87,6 @@ def test_a_call_whose_kernels_fit_no_config_runs_dense_and_later_calls_plan_dens
     assert op.plan_call(q[..., :8], k[..., :8], CallMasks(), 0.25, plan, 0, router=routing.Router()).path is op.CallPath.SPARSE_CPU
 
 
-def _compiling(script: str, **env) -> str:
-    """stdout of ``script`` in a subprocess that compiles for real (this suite runs Triton's interpreter)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", **env}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 _SIMULATED = r'''
 import json, sys, torch
 from minference_fx.autotune.cache import DEFAULT_ENTRIES
@@ -135,7 +124,7 @@ def simulated_small_gpu():
     whose Triton defaults to no fused multiply-adds (Triton 3.10's default): what compiled, what failed."""
     import json
 
-    return json.loads(_compiling(_SIMULATED, TRITON_DEFAULT_FP_FUSION="0").strip().splitlines()[-1])
+    return json.loads(compiling(_SIMULATED, TRITON_DEFAULT_FP_FUSION="0").strip().splitlines()[-1])
 
 
 def test_a_simulated_gpu_with_less_shared_memory_gets_smaller_configs_or_a_named_kernel_that_fits_none(simulated_small_gpu):
@@ -174,5 +163,5 @@ print(*("cp.async.bulk.tensor" in sparse_walk_ptx(64, 64, 64, 4, 2, target=("cud
 def test_a_simulated_gpu_compiles_the_variant_that_gpu_runs():
     """The stand-in driver must compile what the GPU would, or the shared memory and PTX it reports are another
     kernel's: on a simulated Hopper the 64-key walk copies K/V by TMA, as an H100 does; on an A100 it cannot."""
-    out = _compiling(_WALK_PTX)
+    out = compiling(_WALK_PTX)
     assert out.split() == ["True", "False"], out

@@ -182,7 +182,7 @@ def sparse_walk_asm(head_dim: int, block_m: int, block_n: int, num_warps: int, n
 
 def first_loop_kv_depth(ttgir: str) -> int:
     """How many K/V blocks the first key loop of a compiled walk (its TTGIR) keeps in shared memory: the depth of the
-    multi-buffered allocations made between the walk's q and that loop. Triton's pipeliner copies K/V depth - 1 steps
+    multi-buffered allocations made before that loop. Triton's pipeliner copies K/V depth - 1 steps
     ahead; a load the loop must make before it can address K/V (a listed block start read in the step itself) takes a
     stage of its own and leaves one buffer fewer at the same ``num_stages``."""
     before_loop = ttgir.split("scf.for", 1)[0]
