@@ -15,7 +15,7 @@
 # also be taken back mid-step without warning (twice on 2026-12-05, once with a finished step's JSON on it): end every
 # call, a model part's `receive` included, with `collect`, so each result reaches $OUT in the call after it lands.
 # Steps: tune (d128/g6, the model's shape, with the 64K bucket the shipped table lacks), retune (the three shipped shapes
-# after a Triton kernel edit), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
+# after a Triton kernel edit; retune_d128 the two d128 ones), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K, sparse from 16K), prefill_searched (TTFT 8K-128K with it), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K, the config shipped past 8K; breakdown32 at 32K with it sparse from 32K),
@@ -93,6 +93,11 @@ step() {   # $1: step name; its log is $STATE/$1.txt
              # then the table as the shipped autotune/h200.json would hold it (collect copies the user cache)
           timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
           timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3 --dtype bf16 --quiet
+          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet
+          minference-fx autotune --show ;;
+    retune_d128)  # retune's two head_dim-128 shapes alone (Llama-3-8B's, the kernel benchmark's, and Qwen's), when the
+                  # device time left is short of all three; SmolLM2's d64 entries stay as they were
+          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
           timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet
           minference-fx autotune --show ;;
     tune_qwen)  # Qwen's shape alone, as retune tunes it: on a GPU with no shipped table, before its TTFT is measured
