@@ -1,15 +1,16 @@
-"""GPU exploration (not a test): 2 against 3 pipeline stages where the shipped table keeps 2 for the listed walk.
+"""GPU exploration (not a test): 2 against 3 pipeline stages for the 64-key sparse walk, 32K to 128K, both families.
 
 usage: python scripts/explore_stages.py --out FILE.json [--write-cache]
 
 Since 6cb727e the sparse walk reads each block's start a step ahead, so at 3 stages Triton copies K/V two steps ahead
 (three buffers) where it copied one ahead before; at 2 stages nothing changed (scripts/explore_list_prefetch.py). The
-shipped tables were re-keyed to that kernel with their launch configs carried, and a few buckets kept 2 stages from
-tunes of the older walk. For every shipped shape, this finds this GPU's sparse-walk entries with 64-key steps (one
-block a step, the loop the read-ahead changed) and 2 stages from 8K up, and times each against the same config at 3
-stages on both input families at the bucket's length, choosing as the tuner does (``tuner.tune``: the lowest sum of
-each family's time over its fastest). With ``--write-cache`` the choices go into the user cache, where every later
-process on this machine reads them first (``minference-fx autotune --show``)."""
+shipped tables were re-keyed to that kernel with their launch configs carried, and the entries that had kept 2 stages
+from tunes of the older walk were moved to 3 by hand on that A/B (BENCHMARKS section 6). For every shipped shape, this
+takes this GPU's sparse-walk entries at 32K, 64K and 128K that walk a block a step (64-key steps) at 2 or 3 stages, and
+times the entry at both stage counts on both input families at the bucket's length, choosing as the tuner does
+(``tuner.tune``: the lowest sum of each family's time over its fastest). With ``--write-cache`` a choice that differs
+from the table goes into the user cache, where every later process on this machine reads it first (``minference-fx
+autotune --show``)."""
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,13 @@ SHAPES = ((128, 4, 8), (64, 3, 3), (128, 6, 2))
 KERNEL = "sparse_attention"
 
 
-def two_stage_buckets(measured_on) -> list[tuple[int, cache.TuneEntry]]:
-    """(bucket, entry) of the tables' sparse-walk entries for ``measured_on`` that walk a block a step at 2 stages."""
+def block_step_buckets(measured_on) -> list[tuple[int, cache.TuneEntry]]:
+    """(bucket, entry) of the tables' sparse-walk entries for ``measured_on`` at 32K-128K that walk a block a step
+    at 2 or 3 stages."""
     found = []
-    for bucket in (1 << p for p in range(13, 18)):  # 8K .. 128K
+    for bucket in (1 << p for p in range(15, 18)):
         entry, tuned_bucket = cache.resolve(TuneKey.of(KERNEL, measured_on, bucket))
-        if tuned_bucket == bucket and entry.BLOCK_N == 64 and entry.num_stages == 2:
+        if tuned_bucket == bucket and entry.BLOCK_N == 64 and entry.num_stages in (2, 3):
             found.append((bucket, entry))
     return found
 
@@ -48,8 +50,8 @@ def main() -> None:
         workloads = [CudaWorkload(head_dim, group, torch.bfloat16, num_kv_heads=kv_heads, family=f)
                      for f in tuner.TUNE_FAMILIES]
         measured_on = tuner._measured_on(workloads[0], torch.bfloat16, head_dim, group)
-        for bucket, shipped in two_stage_buckets(measured_on):
-            candidates = [shipped, dataclasses.replace(shipped, num_stages=3)]
+        for bucket, shipped in block_step_buckets(measured_on):
+            candidates = [dataclasses.replace(shipped, num_stages=n) for n in (2, 3)]
             result = tuner.tune(KERNEL, candidates, lambda c, w=workloads[0]: w.kernel(bucket, c)(),
                                 also=[lambda c, w=w: w.kernel(bucket, c)() for w in workloads[1:]])
             # the other families' times, for the record (tune keeps the first family's)

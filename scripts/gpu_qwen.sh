@@ -16,7 +16,7 @@
 # call, a model part's `receive` included, with `collect`, so each result reaches $OUT in the call after it lands.
 # Steps: tune (d128/g6, the model's shape, with the 64K bucket the shipped table lacks), retune (the three shipped shapes
 # after a Triton kernel edit; retune_d128 the two d128 ones; stages: 2 against 3 stages
-# where the table keeps 2 for the block-a-step walk), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
+# for the block-a-step walk, 32K-128K), tests (the GPU suite but the fuzz), fuzz (the GPU fuzz, 1000 shapes), kernels (bench kernels, both input
 # families), search (the model's per-head config at 32K, sparse from 16K), prefill_searched (TTFT 8K-128K with it), prefill (TTFT 4K-128K, eager vs minference with the
 # searched config; eager, Inductor, minference with and without the guard), prefill_sparse4k (the same config sparse
 # from 4K, not from the tuned crossover), breakdown (where the time goes at 128K, the config shipped past 8K; breakdown32 at 32K with it sparse from 32K),
@@ -96,8 +96,8 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3 --dtype bf16 --quiet
           timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet
           minference-fx autotune --show ;;
-    stages)  # 2 against 3 stages where this GPU's table keeps 2 for the listed walk's block-a-step loop (the read-ahead
-             # of 6cb727e deepened its copies at 3 stages only), both families; the choices into the user cache
+    stages)  # 2 against 3 stages for the block-a-step walk at 32K-128K, both families (the read-ahead
+             # of 6cb727e deepened its copies at 3 stages only); the choices that differ from the table into the user cache
           timeout 400 python3 scripts/explore_stages.py --write-cache --out "$STATE/stages.json" ;;
     retune_d128)  # retune's two head_dim-128 shapes alone (Llama-3-8B's, the kernel benchmark's, and Qwen's), when the
                   # device time left is short of all three; SmolLM2's d64 entries stay as they were
