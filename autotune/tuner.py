@@ -59,6 +59,8 @@ class TuneResult:
     timings: dict[TuneEntry, float]
     failures: dict[TuneEntry, str]
     """candidates that raised (out of resources, compile errors), with the message"""
+    timings_by_way: dict[TuneEntry, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    """every way's time of each candidate, in ``tune``'s order of ways (the first is ``timings``')"""
 
 
 def tune(kernel: str, candidates: Iterable[TuneEntry], run_candidate: Callable[[TuneEntry], object],
@@ -86,7 +88,7 @@ def tune(kernel: str, candidates: Iterable[TuneEntry], run_candidate: Callable[[
     slowdown = lambda config: sum(t / f for t, f in zip(per_way[config], fastest))  # noqa: E731
     best = min(per_way, key=slowdown)
     timings = {config: times[0] for config, times in per_way.items()}
-    return TuneResult(kernel, best, timings[best], timings, failures)
+    return TuneResult(kernel, best, timings[best], timings, failures, {c: tuple(t) for c, t in per_way.items()})
 
 
 def find_crossover(lengths: Iterable[int], time_dense, time_sparse, *, margin: float = 0.0) -> Optional[int]:

@@ -54,12 +54,10 @@ def main() -> None:
             candidates = [dataclasses.replace(shipped, num_stages=n) for n in (2, 3)]
             result = tuner.tune(KERNEL, candidates, lambda c, w=workloads[0]: w.kernel(bucket, c)(),
                                 also=[lambda c, w=w: w.kernel(bucket, c)() for w in workloads[1:]])
-            # the other families' times, for the record (tune keeps the first family's)
-            others = {w.family: {c.num_stages: tuner.do_bench(w.kernel(bucket, c)) for c in candidates}
-                      for w in workloads[1:]}
+            ms = {w.family: {c.num_stages: result.timings_by_way[c][way] for c in candidates}
+                  for way, w in enumerate(workloads)}
             row = dict(head_dim=head_dim, group=group, kv_heads=kv_heads, bucket=bucket, shipped=dataclasses.asdict(shipped),
-                       ms={workloads[0].family: {c.num_stages: result.timings[c] for c in candidates}, **others},
-                       chosen_stages=result.best.num_stages)
+                       ms=ms, chosen_stages=result.best.num_stages)
             print(json.dumps(row), flush=True)
             rows.append(row)
             if args.write_cache and result.best != shipped:

@@ -92,10 +92,8 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           minference-fx autotune --show ;;
     retune)  # after an edit of a Triton kernel: the three shipped shapes from scratch (launch configs, crossovers, costs),
              # then the table as the shipped autotune/h200.json would hold it (collect copies the user cache)
-          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 4 --dtype bf16 --quiet
           timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3 --dtype bf16 --quiet
-          timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 128 --gqa 6 --kv-heads 2 --dtype bf16 --quiet
-          minference-fx autotune --show ;;
+          step retune_d128 ;;
     stages)  # 2 against 3 stages for the block-a-step walk at 32K-128K, both families (the read-ahead
              # of 6cb727e deepened its copies at 3 stages only); the choices that differ from the table into the user cache
           timeout 400 python3 scripts/explore_stages.py --write-cache --out "$STATE/stages.json" ;;

@@ -567,6 +567,9 @@ def test_the_walk_is_tuned_against_both_families_and_keeps_the_first_family_s_ti
                       also=[lambda c: scattered.kernel(8192, c)()])
     assert both.best == TuneEntry(64, 64, 4, 3)
     assert both.timings == alone.timings and both.best_ms == alone.timings[TuneEntry(64, 64, 4, 3)] == pytest.approx(8 * 1.05)
+    # every family's times stay on record, the first family's first
+    assert {c: t[0] for c, t in both.timings_by_way.items()} == both.timings
+    assert both.timings_by_way[TuneEntry(64, 64, 8, 3)][1] == pytest.approx(8 * 1.4)
 
 
 def test_warm_up_chooses_launch_configs_against_every_family_and_the_crossover_from_the_first(cache_dir):
