@@ -640,6 +640,23 @@ def test_a_tune_up_to_64k_measures_the_cost_models_rates(cache_dir):
     assert "the sparse walk runs 16.000x" in str(report)
 
 
+def test_the_tunes_cost_times_the_walk_beside_the_dense_time_not_in_the_sweep(cache_dir):
+    """The sweep's time of a config can sit far from a stand-alone one (11 % on an H100): the cost's walk time is
+    taken after the dense time at the cost's length, with the tuned config."""
+    timed = []
+
+    def timer(fn):
+        timed.append(fn()[:2])
+        if fn()[:2] == ("kernel", 65536) and ("dense", 65536) in timed:
+            return 32.0  # the walk alone, beside the dense time: half what the sweep saw
+        return fake_timer(fn)
+
+    report = tuner.warm_up([65536], 128, 4, "bf16", progress=False, workload=FakeWorkload(), timer=timer)
+    assert timed[-3:] == [("sparse", 65536), ("kernel", 65536), ("index", 65536)]
+    assert report.results[65536].best_ms == pytest.approx(64)  # the sweep's time, as before
+    assert report.cost.walk_rate == pytest.approx(0.25 * 4096 / 32)
+
+
 def test_a_timing_that_makes_no_cost_is_refused_before_anything_is_written(cache_dir):
     with pytest.raises(ValueError, match="cannot weigh"):
         tuner.measure_cost(FakeWorkload(), 65536, TuneEntry(), lambda fn: 0.0)
