@@ -14,6 +14,15 @@ def test_found_refuses_other_answers(answer):
     assert not demo.found("green teapot", answer)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_the_summary_gives_a_prefill_ratio_only_where_the_op_can_be_sparse(device):
+    result = demo.DemoResult(device, "bfloat16", 4096, "uniform", "green teapot", " green teapot.", " green teapot.",
+                             3.0, 1.5, 9.0, [demo.LayerRow(0, 0.25, 0.99)], {}, "")
+    text = result.summary()
+    assert "dense 3.00 s, sparse 1.50 s" in text
+    assert ("(x2.00)" in text) == (device != "cpu") and ("not by sparsity" in text) == (device == "cpu")
+
+
 def test_demo_on_cpu_at_a_short_prompt():
     from minference_fx.tools.assets import AssetError
 
@@ -28,3 +37,5 @@ def test_demo_on_cpu_at_a_short_prompt():
     assert result.sparse_pass == result.dense_pass, (result.sparse_answer, result.dense_answer)
     text = result.summary()
     assert "answer (sparse)" in text and "mean physical density" in text
+    # the CPU's op is masked dense attention: no ratio that would read as a sparse speed-up
+    assert " s (x" not in text and "not by sparsity" in text
