@@ -47,7 +47,7 @@
 # and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table), tune_llama (Llama-3-8B's
 # shape alone, into the user cache), kernels_ab (bench kernels with the shipped table, then with the user cache's tune), index_parts (the index
 # taken apart on Qwen's shipped plans: escalation, guard mass, CUDA time by kernel; needs no model), dense_path (which SDPA
-# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model), prefill_shipped_all (TTFT 4K-128K with the config shipped past 8K), prefill_head (the same with HF + Inductor beside it), tests_routed (the GPU tests of routing against the op's fused SDPA), breakdown32_dense (where the time goes at 32K on the dense path), tests_layout (the GPU tests of the op's output layout and padded dense calls), minference (MInference built and run alone, 32K-512K), kernels_1m (bench kernels at 1M, structured), pair_heads (two heads a program on shared picks), list_cost (full causal attention through the walk's list, its
+# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model), prefill_shipped_all (TTFT 4K-128K with the config shipped past 8K), prefill_head (the same with HF + Inductor beside it), prefill_long (eager vs minference at 32K, 64K, 128K alone), tests_routed (the GPU tests of routing against the op's fused SDPA), breakdown32_dense (where the time goes at 32K on the dense path), tests_layout (the GPU tests of the op's output layout and padded dense calls), minference (MInference built and run alone, 32K-512K), kernels_1m (bench kernels at 1M, structured), pair_heads (two heads a program on shared picks), list_cost (full causal attention through the walk's list, its
 # enumerated tiles and the dense walk). walk_step and list_prefetch, whose patches apply only to the kernel before 6cb727e, went once measured:
 # git show a9f7d15:scripts/gpu_qwen.sh. The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
@@ -288,6 +288,10 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           [ "$1" = prefill_head ] && variants=eager,inductor,minference
           timeout 900 minference-fx bench prefill --model $MODEL --lengths 4k,8k,16k,32k,64k,128k \
             --variants $variants --config $SHIPPED32K --reps 3 --out "$STATE/bench_prefill_qwen_$1.json" ;;
+    prefill_long)  # TTFT at issue 35's three target lengths alone (32K, 64K, 128K), eager vs minference with the config
+                   # shipped past 8K: the re-measure after a kernel or table change, in less device time than prefill_head
+          timeout 600 minference-fx bench prefill --model $MODEL --lengths 32k,64k,128k --variants eager,minference \
+            --config $SHIPPED32K --reps 3 --out "$STATE/bench_prefill_qwen_long.json" ;;
     tests_routed)  # the GPU tests of routed heads and the cost model (their reference is the op's own fused SDPA)
           TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
             --import-mode=importlib tests/test_gpu.py -k "routed or cost_model or runs_cudnn or near_dense" ;;
