@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minference_fx import routing
-from minference_fx.autotune import workload
+from minference_fx.autotune import identity, workload
 from minference_fx.kernels import attend
 from minference_fx.kernels import density as den
 from minference_fx.kernels import reference as ref
@@ -129,7 +129,7 @@ def test_rows_of_both_families_on_cpu(tmp_path):
         assert len(fields["physical_by_head"]) == len(fields["logical_by_head"]) == 4
         rows.append(bench.KernelRow(family=family, seq=1024, index_ms=1.0, kernel_ms=2.0, total_ms=3.0,
                                     tflops_computed=1.0, cudnn_ms=6.0, op_ms=4.0, op_routed_heads=1, flash_ms=None,
-                                    flex_ms=None, flex_mask_ms=None, **fields))
+                                    flex_ms=None, flex_mask_ms=None, launch_config={"BLOCK_M": 64}, **fields))
     table = bench.format_kernel_rows(rows)
     lines = table.splitlines()
     assert "family" in lines[0] and "ph/lo" in lines[0] and "phys%" in lines[0] and "log%" in lines[0]
@@ -140,9 +140,12 @@ def test_rows_of_both_families_on_cpu(tmp_path):
         assert line.split()[-9:-4] == ["6.00", "2.00", "4.00", "1.50", "1"]
     out = tmp_path / "k.json"
     bench.write_json(out, rows, "test")
-    saved = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    saved = doc["rows"]
     assert [r["family"] for r in saved] == list(bench.KERNEL_FAMILIES)
-    assert saved[1]["physical_by_head"] == rows[1].physical_by_head
+    assert saved[1]["physical_by_head"] == rows[1].physical_by_head and saved[1]["launch_config"] == {"BLOCK_M": 64}
+    # which kernel sources the numbers ran: the hash that keys the tuned tables
+    assert doc["kernel_source_hash"] == identity.kernel_source_hash() and len(doc["kernel_source_hash"]) == 16
 
 
 @pytest.mark.parametrize("every, cap, settle", [(2, 8, 7), (8, 64, 57), (8, 8, 1)])

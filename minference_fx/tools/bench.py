@@ -41,6 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .. import routing
 from ..autotune.dispatch import launch_config
+from ..autotune.identity import kernel_source_hash
 from ..autotune.workload import FAMILIES, family_qkv
 from ..defaults import DEFAULTS
 from ..kernels.attend import as_output, sparse_attention_triton
@@ -214,6 +215,8 @@ class KernelRow:
     flash_ms: float | None
     flex_ms: float | None
     flex_mask_ms: float | None
+    launch_config: dict = dataclasses.field(default_factory=dict)
+    """the sparse walk's BLOCK_M, BLOCK_N, num_warps and num_stages at this length (the tuned table's, else the default)"""
     physical_by_head: list[float] = dataclasses.field(default_factory=list)
     """walked / causal key tiles of each query head (batch row 0)"""
     logical_by_head: list[float] = dataclasses.field(default_factory=list)
@@ -262,7 +265,7 @@ def bench_kernels(lengths, *, families=KERNEL_FAMILIES, budgets=DEFAULTS.budgets
         row = dict(family=family, seq=seq, index_ms=index_ms, kernel_ms=kernel_ms, total_ms=total_ms,
                    **density_fields(case.density),
                    tflops_computed=4 * shape["head_dim"] * computed_pairs / (kernel_ms * 1e-3) / 1e12,
-                   cudnn_ms=None, flash_ms=None, flex_ms=None, flex_mask_ms=None)
+                   cudnn_ms=None, flash_ms=None, flex_ms=None, flex_mask_ms=None, launch_config=dataclasses.asdict(config))
         row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, *op_window(routing.ROUTER, seq))
         dense_reps = 3 if seq <= 131072 else 1
         k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -325,6 +328,8 @@ def environment() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        # the hash that keys the tuned tables: which kernel sources these numbers ran (the device copy has no git)
+        "kernel_source_hash": kernel_source_hash(),
     }
 
 
