@@ -252,7 +252,7 @@ def warm_up(lengths: Sequence[int], head_dim: int, gqa: int, dtype: Union[str, t
             # a cost from a shorter grid would replace the full one's with launch overhead (a user cache wins over
             # the shipped table): only the whole grid measures it. The walk is timed again beside the dense time
             # rather than taken from the sweep: on an H100 (2026-12-07) the sweep timed Qwen's 64K walk 11 % slower
-            # than two stand-alone runs of the same config did, which priced the walk 11 % too dear
+            # than a stand-alone run of the same config did, and its rate came out 11 % under the costs step's
             cost = measure_cost(workload, top, results[top].best, timer, dense_ms=dense_ms[top])
         # a shorter grid that never saw sparse win says nothing past its end: its "never sparse" would replace
         # the shipped crossover, and the op ran dense at 128K after a tune that stopped at 16K
