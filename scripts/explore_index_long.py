@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -21,21 +20,9 @@ from minference_fx.autotune.workload import family_qkv
 from minference_fx.cli import parse_lengths
 from minference_fx.kernels.index import build_index_gpu, index_bytes
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.tools.bench import event_ms
 
 LLAMA3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
-
-
-def median_ms(run, reps: int) -> float:
-    run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -52,7 +39,7 @@ def main() -> None:
             q, k, _ = family_qkv(family, length, **LLAMA3_8B)
             scale = LLAMA3_8B["head_dim"] ** -0.5
             build = lambda: build_index_gpu(q, k, plan, scale=scale)  # noqa: E731
-            ms = median_ms(build, args.reps)
+            ms = event_ms(build, args.reps)
             table, launches = kernel_table(build)
             sizes = {name: round(n / 2**30, 3) for name, n in index_bytes(plan, 1, length).items()}
             print(f"\n{family} {length}: index {ms:.2f} ms (median of {args.reps}), {launches} device activities, "
