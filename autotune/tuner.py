@@ -55,12 +55,19 @@ def do_bench(fn: Callable[[], object]) -> float:
 class TuneResult:
     kernel: str
     best: TuneEntry
-    best_ms: float
-    timings: dict[TuneEntry, float]
+    timings_by_way: dict[TuneEntry, tuple[float, ...]]
+    """every way's time of each candidate, in ``tune``'s order of ways"""
     failures: dict[TuneEntry, str]
     """candidates that raised (out of resources, compile errors), with the message"""
-    timings_by_way: dict[TuneEntry, tuple[float, ...]] = dataclasses.field(default_factory=dict)
-    """every way's time of each candidate, in ``tune``'s order of ways (the first is ``timings``')"""
+
+    @property
+    def timings(self) -> dict[TuneEntry, float]:
+        """each candidate's time on the first way"""
+        return {config: times[0] for config, times in self.timings_by_way.items()}
+
+    @property
+    def best_ms(self) -> float:
+        return self.timings_by_way[self.best][0]
 
 
 def tune(kernel: str, candidates: Iterable[TuneEntry], run_candidate: Callable[[TuneEntry], object],
@@ -86,9 +93,7 @@ def tune(kernel: str, candidates: Iterable[TuneEntry], run_candidate: Callable[[
     # a zero time (a fake timer's) must not divide: the floor keeps the ordering of the others
     fastest = [max(min(times[way] for times in per_way.values()), 1e-9) for way in range(len(runs))]
     slowdown = lambda config: sum(t / f for t, f in zip(per_way[config], fastest))  # noqa: E731
-    best = min(per_way, key=slowdown)
-    timings = {config: times[0] for config, times in per_way.items()}
-    return TuneResult(kernel, best, timings[best], timings, failures, {c: tuple(t) for c, t in per_way.items()})
+    return TuneResult(kernel, min(per_way, key=slowdown), {c: tuple(t) for c, t in per_way.items()}, failures)
 
 
 def find_crossover(lengths: Iterable[int], time_dense, time_sparse, *, margin: float = 0.0) -> Optional[int]:

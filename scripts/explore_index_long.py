@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from explore_index_parts import kernel_table
+from explore_index_parts import kernel_table, listed
 from minference_fx.autotune.dispatch import launch_config
 from minference_fx.autotune.workload import family_qkv
 from minference_fx.cli import parse_lengths
@@ -50,15 +50,6 @@ def unpadded_empty_index(q, k, plan, wider=None) -> SparseIndex:
     )
 
 
-def same_listing(a: SparseIndex, b: SparseIndex) -> bool:
-    """The same counts, columns, and block starts in every counted slot."""
-    if not (torch.equal(a.block_count, b.block_count) and torch.equal(a.col_count, b.col_count)
-            and torch.equal(a.col_index, b.col_index)):
-        return False
-    counted = torch.arange(a.block_start.shape[-1], device=a.block_start.device) < a.block_count[..., None]
-    return torch.equal(torch.where(counted, a.block_start, 0), torch.where(counted, b.block_start, 0))
-
-
 def unpadded(q, k, v, plan, scale, reps: int) -> dict:
     patterns, budget_a, budget_b = plan.op_arguments()
     launch = launch_config(q, k).launch()
@@ -69,7 +60,7 @@ def unpadded(q, k, v, plan, scale, reps: int) -> dict:
         bare = build_index_gpu(q, k, plan, scale=scale)
     finally:
         index_module._empty_index = PADDED_EMPTY_INDEX
-    same = same_listing(padded, bare)
+    same = all(torch.equal(a, b) for a, b in zip(listed(padded), listed(bare)))
     outputs = [sparse_attention_triton(q, k, v, index, patterns, budget_a, budget_b, scale=scale, **launch)
                for index in (padded, bare)]
     return dict(unpadded_index_ms=ms, same_listing=same, same_output=torch.equal(*outputs))

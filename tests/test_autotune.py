@@ -646,8 +646,9 @@ def test_the_tunes_cost_times_the_walk_beside_the_dense_time_not_in_the_sweep(ca
     timed = []
 
     def timer(fn):
-        timed.append(fn()[:2])
-        if fn()[:2] == ("kernel", 65536) and ("dense", 65536) in timed:
+        what = fn()[:2]
+        timed.append(what)
+        if what == ("kernel", 65536) and ("dense", 65536) in timed:
             return 32.0  # the walk alone, beside the dense time: half what the sweep saw
         return fake_timer(fn)
 
