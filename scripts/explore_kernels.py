@@ -132,7 +132,7 @@ def index_ab(seq: int, old_path: str | None) -> None:
         same = (a.block_count == b.block_count).float().mean().item()
         print(f"index {seq}: tile counts equal in {100 * same:.3f} % of (head, query tile); "
               f"column counts equal in {100 * (a.col_count == b.col_count).float().mean().item():.3f} %; "
-              f"block starts identical: {torch.equal(a.block_start.int(), b.block_start.int())}, columns identical: "
+              f"block starts identical: {torch.equal(a.padded().block_start.int(), b.padded().block_start.int())}, columns identical: "
               f"{torch.equal(a.col_index, b.col_index)}; guard mass max difference "
               f"{(masses['current'] - masses['old']).abs().max().item():.2e}", flush=True)
     if seq >= 131072:

@@ -346,8 +346,9 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     list_cost)  # what the sparse walk's block list costs: full causal attention listed, enumerated, and by the dense walk
                 # at 64 and 128 rows (scripts/explore_list_cost.py)
           timeout 300 python3 scripts/explore_list_cost.py --out "$STATE/list_cost.json" ;;
-    index_long)  # where the index's time goes at 128K and 1M on issue 36's layer (CUDA time by kernel, fills included)
-          timeout 300 python3 scripts/explore_index_long.py --lengths 128k,1m --unpadded --out "$STATE/index_long.json" ;;
+    index_long)  # where the index's time goes at 128K and 1M on issue 36's layer (CUDA time by kernel, fills included),
+                # against the older index.py carried as out/old_index.py (git show REV:minference_fx/kernels/index.py)
+          timeout 300 python3 scripts/explore_index_long.py --lengths 128k,1m --old-index out/old_index.py --out "$STATE/index_long.json" ;;
     kernels_1m)  # bench kernels at 1M on the project's structured family (issue 36's 40x row)
           timeout 580 minference-fx bench kernels --lengths 1m --families structured --baselines cudnn \
             --out "$STATE/bench_kernels_1m.json" ;;

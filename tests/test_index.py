@@ -326,7 +326,7 @@ def test_cuda_graph_capture_and_replay():
         fresh = build_index_gpu(new_q, new_k, plan, **kw)
         torch.cuda.synchronize()
         for name in ("block_count", "block_start", "col_count", "col_index"):
-            a, b = getattr(captured, name), getattr(fresh, name)
+            a, b = getattr(captured.padded(), name), getattr(fresh.padded(), name)
             # slash sums come from atomics in any order: allow a rare near-tie swap, nothing more
             assert (a != b).float().mean().item() <= 1e-3, name
 
@@ -369,7 +369,7 @@ def test_the_index_pair_equals_two_builds_from_one_estimate(masked):
     got, got_up = build_index_pair_gpu(q, k, plan, up, scale=0.25, mass_out=masses[2], escalated_mass_out=masses[3], **kw)
     for want, have in ((one, got), (two, got_up)):
         for name in ("block_count", "block_start", "col_count", "col_index"):
-            assert torch.equal(getattr(want, name), getattr(have, name)), name
+            assert torch.equal(getattr(want.padded(), name), getattr(have.padded(), name)), name
     assert torch.equal(masses[0], masses[2]) and torch.equal(masses[1], masses[3])
     # both estimates written (heads 0 and 1 miss mass at their budgets), the escalated one capturing more
     assert (masses[0][:, :2] < 1).all() and (masses[1][:, 0] > masses[0][:, 0]).all()

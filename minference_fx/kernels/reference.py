@@ -59,7 +59,8 @@ class SparseIndex:
     Attributes
     ----------
     block_count : ``[B, Hq, M]`` number of valid entries in ``block_start``.
-    block_start : ``[B, Hq, M, T]`` first key of each block, padded with ``NO_BLOCK``; the blocks of one
+    block_start : ``[B, Hq, M, T]`` first key of each block; slots past ``block_count`` hold anything (the GPU
+        index leaves them unwritten, the reference pads them with ``NO_BLOCK``, as :meth:`padded` does); the blocks of one
         (b, h, m) never overlap. They come in ascending order, but for a block that starts before key 0 (only a
         vertical-slash head has one, at most one a tile): it comes last, after the block that crosses the
         diagonal, so that the attention kernel finds every block that needs a mask at the end.
@@ -72,6 +73,13 @@ class SparseIndex:
     block_start: torch.Tensor
     col_count: torch.Tensor
     col_index: torch.Tensor
+
+    def padded(self) -> "SparseIndex":
+        """The same index with every block start past ``block_count`` set to ``NO_BLOCK``: the form two indices
+        are compared in."""
+        start = self.block_start
+        listed = torch.arange(start.shape[-1], device=start.device) < self.block_count[..., None]
+        return dataclasses.replace(self, block_start=torch.where(listed, start, NO_BLOCK).to(start.dtype))
 
 
 def diagonal_blocks(diagonals, width: int = BLOCK) -> list[int]:
