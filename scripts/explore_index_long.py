@@ -5,8 +5,10 @@ usage: python scripts/explore_index_long.py [--lengths 128k,1m] [--families stru
 
 This times ``build_index_gpu`` as `bench kernels` calls it (Llama-3-8B's 32 query / 8 KV heads, d128, every head
 VS(1000, 6096), no guard) and lists its CUDA time by kernel, memsets and fills included. At 1M on the H100
-(2026-12-07) the index took 19.6 ms, 4.2 % of index + walk: 4.5 ms of it filling the worst-case block-start table
-(11.7 GB, ``index.index_bytes``) with padding no reader looks at, and 10 ms the estimate's two passes over the keys.
+(2026-12-07) the index took 19.4 ms, 4.2 % of index + walk: 4.5 ms of it filling the worst-case block-start table
+(11.7 GB, ``index.index_bytes``) with padding no reader looks at (since left unwritten: 15.6 ms), and 10 ms the
+estimate's two passes over the keys (6.3 ms the column sums, 3.6 ms the row statistics; launching a GQA group's
+heads side by side on each key block changed neither).
 
 ``--old-index PATH`` also builds the same inputs through an older ``kernels/index.py`` (loaded from PATH), in the
 same process: its time and kernels, whether both list the same blocks and columns (up to their counts), and

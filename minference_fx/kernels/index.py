@@ -158,25 +158,17 @@ def _vs_load_rows(Q, KM, DOC, HEADS, slot_row, n_vs, group, stride_q, stride_k, 
     return q, pos, row_ok, K_base, KM_b, DOC_b, doc_row
 
 
-@triton.jit
-def _key_major(n_rows):
-    """(key block or chunk, slot row) of this program in a 1-D grid whose slot rows vary fastest: the heads of one
-    GQA group run side by side on the same keys and read them from L2, not from HBM once a head (at 1M tokens on
-    Llama-3-8B's heads, 8 GB of K reads a pass)."""
-    pid = tl.program_id(0)
-    return pid // n_rows, pid % n_rows
-
-
-@triton.jit(do_not_specialize=["n_vs", "n_rows", "group", "sq", "skv", "last_q", "q_offset", "window", "n_chunks"])
+@triton.jit(do_not_specialize=["n_vs", "group", "sq", "skv", "last_q", "q_offset", "window", "n_chunks"])
 def _vs_row_stats_kernel(
     Q, K, KM, DOC, HEADS, M_OUT, L_OUT,
     stride_q, stride_k, skmb, sdb,
-    n_vs, n_rows, group, sq, skv, last_q, q_offset, window, scale, n_chunks, head_dim,
+    n_vs, group, sq, skv, last_q, q_offset, window, scale, n_chunks, head_dim,
     HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Per estimate row, max and sum of exp(score - max) over one chunk of keys."""
-    chunk, slot_row = _key_major(n_rows)
+    chunk = tl.program_id(0)
+    slot_row = tl.program_id(1)
     q, pos, row_ok, K_off, KM_b, DOC_b, doc_row = _vs_load_rows(
         Q, KM, DOC, HEADS, slot_row, n_vs, group, stride_q, stride_k, skmb, sdb,
         sq, last_q, q_offset, head_dim, HAS_DOC, ROWS, BLOCK_D)
@@ -200,17 +192,18 @@ def _vs_row_stats_kernel(
     tl.store(L_OUT + out, l_i)
 
 
-@triton.jit(do_not_specialize=["n_vs", "n_rows", "group", "sq", "skv", "last_q", "q_offset", "window"])
+@triton.jit(do_not_specialize=["n_vs", "group", "sq", "skv", "last_q", "q_offset", "window"])
 def _vs_colsum_kernel(
     Q, K, KM, DOC, HEADS, ROW_MAX, ROW_SUM, VERT, SLASH,
     stride_q, stride_k, skmb, sdb,
-    n_vs, n_rows, group, sq, skv, last_q, q_offset, window, scale, head_dim,
+    n_vs, group, sq, skv, last_q, q_offset, window, scale, head_dim,
     HAS_KM: tl.constexpr, HAS_DOC: tl.constexpr, DOT_F32: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Softmax probabilities of one key block: its column sums and its share of the diagonal sums."""
     tl.static_assert(ROWS == BLOCK_N, "the diagonal gather pairs estimate rows with key columns")
-    kblk, slot_row = _key_major(n_rows)
+    kblk = tl.program_id(0)
+    slot_row = tl.program_id(1)
     q, pos, row_ok, K_off, KM_b, DOC_b, doc_row = _vs_load_rows(
         Q, KM, DOC, HEADS, slot_row, n_vs, group, stride_q, stride_k, skmb, sdb,
         sq, last_q, q_offset, head_dim, HAS_DOC, ROWS, BLOCK_D)
@@ -238,7 +231,7 @@ def _vs_colsum_kernel(
     d_lo = d0 + c
     tl.store(SLASH + out + d_lo, lower, mask=(d_lo >= 0) & (d_lo < skv))
     d_up = d0 - c
-    tl.store(SLASH + n_rows.to(tl.int64) * skv + out + d_up, upper, mask=(c > 0) & (d_up >= 0) & (d_up < skv))
+    tl.store(SLASH + tl.num_programs(1).to(tl.int64) * skv + out + d_up, upper, mask=(c > 0) & (d_up >= 0) & (d_up < skv))
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
@@ -304,7 +297,7 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     block_d = max(16, triton.next_power_of_2(D))
     common = dict(
         stride_q=q.stride(), stride_k=k.stride(), skmb=kmb, sdb=docb,
-        n_vs=n_vs, n_rows=rows, group=group, sq=sq, skv=skv, last_q=last_q, q_offset=q_offset, window=window,
+        n_vs=n_vs, group=group, sq=sq, skv=skv, last_q=last_q, q_offset=q_offset, window=window,
         scale=float(scale), head_dim=D,
         HAS_KM=key_mask is not None, HAS_DOC=doc_ids is not None, DOT_F32=dot_f32,
         ROWS=VS_LAST_Q, BLOCK_N=_KEY_BLOCK, BLOCK_D=block_d, **fit.COMPILE_OPTIONS,
@@ -316,7 +309,7 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     # shallower ones follow
     specialised = (q.device, q.dtype, k.dtype, block_d, key_mask is not None, doc_ids is not None)
     fit.launch("index row statistics", specialised, fit.stage_ladder(_STATS_STAGES),
-               lambda stages: _vs_row_stats_kernel[(n_chunks * rows,)](
+               lambda stages: _vs_row_stats_kernel[(n_chunks, rows)](
                    q, k, km, doc, heads, m_part, l_part, n_chunks=n_chunks, CHUNK=_STATS_CHUNK, num_stages=stages,
                    **common))
     row_max = torch.empty(rows, VS_LAST_Q, dtype=torch.float32, device=dev)
@@ -326,7 +319,7 @@ def _vs_scores(q, k, heads: torch.Tensor, n_vs: int, *, scale, key_mask, doc_ids
     # one key block and no loop: nothing smaller to try (at d256: 64 KB in bf16, 128 KB in fp32, past the 99 KB
     # cards' limit)
     fit.launch("index column sums", specialised, (None,),
-               lambda _: _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK) * rows,)](
+               lambda _: _vs_colsum_kernel[(_cdiv(skv, _KEY_BLOCK), rows)](
                    q, k, km, doc, heads, row_max, row_sum, vertical, slash_parts, **common))
     return vertical.view(B, n_vs, skv), slash_parts.view(2, B, n_vs, skv)
 
@@ -807,8 +800,8 @@ def build_index_escalated_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, sc
 
 def _empty_index(q, k, plan: LayerPlan, wider: LayerPlan | None = None) -> SparseIndex:
     """A fresh index for ``plan``, with room for ``wider``'s rows too when given. Its column slots are padded; its
-    block starts are not (no reader looks past ``block_count``): filling them was a fifth of the index's time at 1M
-    tokens on Llama-3-8B's heads, 11.7 GB a layer call (scripts/explore_index_long.py --unpadded)."""
+    block starts are not (no reader looks past ``block_count``): filling their 11.7 GB took the index at 1M tokens on
+    Llama-3-8B's heads from 15.6 to 19.4 ms (H100, scripts/explore_index_long.py)."""
     B, Hq, sq, _ = q.shape
     skv, dev = k.shape[2], q.device
     m_tiles = _cdiv(sq, BLOCK)
