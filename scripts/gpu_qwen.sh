@@ -93,7 +93,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     retune)  # after an edit of a Triton kernel: the three shipped shapes from scratch (launch configs, crossovers, costs),
              # then the table as the shipped autotune/h200.json would hold it (collect copies the user cache)
           timeout 450 minference-fx autotune --lengths 32k,128k --head-dim 64 --gqa 3 --kv-heads 3 --dtype bf16 --quiet
-          step retune_d128 ;;
+          bash "$0" run retune_d128 ;;  # a process of its own, so that `stop retune_d128` finds it
     stages)  # 2 against 3 stages for the block-a-step walk at 32K-128K, both families (the read-ahead
              # of 6cb727e deepened its copies at 3 stages only); the choices that differ from the table into the user cache
           timeout 400 python3 scripts/explore_stages.py --write-cache --out "$STATE/stages.json" ;;
@@ -332,7 +332,7 @@ step() {   # $1: step name; its log is $STATE/$1.txt
           cat /root/peers/flashinfer_python-*.whl.part* > /tmp/flashinfer_python-0.7.4-py3-none-any.whl
           python3 -m pip install -q --no-deps /tmp/flashinfer_python-0.7.4-py3-none-any.whl /root/peers/*.whl
           install_minference
-          step peers_run ;;
+          bash "$0" run peers_run ;;
     minference)  # MInference alone (no FlashInfer wheel carried): built from /root/peers/minference_src.tar.gz, then
                  # its kernel on our picks and its prefill end to end (its own estimate; needs einops, carried as a
                  # wheel) at 32K/128K and 512K, both families, against our index and kernel
@@ -379,7 +379,9 @@ case ${1:-status} in
   run) step "$2" ;;
   stop)  # end step $2 and what it runs (timeout ends its command's process group); its chain goes on to the next
          # step. `pkill -f STEP` would also match the chain's own command line, and end every step after it too
-    for pid in $(pgrep -f "^bash .*gpu_qwen\.sh run $2\$"); do
+    pids=$(pgrep -f "^bash .*gpu_qwen\.sh run $2\$")
+    [ -n "$pids" ] || { echo "not running: $2"; exit 1; }
+    for pid in $pids; do
       kids=$(pgrep -P "$pid"); kill "$pid"; [ -n "$kids" ] && kill $kids
     done
     echo "stopped: $2" ;;
