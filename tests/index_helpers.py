@@ -30,7 +30,7 @@ def as_masks(index, skv):
         out = torch.zeros(*idx.shape[:3], length + 1, dtype=torch.bool, device=idx.device)
         return out.scatter_(-1, torch.where(idx >= 0, idx, length), True)[..., :length]
 
-    return ref.block_keys(index, skv), scatter(index.col_index, skv)
+    return ref.block_keys(index, skv), scatter(index.padded().col_index, skv)
 
 
 def check_format(index, plan, sq, skv):
@@ -41,8 +41,9 @@ def check_format(index, plan, sq, skv):
     tile_cap, col_cap = index_capacity(plan, skv)
     assert index.block_start.shape == (B, Hq, M, tile_cap) and index.col_index.shape == (B, Hq, M, col_cap)
     assert index.block_start.dtype == index_start_dtype(skv) and index.col_index.dtype == torch.int32
-    # block starts past the count are left unwritten (SparseIndex): checked in the padded form
-    for lists, counts, pad in ((index.padded().block_start, index.block_count, ref.NO_BLOCK),
+    # slots past the counts are left unwritten (SparseIndex): checked in the padded form
+    index = index.padded()
+    for lists, counts, pad in ((index.block_start, index.block_count, ref.NO_BLOCK),
                                (index.col_index, index.col_count, -1)):
         assert counts.dtype == torch.int32
         valid = torch.arange(lists.shape[-1], device=lists.device) < counts[..., None].long()

@@ -1,4 +1,6 @@
 """Kernel exactness: the Triton sparse kernel equals the reference on the same index (interpreter on CPU)."""
+import dataclasses
+
 import pytest
 import torch
 import wide_offsets
@@ -333,25 +335,28 @@ def test_diagonal_blocks_at_key_0_and_past_the_last_key(launch, sq, skv, offset)
 
 
 @pytest.mark.parametrize("launch", [dict(), dict(block_n=128), dict(block_m=32)], ids=["bn64", "bn128", "bm32"])
-def test_block_starts_past_the_counts_are_never_read(launch):
-    # the GPU index leaves them unwritten (SparseIndex): any value there, a real key's start included, must change
-    # nothing, and neither may a block before key 0 (read ahead of its slot) or a forced-dense head
+def test_slots_past_the_counts_are_never_read(launch):
+    # the GPU index leaves them unwritten (SparseIndex): any value there, a real key's start or column included, must
+    # change nothing, and neither may a block before key 0 (read ahead of its slot) or a forced-dense head
     q, k, v = (t.contiguous() for t in workload.scattered_qkv(400, num_q_heads=4, num_kv_heads=2, head_dim=16,
                                                              dtype=torch.float32, device="cpu"))
     plan = LayerPlan((HeadPlan(Pattern.VERTICAL_SLASH, 40, 200), HeadPlan(Pattern.BLOCK_SPARSE, 2),
                       HeadPlan(Pattern.VERTICAL_SLASH, 30, 120), HeadPlan(Pattern.VERTICAL_SLASH, 20, 60)))
     index = reference.build_index(q, k, plan, scale=0.25, q_offset=100)
     listed = torch.arange(index.block_start.shape[-1]) < index.block_count[..., None]
-    assert not bool(listed.all()), "the case must leave slots past some count"
-    junk = torch.randint(-63, 400, index.block_start.shape, generator=torch.Generator().manual_seed(3))
-    dirty = reference.SparseIndex(index.block_count, torch.where(listed, index.block_start, junk.int()),
-                                  index.col_count, index.col_index)
+    listed_cols = torch.arange(index.col_index.shape[-1]) < index.col_count[..., None]
+    assert not bool(listed.all()) and not bool(listed_cols.all()), "the case must leave slots past some count"
+    g = torch.Generator().manual_seed(3)
+    junk = torch.randint(-63, 400, index.block_start.shape, generator=g).int()
+    junk_cols = torch.randint(0, 400, index.col_index.shape, generator=g).int()
+    dirty = reference.SparseIndex(index.block_count, torch.where(listed, index.block_start, junk),
+                                  index.col_count, torch.where(listed_cols, index.col_index, junk_cols))
     force = torch.tensor([[False, False, False, True]])
     for idx_force in (None, force):
         clean_out, dirty_out = (sparse_attention_triton(q, k, v, ix, *plan.op_arguments(), scale=0.25, q_offset=100,
                                                         force_dense=idx_force, **launch) for ix in (index, dirty))
         assert torch.equal(clean_out, dirty_out)
-    assert torch.equal(dirty.padded().block_start, index.block_start)
+    assert all(torch.equal(a, b) for a, b in zip(dataclasses.astuple(dirty.padded()), dataclasses.astuple(index)))
 
 
 @pytest.mark.parametrize("launch", [dict(), dict(kv_desc=True), dict(block_m=32)], ids=["pointer", "tma", "bm32"])

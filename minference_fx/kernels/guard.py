@@ -66,7 +66,9 @@ def captured_mass(vertical: torch.Tensor, index: SparseIndex, rows: int) -> torc
     block_mass = prefix.gather(-1, (start + BLOCK).clamp(0, skv)) - prefix.gather(-1, start.clamp(0, skv))
     in_tiles = (block_mass * listed).sum(-1).to(vertical.dtype)
     cols = index.col_index[:, :, -1].long()
-    in_cols = (vertical.gather(-1, cols.clamp(min=0)) * (cols >= 0)).sum(-1) if cols.shape[-1] else 0.0
+    listed_cols = torch.arange(cols.shape[-1], device=cols.device) < index.col_count[:, :, -1, None]
+    cols = torch.where(listed_cols, cols, 0)
+    in_cols = (vertical.gather(-1, cols) * listed_cols).sum(-1) if cols.shape[-1] else 0.0
     return (in_tiles + in_cols) / max(rows, 1)
 
 

@@ -416,8 +416,7 @@ def _vs_to_blocks_kernel(
     The tile reads the head's blocks with offsets in ``lo - min(hi, skv - 1) .. lo + 63`` (those holding a key it
     can read), from the largest offset (the lowest keys) down, so the starts come out ascending (but for one
     before key 0). With ``HAS_TAKE`` only the (batch, head) rows ``TAKE`` ([B, Hq] int8) marks are written, over a
-    row another pass wrote: their columns past the new count are padded again, as a fresh index's (block starts past
-    the count are left as they are: no reader looks past ``block_count``)."""
+    row another pass wrote; slots past the new counts keep whatever they held (no reader looks past the counts)."""
     BLOCK_START, BLOCK_CNT, COL_IDX, COL_CNT = OUT
     m = tl.program_id(0)
     slot_row = tl.program_id(1)
@@ -461,10 +460,6 @@ def _vs_to_blocks_kernel(
         dest = ccount + tl.cumsum(keep_i, 0) - 1
         tl.store(COL_IDX + out_row * col_cap + dest, j, mask=keep & (dest < col_cap))
         ccount += tl.sum(keep_i, 0)
-    if HAS_TAKE:
-        for c0 in tl.range(tl.where(taken, tl.minimum(ccount, col_cap), col_cap), col_cap, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            tl.store(COL_IDX + out_row * col_cap + c, tl.full([BLOCK_C], -1, tl.int32), mask=c < col_cap)
     tl.store(COL_CNT + out_row, tl.minimum(ccount, col_cap), mask=taken)
 
 
@@ -799,9 +794,9 @@ def build_index_escalated_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, sc
 
 
 def _empty_index(q, k, plan: LayerPlan, wider: LayerPlan | None = None) -> SparseIndex:
-    """A fresh index for ``plan``, with room for ``wider``'s rows too when given. Its column slots are padded; its
-    block starts are not (no reader looks past ``block_count``): filling their 11.7 GB took the index at 1M tokens on
-    Llama-3-8B's heads from 15.6 to 19.4 ms (H100, scripts/explore_index_long.py)."""
+    """A fresh index for ``plan``, with room for ``wider``'s rows too when given. Its slots are not filled (no reader
+    looks past the counts): filling the block starts' 11.7 GB took the index at 1M tokens on Llama-3-8B's heads from
+    15.6 to 19.4 ms (H100, scripts/explore_index_long.py); the columns' 2 GB, about 0.6 ms more."""
     B, Hq, sq, _ = q.shape
     skv, dev = k.shape[2], q.device
     m_tiles = _cdiv(sq, BLOCK)
@@ -812,7 +807,7 @@ def _empty_index(q, k, plan: LayerPlan, wider: LayerPlan | None = None) -> Spars
         block_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
         block_start=torch.empty((B, Hq, m_tiles, tile_cap), dtype=index_start_dtype(skv), device=dev),
         col_count=torch.zeros(B, Hq, m_tiles, dtype=torch.int32, device=dev),
-        col_index=torch.full((B, Hq, m_tiles, col_cap), -1, dtype=torch.int32, device=dev),
+        col_index=torch.empty((B, Hq, m_tiles, col_cap), dtype=torch.int32, device=dev),
     )
 
 

@@ -65,8 +65,8 @@ class SparseIndex:
         vertical-slash head has one, at most one a tile): it comes last, after the block that crosses the
         diagonal, so that the attention kernel finds every block that needs a mask at the end.
     col_count : ``[B, Hq, M]`` number of valid entries in ``col_index``.
-    col_index : ``[B, Hq, M, C]`` key positions, ascending, padded with -1; a
-        column never lies inside a listed block of the same (b, h, m).
+    col_index : ``[B, Hq, M, C]`` key positions, ascending; slots past ``col_count`` hold anything (the reference
+        pads them with -1, as :meth:`padded` does); a column never lies inside a listed block of the same (b, h, m).
     """
 
     block_count: torch.Tensor
@@ -75,11 +75,13 @@ class SparseIndex:
     col_index: torch.Tensor
 
     def padded(self) -> "SparseIndex":
-        """The same index with every block start past ``block_count`` set to ``NO_BLOCK``: the form two indices
-        are compared in."""
-        start = self.block_start
-        listed = torch.arange(start.shape[-1], device=start.device) < self.block_count[..., None]
-        return dataclasses.replace(self, block_start=torch.where(listed, start, NO_BLOCK).to(start.dtype))
+        """The same index with every slot past its count set to ``NO_BLOCK`` (block starts) or -1 (columns), as the
+        reference builds it: the form two indices are compared in."""
+        def pad(slots, counts, value):
+            listed = torch.arange(slots.shape[-1], device=slots.device) < counts[..., None]
+            return torch.where(listed, slots, value).to(slots.dtype)
+        return dataclasses.replace(self, block_start=pad(self.block_start, self.block_count, NO_BLOCK),
+                                   col_index=pad(self.col_index, self.col_count, -1))
 
 
 def diagonal_blocks(diagonals, width: int = BLOCK) -> list[int]:
@@ -423,9 +425,10 @@ def listed_keys(index: SparseIndex, skv: int, tiles=slice(None)) -> torch.Tensor
     """bool ``[B, Hq, M', Skv]``: the keys query tiles ``tiles`` (a slice or an index tensor) list, in blocks or as
     leftover columns (no base mask)."""
     cols = index.col_index[:, :, tiles].long()
-    # -1 padding goes to a spare slot that is dropped afterwards
+    listed = torch.arange(cols.shape[-1], device=cols.device) < index.col_count[:, :, tiles, None]
+    # slots past the count go to a spare key that is dropped afterwards
     in_cols = torch.zeros(*cols.shape[:3], skv + 1, dtype=torch.bool, device=cols.device)
-    in_cols.scatter_(-1, torch.where(cols >= 0, cols, skv), True)
+    in_cols.scatter_(-1, torch.where(listed, cols, skv), True)
     return block_keys(index, skv, tiles) | in_cols[..., :skv]
 
 
@@ -470,8 +473,9 @@ def index_to_mask(index: SparseIndex, rows, skv: int) -> torch.Tensor:
         raise ValueError(f"index block starts [{int(start[listed].min())}, {int(start[listed].max())}] hold no key "
                          f"of [0, {skv})")
     cols = index.col_index[:, :, m0:m1].long()
-    if cols.numel() and int(cols.max()) >= skv:
-        raise ValueError(f"index column {int(cols.max())} out of range [0, {skv})")
+    cols = cols[torch.arange(cols.shape[-1], device=cols.device) < index.col_count[:, :, m0:m1, None]]
+    if cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= skv):
+        raise ValueError(f"index columns [{int(cols.min())}, {int(cols.max())}] out of range [0, {skv})")
     per_tile = listed_keys(index, skv, slice(m0, m1))  # [B, Hq, m1-m0, Skv]
     row_tile = torch.arange(r0, r1, device=per_tile.device) // BLOCK - m0
     return per_tile[:, :, row_tile]
