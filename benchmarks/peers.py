@@ -49,7 +49,7 @@ from minference_fx.defaults import DEFAULTS
 from minference_fx.kernels.attend import sparse_attention_triton
 from minference_fx.kernels.density import KeySelection, selection_of
 from minference_fx.kernels.index import build_index_gpu
-from minference_fx.kernels.reference import BLOCK, SparseIndex, covering_tiles
+from minference_fx.kernels.reference import BLOCK, SparseIndex, covering_tiles, listed_slots
 from minference_fx.plan import HeadPlan, LayerPlan, Pattern
 from minference_fx.tools import bench
 
@@ -81,7 +81,7 @@ def block_mask_of(index: SparseIndex, skv: int) -> torch.Tensor:
     n_blocks = _cdiv(skv, BLOCK)
     B, H, M = index.block_count.shape
     mask = torch.zeros(B, H, M, n_blocks + 1, dtype=torch.bool, device=index.block_count.device)
-    listed = torch.arange(index.col_index.shape[-1], device=mask.device) < index.col_count[..., None].long()
+    listed = listed_slots(index.col_index, index.col_count)
     # unlisted entries go to a spare block that is dropped afterwards
     mask.scatter_(-1, torch.where(listed, index.col_index.long() // BLOCK, n_blocks), True)
     return mask[..., :n_blocks] | covering_tiles(index, skv)

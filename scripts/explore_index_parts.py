@@ -129,11 +129,9 @@ def through(module, run, escalation: str = "pair"):
 
 
 def listed(index) -> list[torch.Tensor]:
-    """The index's counts, and its slots up to them (a row with nothing listed may hold anything past its count)."""
-    def within(slots, counts):
-        return torch.where(torch.arange(slots.shape[-1], device=slots.device) < counts[..., None], slots.int(), 0)
-    return [index.block_count, index.col_count, within(index.block_start, index.block_count),
-            within(index.col_index, index.col_count)]
+    """The index's counts, and its slots up to them (past the counts a slot may hold anything), as comparable tensors."""
+    padded = index.padded()
+    return [padded.block_count, padded.col_count, padded.block_start.int(), padded.col_index]
 
 
 def same_index(q, k, plans, threshold: float, module, escalation: str = "pair") -> bool:

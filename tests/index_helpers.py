@@ -129,8 +129,8 @@ def assert_no_near_tie(q, k, plan, scale, key_mask=None, doc_ids=None, q_offset=
 def assert_lists_as_taken(got, want, vs_heads: torch.Tensor) -> None:
     """``got`` (index.build_index_escalated_gpu) equals ``want`` (dense.take_index of the pair) slot for slot, but
     for the slots of rows that are not vertical-slash (``vs_heads``, [Hq] bool): a weak block-sparse row lists
-    nothing in both, and its slots past that count of 0 are free. Block starts past the counts are never written, so
-    they compare padded."""
+    nothing in both, and its slots past that count of 0 are free. Slots past the counts are never written, so they
+    compare padded."""
     got, want = got.padded(), want.padded()
     for name in ("block_count", "col_count", "block_start", "col_index"):
         a, b = getattr(got, name), getattr(want, name)

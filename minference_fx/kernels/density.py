@@ -222,7 +222,7 @@ def selection_pairs(selection: KeySelection, sq: int, skv: int, q_offset: int) -
 def _listed_logical(index: SparseIndex, lo: torch.Tensor, hi: torch.Tensor, skv: int) -> torch.Tensor:
     """float64 ``[B, H]``: causal pairs inside the listed blocks (block-sparse heads' kept keys)."""
     start = index.block_start.long()
-    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[..., None]
+    listed = ref.listed_slots(start, index.block_count)
     pairs = causal_pairs(lo[:, None], hi[:, None], start.clamp(min=0), start + BLOCK, skv)
     return torch.where(listed, pairs, 0).sum((-1, -2)).double()
 

@@ -20,7 +20,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .reference import BLOCK, NO_BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, first_kept_keys, query_positions
+from .reference import (BLOCK, NO_BLOCK, VS_LAST_Q, SparseIndex, _masked_softmax, base_allowed, first_kept_keys,
+                        listed_slots, query_positions)
 
 # A head whose index keeps this share of its causal key tiles (leftover columns counted as tiles of
 # BLOCK) runs dense: at most 1/0.9 = 1.11x the tiles, at 1.24x the speed per tile (the dense walk against the
@@ -62,11 +63,11 @@ def captured_mass(vertical: torch.Tensor, index: SparseIndex, rows: int) -> torc
     # a block's mass is a difference of prefix sums, in float64 so that one 64-key block of a 1M row keeps its digits
     prefix = F.pad(vertical.double().cumsum(-1), (1, 0))
     start = index.block_start[:, :, -1].long()
-    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, -1, None]
+    listed = listed_slots(start, index.block_count[:, :, -1])
     block_mass = prefix.gather(-1, (start + BLOCK).clamp(0, skv)) - prefix.gather(-1, start.clamp(0, skv))
     in_tiles = (block_mass * listed).sum(-1).to(vertical.dtype)
     cols = index.col_index[:, :, -1].long()
-    listed_cols = torch.arange(cols.shape[-1], device=cols.device) < index.col_count[:, :, -1, None]
+    listed_cols = listed_slots(cols, index.col_count[:, :, -1])
     cols = torch.where(listed_cols, cols, 0)
     in_cols = (vertical.gather(-1, cols) * listed_cols).sum(-1) if cols.shape[-1] else 0.0
     return (in_tiles + in_cols) / max(rows, 1)

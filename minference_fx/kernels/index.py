@@ -796,7 +796,7 @@ def build_index_escalated_gpu(q, k, plan: LayerPlan, escalated: LayerPlan, *, sc
 def _empty_index(q, k, plan: LayerPlan, wider: LayerPlan | None = None) -> SparseIndex:
     """A fresh index for ``plan``, with room for ``wider``'s rows too when given. Its slots are not filled (no reader
     looks past the counts): filling the block starts' 11.7 GB took the index at 1M tokens on Llama-3-8B's heads from
-    15.6 to 19.4 ms (H100, scripts/explore_index_long.py); the columns' 2 GB, about 0.6 ms more."""
+    15.6 to 19.4 ms (H100, scripts/explore_index_long.py); the columns' 2 GB fill was about 0.6 ms of the same profile."""
     B, Hq, sq, _ = q.shape
     skv, dev = k.shape[2], q.device
     m_tiles = _cdiv(sq, BLOCK)

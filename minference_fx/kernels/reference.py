@@ -78,10 +78,15 @@ class SparseIndex:
         """The same index with every slot past its count set to ``NO_BLOCK`` (block starts) or -1 (columns), as the
         reference builds it: the form two indices are compared in."""
         def pad(slots, counts, value):
-            listed = torch.arange(slots.shape[-1], device=slots.device) < counts[..., None]
-            return torch.where(listed, slots, value).to(slots.dtype)
+            return torch.where(listed_slots(slots, counts), slots, value).to(slots.dtype)
         return dataclasses.replace(self, block_start=pad(self.block_start, self.block_count, NO_BLOCK),
                                    col_index=pad(self.col_index, self.col_count, -1))
+
+
+def listed_slots(slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool, ``slots``' shape: the slots of a table (``[..., T]``) that hold an entry, the first ``counts`` (``[...]``) of
+    each row; the others hold anything (see :class:`SparseIndex`)."""
+    return torch.arange(slots.shape[-1], device=slots.device) < counts[..., None]
 
 
 def diagonal_blocks(diagonals, width: int = BLOCK) -> list[int]:
@@ -413,7 +418,7 @@ def build_index(q, k, plan: LayerPlan, *, scale, key_mask=None, doc_ids=None, q_
 def block_keys(index: SparseIndex, skv: int, tiles=slice(None)) -> torch.Tensor:
     """bool ``[B, Hq, M', Skv]``: the keys the blocks of query tiles ``tiles`` (a slice or an index tensor) hold."""
     start = index.block_start[:, :, tiles].long()
-    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, tiles][..., None]
+    listed = listed_slots(start, index.block_count[:, :, tiles])
     ones = listed.to(torch.int32)
     diff = torch.zeros(*start.shape[:3], skv + 1, dtype=torch.int32, device=start.device)
     diff.scatter_add_(-1, torch.where(listed, start.clamp(0, skv), skv), ones)
@@ -425,7 +430,7 @@ def listed_keys(index: SparseIndex, skv: int, tiles=slice(None)) -> torch.Tensor
     """bool ``[B, Hq, M', Skv]``: the keys query tiles ``tiles`` (a slice or an index tensor) list, in blocks or as
     leftover columns (no base mask)."""
     cols = index.col_index[:, :, tiles].long()
-    listed = torch.arange(cols.shape[-1], device=cols.device) < index.col_count[:, :, tiles, None]
+    listed = listed_slots(cols, index.col_count[:, :, tiles])
     # slots past the count go to a spare key that is dropped afterwards
     in_cols = torch.zeros(*cols.shape[:3], skv + 1, dtype=torch.bool, device=cols.device)
     in_cols.scatter_(-1, torch.where(listed, cols, skv), True)
@@ -437,7 +442,7 @@ def covering_tiles(index: SparseIndex, skv: int) -> torch.Tensor:
     touches two, or one when aligned): the index in the layout of an aligned block-sparse kernel."""
     n_tiles = _cdiv(skv, BLOCK)
     start = index.block_start.long()
-    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[..., None]
+    listed = listed_slots(start, index.block_count)
     tiles = torch.zeros(*start.shape[:3], n_tiles + 1, dtype=torch.bool, device=start.device)
     # unlisted entries go to a spare tile that is dropped afterwards
     for edge in (start.clamp(min=0), (start + BLOCK - 1).clamp(max=skv - 1)):
@@ -468,12 +473,12 @@ def index_to_mask(index: SparseIndex, rows, skv: int) -> torch.Tensor:
         return torch.zeros(B, Hq, 0, skv, dtype=torch.bool, device=index.block_start.device)
     m0, m1 = r0 // BLOCK, _cdiv(r1, BLOCK)
     start = index.block_start[:, :, m0:m1].long()
-    listed = torch.arange(start.shape[-1], device=start.device) < index.block_count[:, :, m0:m1, None]
+    listed = listed_slots(start, index.block_count[:, :, m0:m1])
     if listed.any() and (int(start[listed].min()) <= -BLOCK or int(start[listed].max()) >= skv):
         raise ValueError(f"index block starts [{int(start[listed].min())}, {int(start[listed].max())}] hold no key "
                          f"of [0, {skv})")
     cols = index.col_index[:, :, m0:m1].long()
-    cols = cols[torch.arange(cols.shape[-1], device=cols.device) < index.col_count[:, :, m0:m1, None]]
+    cols = cols[listed_slots(cols, index.col_count[:, :, m0:m1])]
     if cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= skv):
         raise ValueError(f"index columns [{int(cols.min())}, {int(cols.max())}] out of range [0, {skv})")
     per_tile = listed_keys(index, skv, slice(m0, m1))  # [B, Hq, m1-m0, Skv]
