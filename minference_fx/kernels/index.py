@@ -221,16 +221,18 @@ def _vs_colsum_kernel(
     # diagonal d0 + (r - c), d0 = pos[0] - j[0]. Diagonals d0..d0+63 (r >= c) are summed by this key
     # block alone and go to LOWER; d0-63..d0-1 (r < c) likewise to UPPER: the key blocks split both
     # ranges without overlap, so each slot is written once and slash = LOWER + UPPER.
+    # One gather serves both: column u of rotated[r, u] = p[r, (r - u) mod 64] holds diagonal d0 + u in
+    # its rows r >= u and diagonal d0 + u - 64 in its rows r < u (a gather is the costly step here).
     c = tl.arange(0, BLOCK_N)
-    below = tl.gather(p, tl.maximum(r[:, None] - c[None, :], 0), 1)  # [r, u] = p[r, r - u]
-    lower = tl.sum(tl.where(r[:, None] >= c[None, :], below, 0.0), 0)
-    above = tl.gather(p, tl.minimum(r[:, None] + c[None, :], BLOCK_N - 1), 1)  # [r, s] = p[r, r + s]
-    upper = tl.sum(tl.where((r[:, None] + c[None, :] < BLOCK_N) & (c[None, :] > 0), above, 0.0), 0)
+    rotated = tl.gather(p, (r[:, None] - c[None, :] + BLOCK_N) % BLOCK_N, 1)
+    on_lower = r[:, None] >= c[None, :]
+    lower = tl.sum(tl.where(on_lower, rotated, 0.0), 0)
+    upper = tl.sum(tl.where(on_lower, 0.0, rotated), 0)
     d0 = q_offset + sq - last_q - kblk * BLOCK_N
     # a diagonal below 0 holds nothing; one at skv or more (a position past the keys) the reference drops
     d_lo = d0 + c
     tl.store(SLASH + out + d_lo, lower, mask=(d_lo >= 0) & (d_lo < skv))
-    d_up = d0 - c
+    d_up = d0 + c - BLOCK_N
     tl.store(SLASH + tl.num_programs(1).to(tl.int64) * skv + out + d_up, upper, mask=(c > 0) & (d_up >= 0) & (d_up < skv))
 
 
