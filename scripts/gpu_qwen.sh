@@ -346,6 +346,13 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     list_cost)  # what the sparse walk's block list costs: full causal attention listed, enumerated, and by the dense walk
                 # at 64 and 128 rows (scripts/explore_list_cost.py)
           timeout 300 python3 scripts/explore_list_cost.py --out "$STATE/list_cost.json" ;;
+    index_variants)  # the index now against each variant index.py carried as out/idx_NAME.py (explore_index_long's A/B
+                     # at 128K and 1M, one process a variant): which launch change of the estimate to keep
+          for v in out/idx_*.py; do
+            name=$(basename "$v" .py)
+            timeout 200 python3 scripts/explore_index_long.py --lengths 128k,1m --old-index "$v" \
+              --out "$STATE/index_variant_${name#idx_}.json" | grep -v "^ *void\|^ *at::\|Memset\|Memcpy"
+          done ;;
     index_long)  # where the index's time goes at 128K and 1M on issue 36's layer (CUDA time by kernel, fills included),
                 # against the older index.py carried as out/old_index.py (git show REV:minference_fx/kernels/index.py)
           timeout 300 python3 scripts/explore_index_long.py --lengths 128k,1m --old-index out/old_index.py --out "$STATE/index_long.json" ;;
