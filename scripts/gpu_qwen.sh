@@ -346,8 +346,9 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     list_cost)  # what the sparse walk's block list costs: full causal attention listed, enumerated, and by the dense walk
                 # at 64 and 128 rows (scripts/explore_list_cost.py)
           timeout 300 python3 scripts/explore_list_cost.py --out "$STATE/list_cost.json" ;;
-    index_variants)  # the index now against each variant index.py carried as out/idx_NAME.py (explore_index_long's A/B
-                     # at 128K and 1M, one process a variant): which launch change of the estimate to keep
+    index_variants)  # the index now against each variant index.py carried as out/idx_NAME.py (written by
+                     # scripts/make_index_variants.py; explore_index_long's A/B at 128K and 1M, one process a variant):
+                     # which launch change of the estimate to keep
           for v in out/idx_*.py; do
             name=$(basename "$v" .py)
             timeout 200 python3 scripts/explore_index_long.py --lengths 128k,1m --old-index "$v" \
