@@ -7,8 +7,9 @@ evolves; a substitution that no longer matches fails loudly instead of writing a
     python scripts/make_index_variants.py            # every variant
     python scripts/make_index_variants.py rs128 cs2  # these alone
 
-Variants: ``rs128`` the row-statistics pass in 128-key steps; ``rs128w8`` the same with 8 warps; ``rs64w8`` 64-key
-steps with 8 warps; ``cs2`` the column sums two key blocks a program; ``cs2rs128`` the last and the first together.
+Variants: ``rs64`` the row-statistics pass in 64-key steps (as before 2026-12-07); ``rs128w8`` its 128-key steps with 8
+warps; ``cs2`` the column sums two key blocks a program. Measured against the index of their day (H100, 2026-12-07,
+BENCHMARKS.md section 1): 128-key steps won and were kept; 8 warps and two blocks a program lost.
 """
 from __future__ import annotations
 
@@ -19,12 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "minference_fx/kernels/index.py"
 OUT = REPO / "out"
 
-STATS_LAUNCH = """CHUNK=_STATS_CHUNK, num_stages=stages,
-                   **common))"""
-
-
-def stats_launch(extra: str):
-    return lambda src: substitute(src, STATS_LAUNCH, STATS_LAUNCH.replace("**common", "**{**common, %s}" % extra))
+def replacing(old: str, new: str):
+    return lambda src: substitute(src, old, new)
 
 
 def substitute(src: str, old: str, new: str) -> str:
@@ -51,11 +48,9 @@ def colsum_two_blocks(src: str) -> str:
 
 
 VARIANTS = {
-    "rs128": stats_launch('"BLOCK_N": 128'),
-    "rs128w8": stats_launch('"BLOCK_N": 128, "num_warps": 8'),
-    "rs64w8": stats_launch('"num_warps": 8'),
+    "rs64": replacing("_STATS_STEPS = (128, 64)", "_STATS_STEPS = (64,)"),
+    "rs128w8": replacing('"BLOCK_N": config[0]}', '"BLOCK_N": config[0], "num_warps": 8}'),
     "cs2": colsum_two_blocks,
-    "cs2rs128": lambda src: stats_launch('"BLOCK_N": 128')(colsum_two_blocks(src)),
 }
 
 

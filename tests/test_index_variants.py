@@ -38,4 +38,4 @@ def test_each_variant_applies_and_gives_the_shipped_estimate(name, tmp_path):
 
 def test_an_index_the_substitutions_no_longer_match_is_refused():
     with pytest.raises(SystemExit, match="not found exactly once"):
-        variants.VARIANTS["rs128"]("def unrelated(): pass\n")
+        variants.VARIANTS["rs64"]("def unrelated(): pass\n")
