@@ -8,7 +8,8 @@ VS(1000, 6096), no guard) and lists its CUDA time by kernel, memsets and fills i
 (2026-12-07) the index took 19.4 ms, 4.2 % of index + walk: 4.5 ms of it filling the worst-case block-start table
 (11.7 GB, ``index.index_bytes``) with padding no reader looks at (since left unwritten: 15.6 ms), and 10 ms the
 estimate's two passes over the keys (6.3 ms the column sums, 3.6 ms the row statistics; launching a GQA group's
-heads side by side on each key block changed neither).
+heads side by side on each key block changed neither). One gather for the diagonal sums and 128-key steps for the
+row statistics then made them 5.6 and 3.2 ms, the index 13.7 ms (BENCHMARKS.md section 1).
 
 ``--old-index PATH`` also builds the same inputs through an older ``kernels/index.py`` (loaded from PATH), in the
 same process: its time and kernels, whether both list the same blocks and columns (up to their counts), and
