@@ -5,7 +5,7 @@ Each variant is the current file with one launch change made by text substitutio
 evolves; a substitution that no longer matches fails loudly instead of writing an unchanged copy.
 
     python scripts/make_index_variants.py            # every variant
-    python scripts/make_index_variants.py rs128 cs2  # these alone
+    python scripts/make_index_variants.py rs64 cs2   # these alone
 
 Variants: ``rs64`` the row-statistics pass in 64-key steps (as before 2026-12-07); ``rs128w8`` its 128-key steps with 8
 warps; ``cs2`` the column sums two key blocks a program. Measured against the index of their day (H100, 2026-12-07,
@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "minference_fx/kernels/index.py"
 OUT = REPO / "out"
+
 
 def replacing(old: str, new: str):
     return lambda src: substitute(src, old, new)
