@@ -349,11 +349,16 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     index_variants)  # the index now against each variant index.py carried as out/idx_NAME.py (written by
                      # scripts/make_index_variants.py; explore_index_long's A/B at 128K and 1M, one process a variant):
                      # which launch change of the estimate to keep
+          # the filter keeps the Triton kernels' rows; a variant's failure is its python's status, not the filter's
+          failed=0
           for v in out/idx_*.py; do
             name=$(basename "$v" .py)
             timeout 200 python3 scripts/explore_index_long.py --lengths 128k,1m --old-index "$v" \
               --out "$STATE/index_variant_${name#idx_}.json" | grep -v "^ *void\|^ *at::\|Memset\|Memcpy"
-          done ;;
+            rc=${PIPESTATUS[0]}
+            [ "$rc" = 0 ] || { echo "variant ${name#idx_} failed: rc $rc"; failed=1; }
+          done
+          [ "$failed" = 0 ] ;;
     index_long)  # where the index's time goes at 128K and 1M on issue 36's layer (CUDA time by kernel, fills included),
                 # against the older index.py carried as out/old_index.py (git show REV:minference_fx/kernels/index.py)
           timeout 300 python3 scripts/explore_index_long.py --lengths 128k,1m --old-index out/old_index.py --out "$STATE/index_long.json" ;;
