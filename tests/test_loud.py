@@ -18,6 +18,7 @@ from minference_fx.config import (
     model_identity_from_hf,
     traced_model_identities,
 )
+from asset_helpers import fetch_or_skip
 
 
 class Attn(torch.nn.Module):
@@ -324,7 +325,6 @@ def test_demo_stops_after_the_inspection_when_nothing_is_rewritten(monkeypatch):
     rewritten stops it before the minutes of prefills."""
     from minference_fx import inspection
     from minference_fx.tools import demo
-    from minference_fx.tools.assets import AssetError
 
     def dense_inspection(model, *args, **kwargs):
         return inspect(Stack((False, False)), X, options={"inner": "eager"})
@@ -332,11 +332,12 @@ def test_demo_stops_after_the_inspection_when_nothing_is_rewritten(monkeypatch):
     monkeypatch.setattr(inspection, "inspect", dense_inspection)
     monkeypatch.setattr(demo.evaluate, "greedy_answer", lambda *a, **k: pytest.fail("the demo went on to prefill"))
     lines = []
-    try:
+
+    def demo_stops():
         with pytest.raises(demo.NothingRewritten, match="^minference: 0 of 2 attention sites rewritten: the model runs dense; 2 of 2: "):
             demo.run_demo(256, device="cpu", progress=lines.append)
-    except AssetError as exc:
-        pytest.skip(f"SmolLM2 / Austen unavailable: {str(exc)[:300]}")
+
+    fetch_or_skip(demo_stops)
     text = "\n".join(lines)
     assert "inspection (what the backend rewrites" in text and "minference: 0 of 2 attention sites rewritten" in text
     assert lines[0].startswith("loading SmolLM2") and lines[1].startswith("loading: ") and lines[1].endswith(" s")

@@ -37,9 +37,13 @@ def test_every_layer_found_and_rewritten(family, attn):
 def test_covering_budgets_equal_dense(family, attn, pattern):
     model = tiny_model(family, attn)
     ids = torch.randint(0, 128, (1, 150))  # > 2 tiles, and past mistral's window
+    before = list(recent_reports())
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         sparse = _compile(model, covering_config(model, pattern))(ids, use_cache=False).logits
+    # covering budgets equal dense by design: the comparison means something only where the op ran
+    rows = [r for rep in reports_since(before) for r in rep.rows]
+    assert rows and all(r.decision == "sparse" for r in rows), rows
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
 
@@ -276,9 +280,12 @@ def test_wrong_config_names_the_mismatch():
 def test_inductor_end_to_end():
     model = tiny_model("qwen2")
     ids = torch.randint(0, 128, (1, 70))
+    before = list(recent_reports())
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         sparse = _compile(model, covering_config(model), inner="inductor")(ids, use_cache=False).logits
+    rows = [r for rep in reports_since(before) for r in rep.rows]
+    assert rows and all(r.decision == "sparse" for r in rows), rows
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
 

@@ -151,10 +151,15 @@ def test_wait_returns_after_the_background_compile(monkeypatch):
 
 def test_a_wait_from_another_thread_never_joins_a_thread_not_yet_started(monkeypatch):
     """The thread went into the list before it started: an op's wait() in that gap raised 'cannot join thread
-    before it is started' (the gap widened here by a slow start)."""
+    before it is started'. Here the op's wait() runs inside the gap by construction: the thread's start holds until
+    the wait has returned (the timeouts only keep a regression from hanging the suite)."""
+    in_start, waited = threading.Event(), threading.Event()
+    plain_thread = threading.Thread  # the patch below swaps the threading module's class, the caller's too
+
     class SlowStart(threading.Thread):
         def start(self):
-            time.sleep(0.2)
+            in_start.set()
+            waited.wait(timeout=10)
             super().start()
 
     monkeypatch.setattr(precompile, "spec_of", lambda node: _spec())
@@ -163,13 +168,16 @@ def test_a_wait_from_another_thread_never_joins_a_thread_not_yet_started(monkeyp
     errors = []
 
     def op_call():
-        time.sleep(0.05)
         try:
+            if not in_start.wait(timeout=10):
+                errors.append("the precompile thread never started")
             precompile.wait()
         except RuntimeError as exc:
             errors.append(exc)
+        finally:
+            waited.set()
 
-    caller = threading.Thread(target=op_call)
+    caller = plain_thread(target=op_call)
     caller.start()
     precompile.start(["node"])
     caller.join()

@@ -6,7 +6,6 @@ used, so a shared bug would have to be made twice.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -426,13 +425,11 @@ def test_chunking_and_prebuilt_index_agree():
 
 @pytest.mark.slow
 def test_16k_tokens():
-    """The oracle at 16K tokens (256 key tiles, chunked rows): finite, the right shape, in bounded time. One call with
+    """The oracle at 16K tokens (256 key tiles, chunked rows): finite and the right shape. One call with
     an A-shape and a vertical-slash head sharing a KV head (GQA group 2) runs both patterns there; they ran as two
     calls of two heads each before, twice the CPU time for the same code paths."""
     s = 16384
     q, k, v = rand_qkv(1, 2, 1, s, s, seed=29)
     plan = plan_of((Pattern.A_SHAPE, 128, 1024), (Pattern.VERTICAL_SLASH, 1000, 200))
-    start = time.perf_counter()
     out = ref.sparse_attention_reference(q, k, v, plan, scale=0.25)
     assert out.shape == q.shape and bool(out.isfinite().all())
-    assert time.perf_counter() - start < 30

@@ -7,25 +7,16 @@ import json
 import math
 import random
 import re
+import sys
 from collections import Counter
 
 import pytest
 import torch
 
 from minference_fx.tools import evaluate, ruler, stdlib_code
+from asset_helpers import fetch_or_skip
 
 HAYSTACK_TASKS = [name for name, spec in ruler.TASKS.items() if spec.reads_haystack]
-
-
-def _asset(fn, *args, **kwargs):
-    from minference_fx.tools.assets import AssetError
-
-    try:
-        return fn(*args, **kwargs)
-    except AssetError as exc:
-        if any(marker in str(exc) for marker in ("could not install", "apt-get download", "needs apt-get")):
-            pytest.skip(f"asset registry unreachable: {str(exc)[:300]}")
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +25,14 @@ def tok():
 
     from minference_fx.tools.assets import smollm2_dir
 
-    return AutoTokenizer.from_pretrained(_asset(smollm2_dir))
+    return AutoTokenizer.from_pretrained(fetch_or_skip(smollm2_dir))
 
 
 @pytest.fixture(scope="module")
 def austen():
     from minference_fx.tools.assets import austen_text
 
-    return _asset(austen_text)
+    return fetch_or_skip(austen_text)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +285,15 @@ def test_the_plot_draws_scores_and_ppl_ratio(tmp_path):
         results.ruler.append(evaluate.RulerCell(n, "variable_tracking", "austen", 0.5, 0, ["A"], 1.0, 0.8, "A", "B"))
     assert evaluate.save_png(results, tmp_path / "r.png") == str(tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_the_plot_is_left_out_without_matplotlib(monkeypatch, tmp_path):
+    """matplotlib comes with the [eval] extra only: without it the eval writes no PNG and says so with None."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    results = evaluate.EvalResults("m", "c", [1024], "cpu")
+    results.ppl.append(evaluate.PerplexityRow(1024, 10.0, 10.1, 0.01, 1.0, 2.0))
+    assert evaluate.save_png(results, tmp_path / "r.png") is None
+    assert not (tmp_path / "r.png").exists()
 
 
 def test_quality_table_shows_mean_scores_and_ratios():

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from minference_fx import verify
+from minference_fx.backend import recent_reports
 from minference_fx.passes import rewrite
 from tiny_models import tiny_model
 
@@ -22,6 +23,8 @@ def test_verify_passes_a_correct_rewrite_and_the_logits_are_eager_ones(family, u
     with torch.no_grad():
         got = _compiled(model)(ids, use_cache=use_cache).logits
         want = model(ids, use_cache=use_cache).logits
+    # with nothing rewritten, verify would have nothing to check: both of the model's sites must be the op's
+    assert recent_reports()[-1].rewritten == 2, recent_reports()[-1]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
