@@ -66,6 +66,9 @@ def inspect(model, *args, options=None, **kwargs) -> Inspection:
     so it is cheap; the model itself is not modified. Dynamo's caches are reset
     first so the trace is fresh.
     """
+    if not callable(model):
+        raise TypeError(f"minference_fx.inspect needs a callable model (an nn.Module or a function), got "
+                        f"{type(model).__name__}")
     opts = dataclasses.replace(BackendOptions.from_user(options))
     reports: list[Report] = []
 

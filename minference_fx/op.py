@@ -78,7 +78,9 @@ def _check_inputs(q, k, v, key_mask, doc_ids, scale, q_offset, window, patterns,
         if q.shape[-1] != k.shape[-1] or v.shape[-1] != q.shape[-1]:
             # the output is q's shape (the fake says so), so a value head dim of its own has no place in it
             problems.append(f"q, k, v head dims must agree, got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
-        if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        if k.shape[1] == 0 or q.shape[1] == 0:
+            problems.append(f"q and k need at least one head each, got {q.shape[1]} query and {k.shape[1]} kv heads")
+        elif q.shape[1] % k.shape[1] != 0:
             problems.append(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
         if len(patterns) != q.shape[1]:
             problems.append(f"head plan has {len(patterns)} entries, q has {q.shape[1]} heads")

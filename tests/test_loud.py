@@ -344,6 +344,11 @@ def test_demo_stops_after_the_inspection_when_nothing_is_rewritten(monkeypatch):
     assert "inspection: " in text and "dense prefill" not in text
 
 
+def test_inspect_of_something_not_callable_names_what_it_got():
+    with pytest.raises(TypeError, match="minference_fx.inspect needs a callable model .*, got int"):
+        inspect(42, X)
+
+
 def test_inspect_with_autograd_on_says_the_sites_would_stay_dense():
     """inspect() traces under no_grad (a prefill's mode); called with autograd on, it says that a call made as
     it was would keep attention dense, rather than only reporting "sparse"."""

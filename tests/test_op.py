@@ -174,6 +174,9 @@ def test_bad_inputs_are_named():
         OP(q, k, v, None, None, 0.25, 0, 0, [2, 2, 2], [1] * 3, [1] * 3, 0)
     with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of kv heads \(3\)"):
         OP(q, torch.randn(1, 3, 80, 16), torch.randn(1, 3, 80, 16), None, None, 0.25, 0, 0, *VS, 0)
+    no_heads = torch.randn(1, 0, 80, 16)
+    with pytest.raises(ValueError, match="q and k need at least one head each, got 0 query and 0 kv heads"):
+        OP(no_heads, no_heads, no_heads, None, None, 0.25, 0, 0, [], [], [], 0)
     with pytest.raises(ValueError, match="key_mask must be a bool"):
         OP(q, k, v, torch.ones(1, 80), None, 0.25, 0, 0, *VS, 0)
     with pytest.raises(ValueError, match=r"key_mask must be a bool \[B or 1, Skv=80\]"):
