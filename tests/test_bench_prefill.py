@@ -10,7 +10,7 @@ from minference_fx.options import BackendOptions
 from minference_fx.tools import assets
 from minference_fx.tools import bench_prefill as bp
 from asset_helpers import fetch_or_skip
-from tiny_models import reports_since
+from tiny_models import rows_since
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 LENGTHS = [96, 160, 224]
@@ -22,6 +22,12 @@ OPTIONS = {"min_sparse_len": 64}
 # minference variant under Inductor, the default, is run end to end below with and without masks, and again under
 # reduce-overhead in test_inductor_and_reduce_overhead.
 PLUMBING = {**OPTIONS, "inner": "aot_eager"}
+
+
+def _assert_speedup_is_the_cells_ratio(result, length, variant, baseline):
+    """A speed-up is the baseline's time over the variant's, both measured: None (a missing time) fails."""
+    assert result.speedup(length, variant, baseline) == pytest.approx(
+        result.cell(length, baseline).ttft_ms / result.cell(length, variant).ttft_ms)
 
 
 def _cells(data):
@@ -77,7 +83,7 @@ def test_an_all_ones_attention_mask_reaches_the_op_as_padding(tmp_path):
                      config_overrides=TINY, minference_options=OPTIONS, out=out, command="test", attention_mask=True)
     data = json.loads(out.read_text())
     assert data["attention_mask"].startswith("all ones")
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    rows = rows_since(before)
     assert rows and all(r.decision == "sparse" and r.mask == "causal+padding" for r in rows), rows
     cells = _cells(data)
     for n in LENGTHS[:2]:
@@ -119,7 +125,7 @@ def test_a_padded_batch_reaches_the_op_as_padding_and_gives_eagers_tokens(tmp_pa
                      pad_fraction=0.5)
     data = json.loads(out.read_text())
     assert data["batch"] == 3 and data["attention_mask"].startswith("left padding")
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    rows = rows_since(before)
     assert rows and all(r.decision == "sparse" and r.mask == "causal+padding" and r.shapes.startswith("q 3x") for r in rows), rows
     cells = _cells(data)
     for n in LENGTHS[:2]:
@@ -164,8 +170,7 @@ def test_own_processes_and_append(tmp_path):
     assert {v["variant"] for v in data["variants"]} == {"eager", "eager-default"}
     assert set(_cells(data)) == {(n, v) for n in LENGTHS[:2] for v in ("eager", "eager-default")}
     assert data["earlier_commands"] == ["bench_prefill(...)"]
-    assert result.speedup(LENGTHS[0], "eager-default", "eager") == pytest.approx(
-        result.cell(LENGTHS[0], "eager").ttft_ms / result.cell(LENGTHS[0], "eager-default").ttft_ms)
+    _assert_speedup_is_the_cells_ratio(result, LENGTHS[0], "eager-default", "eager")
     with pytest.raises(ValueError, match="another"):  # another model shape is refused, not mixed in
         bp.bench_prefill(LENGTHS[:1], layers=2, variants=("eager",), isolate=False, config_overrides=TINY, out=out,
                          append=True)
@@ -185,8 +190,7 @@ def test_budgets_reach_the_minference_variants(tmp_path):
     assert "(30, 50)" in _variant(data, "minference")["description"]
     assert "semantic config: every head vertical-slash [30, 50]" in result.table()
     assert "(30, 50)" not in _variant(data, "eager")["description"]
-    assert result.speedup(LENGTHS[-1], "minference", "eager") == pytest.approx(
-        result.cell(LENGTHS[-1], "eager").ttft_ms / result.cell(LENGTHS[-1], "minference").ttft_ms)
+    _assert_speedup_is_the_cells_ratio(result, LENGTHS[-1], "minference", "eager")
     with pytest.raises(ValueError, match="not both"):
         bp.bench_prefill(LENGTHS[:1], budgets=(30, 50), config_path=str(out))
     with pytest.raises(ValueError, match="does not exist"):
@@ -257,8 +261,7 @@ def test_inductor_and_reduce_overhead(tmp_path):
     assert ro["minference"]["rewritten"] == 2 and "reduce-overhead" in ro["description"]
     for n in LENGTHS:  # covering budgets: same token as Inductor's dense attention
         assert _cells(data)[(n, "minference-ro")]["next_token"] == _cells(data)[(n, "inductor")]["next_token"]
-    assert result.speedup(LENGTHS[0], "minference-ro", "inductor") == pytest.approx(
-        result.cell(LENGTHS[0], "inductor").ttft_ms / result.cell(LENGTHS[0], "minference-ro").ttft_ms)
+    _assert_speedup_is_the_cells_ratio(result, LENGTHS[0], "minference-ro", "inductor")
 
 
 def test_table_with_oom_and_errors():
@@ -384,8 +387,7 @@ def test_a_local_model_directory_is_benchmarked_with_its_own_weights(tmp_path):
     assert all(c["status"] == "ok" and c["finite"] for c in cells.values())
     for n in LENGTHS[:2]:  # the default budgets cover these lengths: the same greedy token as eager
         assert cells[(n, "minference")]["next_token"] == cells[(n, "eager")]["next_token"]
-    assert result.speedup(LENGTHS[0], "minference", "eager") == pytest.approx(
-        result.cell(LENGTHS[0], "eager").ttft_ms / result.cell(LENGTHS[0], "minference").ttft_ms)
+    _assert_speedup_is_the_cells_ratio(result, LENGTHS[0], "minference", "eager")
 
 
 def test_unknown_model_is_refused():

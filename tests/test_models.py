@@ -7,8 +7,8 @@ from minference_fx import ConfigMismatchError, inspect
 from minference_fx.backend import recent_reports
 from minference_fx.plan import Pattern
 from minference_fx.tools import cache_kwargs
-from tiny_models import (covering_config, reports_since, sliding_cache_chunks, small_budget_config, tiny_model,
-                         wrong_config)
+from tiny_models import (covering_config, rows_since, sliding_cache_chunks, small_budget_config,
+                         tiny_model, wrong_config)
 
 CASES = [(f, a) for f in ("llama", "qwen2", "mistral") for a in ("sdpa", "eager")]
 
@@ -42,7 +42,7 @@ def test_covering_budgets_equal_dense(family, attn, pattern):
         dense = model(ids, use_cache=False).logits
         sparse = _compile(model, covering_config(model, pattern))(ids, use_cache=False).logits
     # covering budgets equal dense by design: the comparison means something only where the op ran
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    rows = rows_since(before)
     assert rows and all(r.decision == "sparse" for r in rows), rows
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
@@ -157,7 +157,7 @@ def test_sliding_window_generate_keeps_later_prompts_sparse():
     with torch.no_grad():
         for ids, want in zip(prompts, eager_tokens):
             assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    rows = rows_since(before)
     assert any("k_offset" in r.mask for r in rows), rows
     assert rows and all(r.decision == "sparse" for r in rows), rows
 
@@ -202,7 +202,7 @@ def test_generate_matches_eager_and_lengths_do_not_recompile():
                 graphs = counts["stats"]["unique_graphs"]
     # static then dynamic graphs for prefill and decode; the fourth prompt length compiles nothing
     assert counts["stats"]["unique_graphs"] == graphs <= 4, dict(counts["stats"])
-    rows = [r for rep in reports_since(reports_before) for r in rep.rows]
+    rows = rows_since(reports_before)
     prefill = [r for r in rows if "q_offset" not in r.mask]
     decode = [r for r in rows if "q_offset" in r.mask]
     # transformers 5.24's decode steps pass SDPA no mask (one query row reads every key): read as causal there
@@ -251,7 +251,7 @@ def test_a_graph_break_in_the_decoder_stack_is_no_config_mismatch():
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         sparse = _compile(model, covering_config(model))(ids, use_cache=False).logits
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    rows = rows_since(before)
     assert rows and all(r.decision == "dense" and "mask" in r.reason for r in rows), rows
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
@@ -284,7 +284,7 @@ def test_inductor_end_to_end():
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         sparse = _compile(model, covering_config(model), inner="inductor")(ids, use_cache=False).logits
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    rows = rows_since(before)
     assert rows and all(r.decision == "sparse" for r in rows), rows
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
@@ -336,7 +336,7 @@ def test_a_config_for_more_heads_is_refused_unless_a_head_offset_says_the_graph_
     with torch.no_grad():
         dense = model(ids, use_cache=False).logits
         share = _compile(model, wider, head_offset=ident.num_q_heads)(ids, use_cache=False).logits
-    rows = [r for rep in reports_since(before) for r in rep.rows]
+    rows = rows_since(before)
     assert rows and all(r.decision == "sparse" for r in rows), rows
     assert torch.isfinite(share).all() and share.shape == dense.shape
     torch._dynamo.reset()

@@ -12,6 +12,11 @@ def reports_since(before: list) -> list:
     return [rep for rep in recent_reports() if not any(rep is old for old in before)]
 
 
+def rows_since(before: list) -> list:
+    """The site rows of the reports published after ``before`` (see :func:`reports_since`), in order."""
+    return [row for rep in reports_since(before) for row in rep.rows]
+
+
 def covering_config(model, pattern=Pattern.VERTICAL_SLASH) -> SemanticConfig:
     """Budgets that cover every key (and sparse from length 0): must equal dense attention."""
     budgets = {Pattern.VERTICAL_SLASH: (1 << 20, 1 << 20), Pattern.A_SHAPE: (0, 1 << 20), Pattern.BLOCK_SPARSE: (1 << 20, 0), Pattern.DENSE: (0, 0)}[pattern]
