@@ -41,7 +41,7 @@
 # layers of that config that lose code variable tracking at 128K), eval128_8k (the 8K config's fidelity at 128K),
 # candidate128_links (the shipped config with variable tracking's link heads dense: TTFT at 64K/128K, fidelity at 128K),
 # peers_512k (MInference at 512K, after step peers), vt_seeds128 (variable tracking at 128K, prose and code, three
-# seeds, the config shipped past 8K), search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT,
+# seeds, the config shipped past 8K), vt_code_seeds6 (code variable tracking alone, six seeds), search_prose_code32k (the 32K search calibrated on prose and code: code VT at 128K, TTFT,
 # the fidelity table), compile_qwen (compile time at 4K against HF + Inductor's, one run), sparse32k_shipped (the shipped
 # config past 8K sparse from 32K: TTFT, fidelity at 32K on three seeds), sparse32k_guard (the same with the guard at 0.9
 # and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table), tune_llama (Llama-3-8B's
@@ -238,6 +238,11 @@ step() {   # $1: step name; its log is $STATE/$1.txt
                   # shipped config's code VT loss (2 of 15 strings) is its own or one seed's
           timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler,ruler-code \
             --ruler-tasks variable_tracking --seeds 3 --config $SHIPPED32K \
+            --out "$STATE/$1_qwen.json" ;;
+    vt_code_seeds6)  # code variable tracking at 128K on six seeds (90 strings), the shipped config past 8K: seeds 0-2 repeat
+                     # vt_seeds128's prompts (a check that the scores replay), 3-5 are new; the total is what counts
+          timeout 900 minference-fx eval --model $MODEL --lengths 128k --tasks ruler-code \
+            --ruler-tasks variable_tracking --seeds 6 --config $SHIPPED32K \
             --out "$STATE/$1_qwen.json" ;;
     search_prose_code32k)  # the 32K search calibrated on prose and code (one window each), with the shipped config's
                            # defaults; then code variable tracking at 128K on three seeds (the shipped config loses 9 of 45
