@@ -331,6 +331,24 @@ def test_eval_cli_compares_several_configs_on_one_dense_side(monkeypatch, tmp_pa
     assert calls == []
 
 
+def test_eval_cli_names_an_unknown_task_before_the_model_loads(monkeypatch):
+    """A misspelt --tasks or --ruler-tasks entry fails at once, not after the minutes a 128K model takes to load."""
+    from minference_fx import cli
+
+    loads = []
+
+    def load_model(*args, **kwargs):
+        loads.append(args)
+        raise AssertionError("the model loaded before the tasks were checked")
+
+    monkeypatch.setattr(evaluate, "load_model", load_model)
+    for argv, problem in ((["--tasks", "ppl,rulers"], r"unknown eval task\(s\) \['rulers'\]"),
+                          (["--tasks", "ruler", "--ruler-tasks", "variable_tracking,cwe"], "no RULER-style task 'cwe'")):
+        with pytest.raises(SystemExit, match=problem):
+            cli.main(["eval", "--lengths", "1k", *argv])
+    assert loads == []
+
+
 def test_eval_cli_budgets_give_every_head_those_budgets(monkeypatch, tmp_path):
     """``eval --budgets V S``: every head vertical-slash (V, S), named in the results; refused beside --config."""
     from minference_fx import cli

@@ -882,6 +882,15 @@ SPARSE_RUN_TASKS = frozenset(EVAL_TASKS) - {"recall"}
 """the tasks that run the compiled sparse model (recall reads the index from a dense run)"""
 
 
+def check_tasks(tasks, ruler_tasks) -> None:
+    """A ValueError naming any unknown eval or RULER-style task: run it before a model loads (minutes at 128K)."""
+    unknown = set(tasks) - set(EVAL_TASKS)
+    if unknown:
+        raise ValueError(f"unknown eval task(s) {sorted(unknown)}; known: {', '.join(EVAL_TASKS)}")
+    for name in ruler_tasks:
+        ruler.task(name)
+
+
 def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "recall"), config: SemanticConfig,
              config_name: str, model_name: str = "", depths=(0.1, 0.5, 0.9), seeds=(0,), inner: str = "eager",
              rows: int = 256, window_seed: int = 0, code: Optional[stdlib_code.CodeCorpus] = None,
@@ -898,11 +907,7 @@ def run_eval(model, tokenizer, text: str, *, lengths, tasks=("ppl", "niah", "rec
     shared by the runs of several configs in one process, the dense side runs once for them all (:func:`dense_once`)."""
     device = str(next(model.parameters()).device)
     results = EvalResults(model_name, config_name, list(lengths), device)
-    unknown = set(tasks) - set(EVAL_TASKS)
-    if unknown:
-        raise ValueError(f"unknown eval task(s) {sorted(unknown)}; known: {', '.join(EVAL_TASKS)}")
-    for name in ruler_tasks:
-        ruler.task(name)  # an unknown name fails here, before any model runs
+    check_tasks(tasks, ruler_tasks)
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
     if code is None and ("ppl-code" in tasks or "ruler-code" in tasks):
