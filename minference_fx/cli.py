@@ -344,7 +344,8 @@ def _eval(args) -> int:
     lengths = parse_lengths(args.lengths)
     paths = args.config.split(",") if args.config else [None]
     depths = _depths(args.depths)
-    evaluate.check_tasks(args.tasks.split(","), args.ruler_tasks.split(","))  # before the model loads, as below
+    # before the model loads (minutes at 128K); run_eval checks again for the library's callers
+    evaluate.check_tasks(args.tasks.split(","), args.ruler_tasks.split(","))
     outputs = _eval_outputs(args.out, paths)  # before the model loads: a clash of names fails at once
     for out in outputs:
         if out is not None:

@@ -17,6 +17,14 @@ def rows_since(before: list) -> list:
     return [row for rep in reports_since(before) for row in rep.rows]
 
 
+def sparse_rows_since(before: list) -> list:
+    """:func:`rows_since`, asserted non-empty and every site rewritten to the sparse op (an output that equals
+    eager's by design says something only where the op ran)."""
+    rows = rows_since(before)
+    assert rows and all(r.decision == "sparse" for r in rows), rows
+    return rows
+
+
 def covering_config(model, pattern=Pattern.VERTICAL_SLASH) -> SemanticConfig:
     """Budgets that cover every key (and sparse from length 0): must equal dense attention."""
     budgets = {Pattern.VERTICAL_SLASH: (1 << 20, 1 << 20), Pattern.A_SHAPE: (0, 1 << 20), Pattern.BLOCK_SPARSE: (1 << 20, 0), Pattern.DENSE: (0, 0)}[pattern]
