@@ -127,7 +127,32 @@ def _minference_options(args) -> dict | None:
     return options or None
 
 
+# The options each benchmark reads. One it does not read is refused, never ignored: the run would look as if it had
+# measured them (bench kernels once took --guard-escalation and timed the op without it)
+BENCH_OPTIONS = {
+    "kernels": {"lengths", "budgets", "baselines", "families", "out"},
+    "prefill": {"lengths", "budgets", "config", "pattern", "guard_threshold", "guard_escalation", "budget_growth",
+                "min_sparse_len", "out", "layers", "model", "variants", "reduce_overhead", "reps", "in_process",
+                "append", "attention_mask", "batch", "pad_fraction"},
+    "breakdown": {"lengths", "config", "guard_threshold", "guard_escalation", "budget_growth", "min_sparse_len",
+                  "reps", "model", "out"},
+}
+
+
+def _check_bench_options(args) -> None:
+    """Exit naming every option given to ``bench WHAT`` that WHAT does not read, and the benchmarks that do."""
+    defaults = vars(build_parser().parse_args(["bench", args.what]))
+    unread = [dest for dest in set().union(*BENCH_OPTIONS.values())
+              if dest not in BENCH_OPTIONS[args.what] and getattr(args, dest) != defaults[dest]]
+    if unread:
+        named = ", ".join(f"--{dest.replace('_', '-')} (read by bench "
+                          + " and ".join(w for w, read in BENCH_OPTIONS.items() if dest in read) + ")"
+                          for dest in sorted(unread))
+        sys.exit(f"bench {args.what} does not read {named}")
+
+
 def _bench(args) -> int:
+    _check_bench_options(args)
     if not torch.cuda.is_available():
         sys.exit("minference-fx bench needs a CUDA GPU")
     command = "minference-fx " + " ".join(sys.argv[1:])
@@ -159,8 +184,6 @@ def _bench(args) -> int:
             print(f"wrote {args.out}")
         return 0
     if args.what == "kernels":
-        if args.config or args.pattern != "vertical_slash":
-            sys.exit("bench kernels: --config and --pattern are for prefill; give --budgets")
         rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets or DEFAULTS.budgets),
                                    baselines=tuple(args.baselines.split(",")) if args.baselines else (),
                                    families=bench.parse_families(args.families))
@@ -470,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--pattern", default="vertical_slash", choices=["vertical_slash", "a_shape"],
                    help="prefill, with --budgets: every head this pattern; a_shape reads the budgets as (sink, window)")
     b.add_argument("--guard-threshold", type=float, default=None,
-                   help="prefill: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
+                   help="prefill, breakdown: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
                    help="prefill, breakdown: " + ESCALATION_HELP)
     b.add_argument("--budget-growth", type=float, nargs=2, default=None, metavar=("KEYS", "EXPONENT"),
@@ -487,13 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="llama3-8b-random",
                    help="prefill: llama3-8b-random (random-weight Llama-3-8B shape), smollm2 (SmolLM2-135M-Instruct's "
                         "real weights on Austen's prose), qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct's, head dim "
-                        "128, GQA 6), or a local HF model directory (prose through its tokenizer when it has one)")
+                        "128, GQA 6), or a local HF model directory (prose through its tokenizer when it has one); "
+                        "breakdown: one of the two real models")
     b.add_argument("--variants", default="eager,inductor,minference,minference-noguard",
                    help="prefill: comma list of eager, eager-default, inductor, inductor-ro, minference, "
                         "minference-noguard, minference-noroute, minference-ro, inductor-noattn (a bound: attention "
                         "replaced by q + k + v)")
     b.add_argument("--reduce-overhead", action="store_true", help="prefill: also minference with mode=reduce-overhead")
-    b.add_argument("--reps", type=_positive_int, default=3, help="prefill: timed forwards per cell (median), after one warm-up")
+    b.add_argument("--reps", type=_positive_int, default=3, help="prefill, breakdown: timed forwards per cell (median), after one warm-up")
     b.add_argument("--in-process", action="store_true",
                    help="prefill: every variant in this process (default: one process each, empty compile caches)")
     b.add_argument("--append", action="store_true", help="prefill: keep the other variants already in --out")

@@ -445,3 +445,29 @@ def test_min_sparse_len_reaches_the_minference_variants_as_the_option():
     assert BackendOptions.from_user(options("--min-sparse-len", "-1")).min_sparse_len == -1  # the tuned crossover
     with pytest.raises(ValueError, match="min_sparse_len"):
         BackendOptions.from_user(options("--min-sparse-len", "-5"))
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["kernels", "--guard-escalation", "4000", "24384"], "--guard-escalation (read by bench prefill and breakdown)"),
+    (["kernels", "--config", "c.json", "--reps", "5"], "--config (read by bench prefill and breakdown), --reps"),
+    (["prefill", "--families", "scattered"], "--families (read by bench kernels)"),
+    (["breakdown", "--budgets", "500", "2000"], "--budgets (read by bench kernels and prefill)"),
+])
+def test_bench_refuses_options_it_does_not_read(monkeypatch, argv, named):
+    """An option the chosen benchmark would ignore stops the command before any GPU work, named with the benchmarks
+    that read it (bench kernels once took --guard-escalation and measured the op without it)."""
+    from minference_fx import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bp, "bench_prefill", lambda *a, **k: pytest.fail("ran with an unread option"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", *argv])
+    assert named in str(stop.value)
+
+
+def test_bench_option_table_covers_every_bench_option():
+    """Every option of `bench` is read by at least one benchmark in cli.BENCH_OPTIONS, so none escapes the check."""
+    from minference_fx import cli
+
+    options = set(vars(cli.build_parser().parse_args(["bench", "kernels"]))) - {"command", "what", "run"}
+    assert options == set().union(*cli.BENCH_OPTIONS.values())
