@@ -128,9 +128,9 @@ def _minference_options(args) -> dict | None:
 
 
 # The options each benchmark reads. One it does not read is refused, never ignored: the run would look as if it had
-# measured them (bench kernels once took --guard-escalation and timed the op without it)
+# measured them (bench kernels once accepted --guard-escalation and timed its op column without it)
 BENCH_OPTIONS = {
-    "kernels": {"lengths", "budgets", "baselines", "families", "out"},
+    "kernels": {"lengths", "budgets", "baselines", "families", "guard_escalation", "out"},
     "prefill": {"lengths", "budgets", "config", "pattern", "guard_threshold", "guard_escalation", "budget_growth",
                 "min_sparse_len", "out", "layers", "model", "variants", "reduce_overhead", "reps", "in_process",
                 "append", "attention_mask", "batch", "pad_fraction"},
@@ -186,7 +186,8 @@ def _bench(args) -> int:
     if args.what == "kernels":
         rows = bench.bench_kernels(parse_lengths(args.lengths), budgets=tuple(args.budgets or DEFAULTS.budgets),
                                    baselines=tuple(args.baselines.split(",")) if args.baselines else (),
-                                   families=bench.parse_families(args.families))
+                                   families=bench.parse_families(args.families),
+                                   escalation=_escalation(args.guard_escalation) or ())
         print(bench.format_kernel_rows(rows))
     if args.out:
         bench.write_json(args.out, rows, command)
@@ -495,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--guard-threshold", type=float, default=None,
                    help="prefill, breakdown: the quality guard's threshold for the minference variants (default: the config's, 0.8)")
     b.add_argument("--guard-escalation", type=int, nargs=2, default=None, metavar=("VERTICAL", "SLASH"),
-                   help="prefill, breakdown: " + ESCALATION_HELP)
+                   help="prefill, breakdown, kernels (its op column): " + ESCALATION_HELP)
     b.add_argument("--budget-growth", type=float, nargs=2, default=None, metavar=("KEYS", "EXPONENT"),
                    help="prefill, breakdown: " + GROWTH_HELP)
     b.add_argument("--min-sparse-len", type=int, default=None, metavar="TOKENS",

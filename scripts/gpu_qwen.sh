@@ -47,7 +47,8 @@
 # and 0.95: TTFT, frequent words and code variable tracking), tune_qwen (Qwen's shape alone, on a GPU with no table), tune_llama (Llama-3-8B's
 # shape alone, into the user cache), kernels_ab (bench kernels with the shipped table, then with the user cache's tune), index_parts (the index
 # taken apart on Qwen's shipped plans: escalation, guard mass, CUDA time by kernel; needs no model), dense_path (which SDPA
-# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model), prefill_shipped_all (TTFT 4K-128K with the config shipped past 8K), prefill_head (the same with HF + Inductor beside it), prefill_long (eager vs minference at 32K, 64K, 128K alone), tests_routed (the GPU tests of routing against the op's fused SDPA), breakdown32_dense (where the time goes at 32K on the dense path), tests_layout (the GPU tests of the op's output layout and padded dense calls), minference (MInference built and run alone, 32K-512K), kernels_1m (bench kernels at 1M, structured), index_long (the index at 128K and 1M by CUDA kernel, and without its block-start padding), pair_heads (two heads a program on shared picks), list_cost (full causal attention through the walk's list, its
+# the op's dense path and routed heads run on Qwen's shape, against eager's cuDNN-first SDPA; needs no model), prefill_shipped_all (TTFT 4K-128K with the config shipped past 8K), prefill_head (the same with HF + Inductor beside it), prefill_long (eager vs minference at 32K, 64K, 128K alone), tests_routed (the GPU tests of routing against the op's fused SDPA), breakdown32_dense (where the time goes at 32K on the dense path), tests_layout (the GPU tests of the op's output layout and padded dense calls), minference (MInference built and run alone, 32K-512K), kernels_1m (bench kernels at 1M, structured), kernels_escalation (its op column at 512K and 1M with
+# the guard's escalation), index_long (the index at 128K and 1M by CUDA kernel, and without its block-start padding), pair_heads (two heads a program on shared picks), list_cost (full causal attention through the walk's list, its
 # enumerated tiles and the dense walk). walk_step and list_prefetch, whose patches apply only to the kernel before 6cb727e, went once measured:
 # git show a9f7d15:scripts/gpu_qwen.sh. The steps that compared column
 # candidates (candidate_cols1024, eval128_cols1024, compare_vt128) went once their config shipped: git show a729960:scripts/gpu_qwen.sh.
@@ -367,6 +368,10 @@ step() {   # $1: step name; its log is $STATE/$1.txt
     index_long)  # where the index's time goes at 128K and 1M on issue 36's layer (CUDA time by kernel, fills included),
                 # against the older index.py carried as out/old_index.py (git show REV:minference_fx/kernels/index.py)
           timeout 300 python3 scripts/explore_index_long.py --lengths 128k,1m --old-index out/old_index.py --out "$STATE/index_long.json" ;;
+    kernels_escalation)  # the op column at 512K and 1M with the guard's weak heads first trying 4x MInference's budgets
+                         # (without it they run on cuDNN: 2 of 32 heads, 469 against 207 ms at 512K); after kernels_1m
+          timeout 580 minference-fx bench kernels --lengths 512k,1m --families structured --baselines cudnn \
+            --guard-escalation 4000 24384 --out "$STATE/bench_kernels_escalation.json" ;;
     kernels_1m)  # bench kernels at 1M on the project's structured family (issue 36's 40x row)
           timeout 580 minference-fx bench kernels --lengths 1m --families structured --baselines cudnn \
             --out "$STATE/bench_kernels_1m.json" ;;

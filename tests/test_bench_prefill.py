@@ -448,14 +448,14 @@ def test_min_sparse_len_reaches_the_minference_variants_as_the_option():
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["kernels", "--guard-escalation", "4000", "24384"], "--guard-escalation (read by bench prefill and breakdown)"),
+    (["kernels", "--budget-growth", "32768", "0.5"], "--budget-growth (read by bench prefill and breakdown)"),
     (["kernels", "--config", "c.json", "--reps", "5"], "--config (read by bench prefill and breakdown), --reps"),
     (["prefill", "--families", "scattered"], "--families (read by bench kernels)"),
     (["breakdown", "--budgets", "500", "2000"], "--budgets (read by bench kernels and prefill)"),
 ])
 def test_bench_refuses_options_it_does_not_read(monkeypatch, argv, named):
     """An option the chosen benchmark would ignore stops the command before any GPU work, named with the benchmarks
-    that read it (bench kernels once took --guard-escalation and measured the op without it)."""
+    that read it (bench kernels once accepted --guard-escalation and timed its op column without it)."""
     from minference_fx import cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -471,3 +471,16 @@ def test_bench_option_table_covers_every_bench_option():
 
     options = set(vars(cli.build_parser().parse_args(["bench", "kernels"]))) - {"command", "what", "run"}
     assert options == set().union(*cli.BENCH_OPTIONS.values())
+
+
+def test_bench_kernels_passes_the_escalation_to_its_op_column(monkeypatch):
+    from minference_fx import cli
+    from minference_fx.tools import bench
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "bench_kernels", lambda lengths, **kwargs: seen.update(kwargs) or [])
+    assert cli.main(["bench", "kernels", "--lengths", "512k", "--guard-escalation", "4000", "24384"]) == 0
+    assert seen["escalation"] == (4000, 24384)
+    assert cli.main(["bench", "kernels", "--lengths", "512k"]) == 0
+    assert seen["escalation"] == ()

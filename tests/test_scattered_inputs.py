@@ -178,6 +178,9 @@ def test_the_op_column_gets_qkv_in_the_layout_a_model_hands_the_op():
     for given, passed in zip((q, k, v), args[:3]):
         assert torch.equal(passed, given)
         assert attend.is_output_layout(passed) and not attend.is_output_layout(given)
-    assert args[-1] == 7
+    assert args[-3:] == (7, 0, 0)  # the site, no escalation
     out = torch.ops.minference.sparse_attention.default(*args)  # the arguments are the op's, in its order
     assert out.shape == q.shape and attend.is_output_layout(out) and torch.isfinite(out).all()
+    escalating = bench.op_arguments(q, k, v, 0.5, plan, site=7, escalation=(1000, 6096))
+    assert escalating[-3:] == (7, 1000, 6096)
+    assert torch.isfinite(torch.ops.minference.sparse_attention.default(*escalating)).all()

@@ -97,19 +97,22 @@ def op_window(router: routing.Router, seq: int) -> tuple[int, int]:
     return settle_calls(router), router.longest_interval
 
 
-def op_arguments(q, k, v, scale: float, plan: LayerPlan, site: int) -> tuple:
+def op_arguments(q, k, v, scale: float, plan: LayerPlan, site: int, escalation: tuple = ()) -> tuple:
     """The op's arguments for a call at ``site`` with the default guard and no crossover, on ``q``, ``k``, ``v``
     ``[B, H, S, D]`` laid out token-major (:func:`~minference_fx.kernels.attend.as_output`), as an HF model's
-    attention hands them over: a call routed whole to fused SDPA then needs no copy into the op's output."""
+    attention hands them over: a call routed whole to fused SDPA then needs no copy into the op's output.
+    ``escalation``: (columns, diagonals) a head the guard finds weak tries before it runs dense; () none."""
     q, k, v = (as_output(t) for t in (q, k, v))
-    return (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site)
+    escalate_a, escalate_b = escalation or (0, 0)
+    return (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site,
+            escalate_a, escalate_b)
 
 
-def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int) -> tuple[float, int]:
+def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int, escalation: tuple = ()) -> tuple[float, int]:
     """(mean milliseconds, heads routed) of the op at one new site (:func:`op_arguments`): the mean of ``calls``
     calls after ``settle`` that let the routing settle (its decisions land a call late)."""
     site = routing.new_site()
-    args = op_arguments(q, k, v, scale, plan, site)
+    args = op_arguments(q, k, v, scale, plan, site, escalation)
     op = torch.ops.minference.sparse_attention.default
     for _ in range(settle):  # each decision lands before the next call, as between a model's forwards
         op(*args)
@@ -235,7 +238,9 @@ KERNEL_BASELINES = ("cudnn", "flash", "flex")
 
 
 def bench_kernels(lengths, *, families=KERNEL_FAMILIES, budgets=DEFAULTS.budgets, baselines=KERNEL_BASELINES,
-                  num_warps=None, num_stages=None):
+                  num_warps=None, num_stages=None, escalation: tuple = ()):
+    """Rows of index + kernel against the baselines, and of the op (guard on, routing; weak heads first try the
+    ``escalation`` budgets when given), per family and length."""
     unknown = [name for name in baselines if name not in KERNEL_BASELINES]
     if unknown:  # a misspelt baseline would just be missing from the table
         raise ValueError(f"unknown baseline(s) {unknown}; known: {', '.join(KERNEL_BASELINES)}")
@@ -266,7 +271,8 @@ def bench_kernels(lengths, *, families=KERNEL_FAMILIES, budgets=DEFAULTS.budgets
                    **density_fields(case.density),
                    tflops_computed=4 * shape["head_dim"] * computed_pairs / (kernel_ms * 1e-3) / 1e12,
                    cudnn_ms=None, flash_ms=None, flex_ms=None, flex_mask_ms=None, launch_config=dataclasses.asdict(config))
-        row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, *op_window(routing.ROUTER, seq))
+        row["op_ms"], row["op_routed_heads"] = _op_ms(q, k, v, scale, plan, *op_window(routing.ROUTER, seq),
+                                                       escalation=escalation)
         dense_reps = 3 if seq <= 131072 else 1
         k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
