@@ -93,6 +93,12 @@ class CrossoverKey:
     group: int
     """query heads per kv head (GQA)"""
 
+    def __str__(self) -> str:
+        # what the warnings name: the device and shape in words (the dataclass repr stays for debugging)
+        device = self.gpu if self.capability == "none" else f"{self.gpu} (compute capability {self.capability})"
+        return (f"{device}, triton {self.triton}, {self.dtype}, head dim {self.head_dim}, GQA {self.group}, "
+                f"kernel sources {self.source_hash}")
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class TuneKey(CrossoverKey):
@@ -102,6 +108,11 @@ class TuneKey(CrossoverKey):
     """e.g. "sparse_attention" (a key of ``space.SPACE``)"""
     bucket: int
     """``seq_bucket`` of the query length"""
+
+    def __str__(self) -> str:
+        # bucket 0 stands for every bucket of the shape (resolve's borrowing)
+        where = f" at the {self.bucket}-token bucket" if self.bucket else ""
+        return f"{self.kernel}{where} on {CrossoverKey.__str__(self)}"
 
     @classmethod
     def of(cls, kernel: str, measured_on: CrossoverKey, length: int) -> "TuneKey":

@@ -825,6 +825,21 @@ def test_op_without_a_tuned_crossover_uses_the_default_length(cache_dir, monkeyp
     OP(*_qkv(96), None, None, 0.25, 0, 0, *VS, -1)
     assert ran == ["dense", "dense"]  # 80, 96 < 8192
     assert len([r for r in _warnings(caplog) if "crossover" in r.getMessage()]) == 1
+    # the warning names the device and the shape in words, not as the key's dataclass repr
+    message = next(r.getMessage() for r in _warnings(caplog) if "crossover" in r.getMessage())
+    assert "CrossoverKey(" not in message and "cpu, triton " in message and "float32, head dim 16, GQA 2" in message
+
+
+def test_untuned_lookups_warn_with_the_key_in_words(cache_dir, caplog):
+    caplog.set_level(logging.WARNING, LOGGER)
+    # a shape no other test looks up: each key warns once a process
+    cache.lookup(_key(bucket=131072, kernel="dense_walk", head_dim=80))
+    message = _warnings(caplog)[-1].getMessage()
+    assert "TuneKey(" not in message
+    assert ("dense_walk at the 131072-token bucket on NVIDIA H200 (compute capability 9.0), triton 3.6.0, bfloat16, "
+            "head dim 80, GQA 4, kernel sources abc") in message
+    # repr stays the dataclass's, for debugging
+    assert repr(_xkey()).startswith("CrossoverKey(source_hash='abc'")
 
 
 def test_untuned_crossover_follows_the_plans_budgets(cache_dir):
