@@ -112,7 +112,7 @@ class TuneKey(CrossoverKey):
     def __str__(self) -> str:
         # bucket 0 stands for every bucket of the shape (resolve's borrowing)
         where = f" at the {self.bucket}-token bucket" if self.bucket else ""
-        return f"{self.kernel}{where} on {CrossoverKey.__str__(self)}"
+        return f"{self.kernel}{where} on {super().__str__()}"
 
     @classmethod
     def of(cls, kernel: str, measured_on: CrossoverKey, length: int) -> "TuneKey":

@@ -115,6 +115,12 @@ def escalation_of(escalate_a: int, escalate_b: int) -> tuple:
     return (int(escalate_a), int(escalate_b)) if escalate_a or escalate_b else ()
 
 
+def escalation_arguments(escalation: tuple) -> tuple[int, int]:
+    """The inverse of :func:`escalation_of`: escalation budgets as the op's ``escalate_a``/``escalate_b``, (0, 0) for
+    none."""
+    return (int(escalation[0]), int(escalation[1])) if escalation else (0, 0)
+
+
 @functools.lru_cache(maxsize=4096)
 def escalated_plan(plan: LayerPlan, budgets: tuple[int, int]) -> LayerPlan | None:
     """The plan whose index the heads the quality guard finds weak fall back to: every vertical-slash head with at

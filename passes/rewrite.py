@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..observe import observed_attention  # noqa: F401  (registers the search-mode op)
 from .. import routing
 from ..op import sparse_attention  # noqa: F401  (registers the op)
-from ..plan import LayerPlan
+from ..plan import LayerPlan, escalation_arguments
 from .site import AttentionSite, first_reason, in_memory_order, is_lifted_scalar, memory_order, writes_in_place
 
 _OP = torch.ops.minference.sparse_attention.default
@@ -165,7 +165,8 @@ def run(gm: fx.GraphModule, sites: list[AttentionSite], plan_for: Callable[[Atte
                 # op's defaults say none
                 escalate = tuple(int(x) for x in escalation) if guard_threshold > 0 else ()
                 # the growth's two arguments come after the escalation's, (0, 0) standing in for none
-                trailing = (*(escalate or (0, 0)), int(growth[0]), float(growth[1])) if growth else escalate
+                trailing = ((*escalation_arguments(escalate), int(growth[0]), float(growth[1])) if growth
+                            else escalate)
                 new = graph.call_function(_OP, (*common, patterns, budget_a, budget_b, int(min_sparse_len), float(guard_threshold),
                                                 route_site, *trailing))
             else:

@@ -24,6 +24,7 @@ from minference_fx.cli import parse_lengths
 from minference_fx.config import load_config
 from minference_fx.kernels.index import build_index_gpu
 from minference_fx.op import sparse_attention
+from minference_fx.plan import escalation_arguments
 from minference_fx.tools.bench import event_ms
 
 
@@ -39,7 +40,7 @@ def run_layer(config, layer: int, q, k, v):
     """One call of the op with ``layer``'s plan and the config's guard (and escalation, and budget growth), sparse
     at any length."""
     patterns, budget_a, budget_b = config.layer_plan(layer, 0, QWEN["num_q_heads"]).op_arguments()
-    escalation = tuple(config.guard_escalation) or (0, 0)
+    escalation = escalation_arguments(tuple(config.guard_escalation))
     growth = tuple(config.budget_growth) or (0, 0.0)
     return sparse_attention(q, k, v, None, None, SCALE, 0, 0, patterns, budget_a, budget_b, 0,
                             config.guard_threshold, SITES.get(layer, routing.NO_SITE), *escalation, *growth)

@@ -16,7 +16,7 @@ from minference_fx.config import (
     load_config,
     model_identity_from_hf,
 )
-from minference_fx.plan import HeadPlan, LayerPlan, Pattern
+from minference_fx.plan import HeadPlan, LayerPlan, Pattern, escalation_arguments, escalation_of
 
 MODEL = ModelIdentity(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=16, name="toy", fingerprint="abc123")
 
@@ -77,6 +77,13 @@ def test_guard_escalation_default_is_two_budgets_or_null(bad):
     doc["defaults"]["guard_escalation"] = bad
     with pytest.raises(ConfigError, match=r"defaults.guard_escalation must be \[columns, diagonals\]"):
         load_config(doc)
+
+
+@pytest.mark.parametrize("escalation, arguments", [((), (0, 0)), ((1000, 6096), (1000, 6096))])
+def test_escalation_budgets_and_the_ops_arguments_round_trip(escalation, arguments):
+    # the op takes (0, 0) for no escalation; the rewrite pass and bench kernels both pass it through this pair
+    assert escalation_arguments(escalation) == arguments
+    assert escalation_of(*arguments) == escalation
 
 
 def test_defaults_filled():

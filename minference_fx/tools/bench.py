@@ -48,7 +48,7 @@ from ..kernels.attend import as_output, sparse_attention_triton
 from ..kernels.density import Density, index_density, selection_of
 from ..kernels.index import build_index_gpu
 from ..kernels.reference import BLOCK, SparseIndex, covering_tiles
-from ..plan import HeadPlan, LayerPlan, Pattern
+from ..plan import HeadPlan, LayerPlan, Pattern, escalation_arguments
 
 LLAMA3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 KERNEL_FAMILIES = tuple(FAMILIES)
@@ -103,9 +103,8 @@ def op_arguments(q, k, v, scale: float, plan: LayerPlan, site: int, escalation: 
     attention hands them over: a call routed whole to fused SDPA then needs no copy into the op's output.
     ``escalation``: (columns, diagonals) a head the guard finds weak tries before it runs dense; () none."""
     q, k, v = (as_output(t) for t in (q, k, v))
-    escalate_a, escalate_b = escalation or (0, 0)
     return (q, k, v, None, None, scale, 0, 0, *plan.op_arguments(), 0, DEFAULTS.guard_threshold, site,
-            escalate_a, escalate_b)
+            *escalation_arguments(escalation))
 
 
 def _op_ms(q, k, v, scale: float, plan: LayerPlan, settle: int, calls: int, escalation: tuple = ()) -> tuple[float, int]:
